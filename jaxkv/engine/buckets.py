@@ -1,0 +1,20 @@
+"""Static-shape buckets: every device step is compiled once per (seqs, tokens, pages) bucket."""
+
+from __future__ import annotations
+
+
+def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
+    """start, 2*start, ... up to the first value >= limit (inclusive of limit itself)."""
+    out, b = [], max(1, start)
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(max(limit, 1))
+    return tuple(sorted(set(out)))
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

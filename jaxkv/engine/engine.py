@@ -1,0 +1,240 @@
+"""The engine: request intake, one scheduled device step at a time, stop logic, statistics.
+
+A few lines of glue between the host scheduler / page tables and the device runner; everything
+that decides lives in `scheduler.py` and `jaxkv.cache`, everything that computes in `runner.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import random
+
+import numpy as np
+
+from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.head_classes import HeadClassMap, all_global
+from jaxkv.cache.prefix import PrefixCache
+from jaxkv.cache.tables import HeadPageTables
+from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.request import Request, RequestOutput, Status
+from jaxkv.engine.runner import ModelRunner, StepBatch
+from jaxkv.engine.scheduler import Chunk, Scheduler
+from jaxkv.sampling import SamplingParams
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    pages_total: int
+    pages_in_use: int
+    pages_in_use_by_class: dict[str, int]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(self, model, *, num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 8,
+                 max_model_len: int | None = None, max_step_tokens: int = 512,
+                 head_classes: HeadClassMap | str | os.PathLike | None = None,
+                 enable_prefix_caching: bool = True, kv_dtype=None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
+        cfg = model.config
+        for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
+                            ("max_step_tokens", max_step_tokens)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine: {name} must be a positive integer (got {value!r})")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.head_classes = _resolve_head_classes(head_classes, model)
+        sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
+        self._kinds = np.array([[c.kind for c in row] for row in self.head_classes.classes])
+        self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
+        if num_pages is None:
+            per_page = page_size * (2 * cfg.head_dim * 2 + 4)
+            want = max_num_seqs * cfg.num_layers * cfg.num_kv_heads * self.max_pages_per_head
+            num_pages = max(cfg.num_layers * cfg.num_kv_heads * 2, min(want, kv_cache_bytes // per_page))
+        self.allocator = PageAllocator(num_pages)
+        self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink, window,
+                                     max_step_tokens)
+        # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md).
+        sharable = enable_prefix_caching and bool((window == 0).all())
+        self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
+        self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
+                                   max_step_tokens=max_step_tokens)
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
+                                  kv_dtype=kv_dtype)
+        self.page_size = page_size
+        self._seq_buckets = powers_of_two(max_num_seqs)
+        self._token_buckets = powers_of_two(max_step_tokens)
+        self._page_buckets = powers_of_two(self.max_pages_per_head)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(0)
+        self._eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids, sampling: SamplingParams | None = None, request_id: str | None = None,
+                    extra_key: str | None = None) -> str:
+        sampling = sampling or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum model length is "
+                             f"{self.max_model_len} (prompt + at least one generated token)")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        total = min(len(prompt_ids) + sampling.max_tokens, self.max_model_len)
+        if self.tables.pages_needed(None, total) > self.allocator.num_pages:
+            raise ValueError(f"a request of {total} tokens needs more KV pages than the pool holds "
+                             f"({self.allocator.num_pages}); raise num_pages or lower max_tokens")
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
+        req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        tokens, logprobs = self.runner.run(self._build_batch(chunks))
+        outputs = []
+        for row, chunk in enumerate(chunks):
+            req = chunk.request
+            sampled = chunk.samples
+            req.num_computed += chunk.num_tokens
+            if self.prefix is not None and chunk.start < len(req.prompt_ids) <= req.num_computed:
+                self._cache_prefix(req)  # the prompt just finished prefilling
+            if not sampled:
+                continue
+            req.output_ids.append(int(tokens[row]))
+            req.output_logprobs.append(float(logprobs[row]))
+            self._check_stop(req)
+            outputs.append(self._output(req, [int(tokens[row])], [float(logprobs[row])]))
+            if req.finished:
+                self.scheduler.remove(req)
+                self._requests.pop(req.request_id, None)
+        return outputs
+
+    def _build_batch(self, chunks: list[Chunk]) -> StepBatch:
+        cfg = self.model.config
+        L, H = cfg.num_layers, cfg.num_kv_heads
+        S = bucket_for(len(chunks), self._seq_buckets)
+        T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets)
+        seq_ids = [c.request.request_id for c in chunks]
+        P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
+        b = StepBatch(
+            tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32), q_seq=np.full(T, -1, np.int32),
+            slots=np.full((T, L, H), -1, np.int32), page_table=np.full((S, L, H, P), -1, np.int32),
+            lengths=np.zeros((S, L, H), np.int32), logits_index=np.zeros(S, np.int32),
+            temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
+            seeds=np.zeros(S, np.uint32), counters=np.zeros(S, np.int32))
+        off = 0
+        for row, c in enumerate(chunks):
+            req, n = c.request, c.num_tokens
+            b.tokens[off:off + n] = req.all_ids[c.start:c.start + n]
+            b.positions[off:off + n] = np.arange(c.start, c.start + n)
+            b.q_seq[off:off + n] = row
+            b.slots[off:off + n] = c.slots
+            b.logits_index[row] = off + n - 1
+            sp = req.sampling
+            b.temperature[row], b.top_k[row], b.top_p[row] = sp.temperature, sp.top_k, sp.top_p
+            b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
+            off += n
+        self.tables.fill_step(seq_ids, b.page_table, b.lengths)
+        return b
+
+    # ---- stop logic ---------------------------------------------------------------------------
+    def _check_stop(self, req: Request) -> None:
+        sp, last = req.sampling, req.output_ids[-1]
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
+        text_ids = req.output_ids[:-1] if last in stop_ids else req.output_ids
+        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
+        hit = min((i for i in (text.find(s) for s in sp.stop) if i >= 0), default=-1)
+        if last in stop_ids:
+            req.finish_reason = "stop"
+        elif hit >= 0:
+            text, req.finish_reason = text[:hit], "stop"
+        elif len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            req.status = Status.FINISHED
+        else:
+            text = text[:len(text) - _held_back(text, sp.stop)]
+        req.text = text
+
+    def _output(self, req: Request, new_ids, new_logprobs) -> RequestOutput:
+        return RequestOutput(req.request_id, new_ids, req.text, req.finished, req.finish_reason,
+                             len(req.prompt_ids), len(req.output_ids), new_logprobs, req.num_cached)
+
+    def _cache_prefix(self, req: Request) -> None:
+        lists = self.tables.page_lists(req.request_id)  # [L][H] -> page ids
+        num_blocks = len(req.prompt_ids) // self.page_size
+        blocks = [np.array([[lists[l][h][b] for h in range(len(lists[l]))] for l in range(len(lists))],
+                           np.int32) for b in range(num_blocks)]
+        self.prefix.insert(req.prompt_ids[:num_blocks * self.page_size], blocks, req.extra_key)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        by_class: dict[str, int] = {k: 0 for k in ("global", "local", "budget", "retrieval")}
+        for req in self.scheduler.running:
+            lists = self.tables.page_lists(req.request_id)
+            for l, row in enumerate(lists):
+                for h, pages in enumerate(row):
+                    by_class[self._kinds[l, h]] += len(pages)
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            pages_total=self.allocator.num_pages, pages_in_use=self.allocator.num_pages - self.allocator.num_free,
+            pages_in_use_by_class=by_class,
+            prefix_cache_queries=self.prefix.queries if self.prefix else 0,
+            prefix_cache_hits=self.prefix.hits if self.prefix else 0,
+            num_preemptions=sum(r.num_preemptions for r in self._requests.values()))
+
+
+def _held_back(text: str, stops) -> int:
+    """Characters at the end of `text` that may be the start of a stop string (not streamed yet)."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                keep = max(keep, k)
+                break
+    return keep
+
+
+def _resolve_head_classes(head_classes, model) -> HeadClassMap:
+    cfg = model.config
+    if isinstance(head_classes, HeadClassMap):
+        hc = head_classes
+    elif head_classes is not None:
+        hc = HeadClassMap.load(head_classes)
+    elif getattr(model, "path", None) and os.path.exists(os.path.join(model.path, "head_classes.json")):
+        hc = HeadClassMap.load(os.path.join(model.path, "head_classes.json"))
+    else:
+        hc = all_global(cfg.num_layers, cfg.num_kv_heads)
+    if (hc.num_layers, hc.num_kv_heads) != (cfg.num_layers, cfg.num_kv_heads):
+        raise ValueError(f"head-class map is for {hc.num_layers} layers x {hc.num_kv_heads} KV heads; the model "
+                         f"has {cfg.num_layers} x {cfg.num_kv_heads}")
+    return hc

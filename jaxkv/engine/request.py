@@ -1,0 +1,65 @@
+"""Per-request state (host only): tokens, progress through prefill, output text and stop logic."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxkv.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the whole output text so far (stop strings removed)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[float] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # resolved seed (drawn by the engine when the caller gave none)
+    extra_key: str | None = None  # prefix-cache namespace
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # prompt tokens served by the prefix cache at the last admission
+    text: str = ""
+    finish_reason: str | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache; the last of them is fed to produce the next token."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

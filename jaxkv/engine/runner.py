@@ -1,0 +1,73 @@
+"""The one module that runs device steps: a jitted forward + sample over the per-head paged cache.
+
+The host hands over a `StepBatch` of numpy arrays padded to buckets; the runner pads nothing itself
+and never inspects request objects. The KV pool is donated into every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.pool import init_pool, write_kv
+from jaxkv.models import llama
+from jaxkv.sampling import sample
+from pallas_kernels.paged_attention.reference import paged_attention
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """Host-built inputs of one step. S = seq bucket, T = token bucket, P = page bucket."""
+
+    tokens: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    q_seq: np.ndarray  # [T] int32, row of the token's sequence in this step, -1 = padding
+    slots: np.ndarray  # [T, L, Hkv] int32 flat slot ids, -1 = skip
+    page_table: np.ndarray  # [S, L, Hkv, P] int32, -1 = padding
+    lengths: np.ndarray  # [S, L, Hkv] int32, after this step's writes
+    logits_index: np.ndarray  # [S] int32, flat token index whose logits are sampled for row s
+    temperature: np.ndarray  # [S] float32
+    top_k: np.ndarray  # [S] int32
+    top_p: np.ndarray  # [S] float32
+    seeds: np.ndarray  # [S] uint32
+    counters: np.ndarray  # [S] int32, output index being sampled (PRNG stream position)
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
+                 kv_dtype=None):
+        self.cfg = model.config
+        self.params = model.params
+        dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
+        self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
+        self.num_traces = 0  # incremented at trace time only: counts compilations
+        cfg = self.cfg
+        sink_j, window_j = jnp.asarray(sink, jnp.int32), jnp.asarray(window, jnp.int32)
+        scale = cfg.head_dim ** -0.5
+
+        def step(params, pool, b):
+            self.num_traces += 1
+
+            def attend(layer, q, k, v, pool):
+                pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
+                out, _ = paged_attention(
+                    q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
+                    b["q_seq"], b["positions"], sink_j[layer], window_j[layer], scale=scale)
+                return out[None], pool
+
+            hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool)
+            logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+            tokens, logprobs = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"],
+                                      b["seeds"], b["counters"])
+            return tokens, logprobs, pool
+
+        self._step = jax.jit(step, donate_argnums=(1,))
+
+    def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
+        arrays = {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+        tokens, logprobs, self.pool = self._step(self.params, self.pool, arrays)
+        return np.asarray(tokens), np.asarray(logprobs)

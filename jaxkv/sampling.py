@@ -1,0 +1,89 @@
+"""Sampling parameters (host, validated) and the jitted per-row sampler (device).
+
+Every row carries its own temperature / top-k / top-p and its own PRNG stream: the key for output
+token ``i`` of a request is ``fold_in(key(seed), i)``, so a seeded request samples the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        # Accept lists / single strings from callers; store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond, field, msg):
+            if not cond:
+                raise ValueError(f"SamplingParams.{field}: {msg} (got {getattr(self, field)!r})")
+
+        need(_is_real(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
+        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables)")
+        need(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
+             "must be None or a non-negative integer")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, counters):
+    """Pick one token per row.
+
+    logits [S, V] float32; temperature, top_p [S] float32; top_k, counters [S] int32; seeds [S] uint32.
+    Returns (tokens [S] int32, logprobs [S] float32 of the chosen token under the unmodified softmax).
+    """
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    keep = rank < k[:, None]
+    # top-p on the top-k-filtered distribution: keep the smallest prefix whose mass reaches top_p.
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & (mass_before < top_p[:, None])
+    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def draw(seed, counter, row):
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        return jax.random.categorical(key, row)
+
+    picked = jax.vmap(draw)(seeds, counters, filtered)
+    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    tokens = jnp.where(temperature > 0, sampled, greedy)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
