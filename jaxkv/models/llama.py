@@ -1,0 +1,141 @@
+"""One functional Llama-family model: Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3.
+
+Parameters are a plain pytree (weights stored [in, out], so `x @ w`):
+
+    {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (absent when tied),
+     "layers": [ {"attn_norm": [H], "wq": [H, Hq*D], "wk": [H, Hkv*D], "wv": [H, Hkv*D], "wo": [Hq*D, H],
+                  "bq"/"bk"/"bv": [..] (cfg.qkv_bias), "bo": [H] (cfg.o_bias),
+                  "q_norm"/"k_norm": [D] (cfg.qk_norm),
+                  "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H]}, ... ]}
+
+Attention is a callback (`AttendFn`), so the dense `.logits` path and the engine's paged path share the
+layer code. Norms and RoPE run in fp32; matmuls in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import ModelConfig
+from jaxkv.models import rope
+from jaxkv.models.attention import dense_attention
+
+State = Any
+# (layer, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state)
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, State], tuple[jax.Array, State]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32; the normalised value is cast back before the weight, as transformers does."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
+    b, t, _ = h.shape
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return rope.apply_rope(q, positions, freqs), rope.apply_rope(k, positions, freqs), v
+
+
+def forward(
+    params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: AttendFn, state: State
+) -> tuple[jax.Array, State]:
+    """tokens, positions int32[B, T] -> (hidden [B, T, hidden] after the final norm, state).
+
+    `attend(layer, q, k, v, state)` receives q, k after q/k-norm and RoPE at `positions`.
+    """
+    freqs = rope.inv_freq(cfg)
+    x = params["embed"][tokens]
+    for i, p in enumerate(params["layers"]):
+        q, k, v = _qkv(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, freqs)
+        out, state = attend(i, q, k, v, state)
+        out = out.reshape(*out.shape[:2], -1) @ p["wo"]
+        x = x + (out + p["bo"] if cfg.o_bias else out)
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
+
+
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] -> float32 logits [..., vocab] (tied embeddings when there is no "lm_head")."""
+    w = params["embed"].T if cfg.tie_word_embeddings or "lm_head" not in params else params["lm_head"]
+    return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+
+
+def dense_attend(cfg: ModelConfig) -> AttendFn:
+    """Dense causal attention with each layer's own window; state = positions [B, T]."""
+
+    def attend(layer, q, k, v, positions):
+        return dense_attention(q, k, v, positions, positions, window=cfg.layer_windows[layer]), positions
+
+    return attend
+
+
+def dense_logits(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """tokens int32[B, T] at positions 0..T-1 -> float32 logits [B, T, vocab]."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden, _ = forward(params, cfg, tokens, positions, dense_attend(cfg), positions)
+    return lm_head(params, cfg, hidden)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The parameter tree's shapes (tuples), the one description init and loading derive from."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+    layer = {
+        "attn_norm": (h,),
+        "wq": (h, qd),
+        "wk": (h, kd),
+        "wv": (h, kd),
+        "wo": (qd, h),
+        "mlp_norm": (h,),
+        "w_gate": (h, i),
+        "w_up": (h, i),
+        "w_down": (i, h),
+    }
+    if cfg.qkv_bias:
+        layer.update(bq=(qd,), bk=(kd,), bv=(kd,))
+    if cfg.o_bias:
+        layer["bo"] = (h,)
+    if cfg.qk_norm:
+        layer.update(q_norm=(d,), k_norm=(d,))
+    shapes = {
+        "embed": (cfg.vocab_size, h),
+        "final_norm": (h,),
+        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random parameters (normal * scale; norms near 1, biases small) for tests and training."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda s: isinstance(s, tuple))[0]
+    ]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys, strict=True):
+        noise = jax.random.normal(k, shape, jnp.float32)
+        if "norm" in path:
+            value = 1.0 + 0.1 * noise
+        else:
+            value = scale * noise
+        out.append(value.astype(dtype))
+    return jax.tree.unflatten(treedef, out)
