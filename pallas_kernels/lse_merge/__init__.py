@@ -1,0 +1,3 @@
+from pallas_kernels.lse_merge.api import lse_merge
+
+__all__ = ["lse_merge"]
