@@ -1,0 +1,84 @@
+"""python -m jaxkv.serve: an OpenAI-compatible server with continuous batching (docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from jaxkv.serve.server import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="python -m jaxkv.serve", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="Hugging Face (or jaxkv.convert) checkpoint directory; default: the embedded model")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients pass as `model`; default: the model directory's name")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed when ready)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens per request; default: the model's max_position_embeddings")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pool size in pages (one page = page_size slots of one layer and KV head); "
+                        "default: the engine's (about 1 GiB of KV)")
+    p.add_argument("--page-size", type=int, default=16, help="cache slots per page")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one step")
+    p.add_argument("--max-step-tokens", type=int, default=512, help="tokens (prefill chunks + decodes) per step")
+    p.add_argument("--head-classes", default=None,
+                   help="head_classes.json; default: the one next to the model, else all heads global")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV pages of repeated prompt prefixes")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter dtype; auto = bfloat16 on an accelerator, float32 on CPU")
+    p.add_argument("--generation-config", action=argparse.BooleanOptionalAction, default=True,
+                   help="use the checkpoint's generation_config.json temperature/top_p/top_k as defaults")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the first step before accepting requests")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    args = p.parse_args(argv)
+    for name in ("max_model_len", "num_pages", "page_size", "max_num_seqs", "max_step_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer (got {value})")
+    if not 0 <= args.port < 65536:
+        p.error(f"--port must be in [0, 65535] (got {args.port})")
+    if not Path(args.model).is_dir():
+        p.error(f"--model {args.model} is not a directory")
+    return args
+
+
+def main(argv=None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import jax
+
+    import jaxkv
+    from jaxkv.engine.engine import Engine
+    from jaxkv.serve.server import build_state, serve, warm_up
+
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    model = jaxkv.load(args.model, dtype=dtype)
+    engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len, max_step_tokens=args.max_step_tokens,
+                    head_classes=args.head_classes, enable_prefix_caching=args.enable_prefix_caching)
+    if args.warmup:
+        warm_up(engine)
+    name = args.served_model_name or Path(args.model).resolve().name
+    state = build_state(model, engine, name, use_generation_config=args.generation_config)
+    print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
+          f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots", flush=True)
+    serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log, started_at=started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

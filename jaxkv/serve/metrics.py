@@ -1,0 +1,85 @@
+"""Prometheus metrics of the server (its own registry, so several apps can live in one process).
+
+Gauges are refreshed from `Engine.stats()` by the engine thread after every step; latency histograms
+are observed when outputs are handed to requests. Names are listed in docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    def __init__(self, model_name: str):
+        r = self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        self._model = model_name
+        g = lambda name, doc, extra=(): Gauge(name, doc, lab + list(extra), registry=r)
+        c = lambda name, doc, extra=(): Counter(name, doc, lab + list(extra), registry=r)
+        h = lambda name, doc, buckets: Histogram(name, doc, lab, buckets=buckets, registry=r)
+
+        self.running = g("jaxkv_num_requests_running", "Engine requests scheduled (holding KV pages).")
+        self.waiting = g("jaxkv_num_requests_waiting", "Engine requests queued or preempted.")
+        self.pages_in_use = g("jaxkv_kv_pages_in_use", "KV pages held by running requests, by head class.",
+                              ["head_class"])
+        self.pages_allocated = g("jaxkv_kv_pages_allocated", "KV pages taken from the pool (running "
+                                 "requests plus pages kept by the prefix cache).")
+        self.pages_total = g("jaxkv_kv_pages_total", "KV pages in the pool.")
+        self.pages_usage = g("jaxkv_kv_cache_usage_ratio", "jaxkv_kv_pages_allocated / jaxkv_kv_pages_total.")
+        self.prefix_hit_rate = g("jaxkv_prefix_cache_hit_rate",
+                                 "Prefix-cache hits / queries since start (0..1).")
+        self.prefix_queries = g("jaxkv_prefix_cache_queries", "Prefix-cache lookups since start.")
+        self.prefix_hits = g("jaxkv_prefix_cache_hits", "Prefix-cache lookups that hit, since start.")
+        self.preemptions = g("jaxkv_num_preemptions", "Requests preempted since start.")
+
+        self.ttft = h("jaxkv_time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
+        self.itl = h("jaxkv_inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
+        self.e2e = h("jaxkv_e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.prompt_tokens = c("jaxkv_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = c("jaxkv_generation_tokens", "Generated tokens.")
+        self.finished = c("jaxkv_request_finished", "Finished engine requests by reason.", ["finish_reason"])
+        self.rejected = c("jaxkv_http_request_errors", "HTTP requests answered with an error.", ["status"])
+
+    def set_stats(self, s) -> None:
+        """Refresh the gauges from an `EngineStats`."""
+        m = self._model
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        for cls, n in s.pages_in_use_by_class.items():
+            self.pages_in_use.labels(m, cls).set(n)
+        self.pages_allocated.labels(m).set(s.pages_in_use)
+        self.pages_total.labels(m).set(s.pages_total)
+        self.pages_usage.labels(m).set(s.pages_in_use / s.pages_total if s.pages_total else 0.0)
+        q, hits = s.prefix_cache_queries, s.prefix_cache_hits
+        self.prefix_queries.labels(m).set(q)
+        self.prefix_hits.labels(m).set(hits)
+        self.prefix_hit_rate.labels(m).set(hits / q if q else 0.0)
+        self.preemptions.labels(m).set(s.num_preemptions)
+
+    def observe_tokens(self, first: bool, seconds: float, tokens: int) -> None:
+        """`tokens` new tokens of one request arrived `seconds` after arrival (first) or the last ones."""
+        if first:
+            self.ttft.labels(self._model).observe(seconds)
+        else:
+            per = seconds / max(tokens, 1)
+            for _ in range(tokens):
+                self.itl.labels(self._model).observe(per)
+        self.generation_tokens.labels(self._model).inc(tokens)
+
+    def observe_finished(self, reason: str | None, prompt_tokens: int, seconds: float) -> None:
+        self.finished.labels(self._model, reason or "unknown").inc()
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.e2e.labels(self._model).observe(seconds)
+
+    def observe_error(self, status: int) -> None:
+        self.rejected.labels(self._model, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,276 @@
+"""OpenAI request schemas, their validation, and the response / error bodies.
+
+Everything a client can get wrong is checked here and raised as `RequestError` (HTTP 400 with an
+OpenAI-style body). Parsing is strict: a string where a number belongs is an error, not a coercion.
+Unknown fields are ignored (clients send many optional OpenAI fields); fields we know but do not
+implement (logprobs, penalties, tools, ...) are rejected with a message saying so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_N = 16
+MAX_STOP = 16
+SEED_MOD = 2**63
+
+
+class RequestError(ValueError):
+    """A client error: becomes HTTP `status` with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _CommonRequest(_Strict):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM-compatible); 0 disables
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # extension: generate exactly max_tokens tokens
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse(model_cls: type[_Strict], body: bytes):
+    """Parse a JSON body into `model_cls`, turning every problem into a `RequestError`."""
+    if not body.strip():
+        raise RequestError("Request body is empty; expected a JSON object.")
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_to_request_error(e) from None
+
+
+def validation_to_request_error(e: ValidationError) -> RequestError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return RequestError(f"Malformed JSON body: {err['msg']}.")
+    if err["type"] == "model_type" and not err["loc"]:
+        return RequestError("Request body must be a JSON object.")
+    param = _loc_to_param(err["loc"])
+    if err["type"] == "missing":
+        return RequestError(f"Missing required parameter '{param}'.", param=param)
+    got = err.get("input")
+    got_s = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
+    return RequestError(f"Invalid value for '{param}': {err['msg']} (got {got_s}).", param=param)
+
+
+def _loc_to_param(loc) -> str:
+    # Drop pydantic's union-member tags ("str", "list[int]", ...) so the param names the field.
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "function-after"):
+            continue
+        else:
+            out += ("." if out else "") + part
+    return out or None
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def check_model(req: _CommonRequest, served_model_name: str) -> None:
+    if req.model != served_model_name:
+        raise RequestError(f"The model '{req.model}' does not exist. This server serves "
+                           f"'{served_model_name}'.", param="model", code="model_not_found")
+
+
+def check_common(req: _CommonRequest) -> None:
+    """Range checks shared by both endpoints (types were checked by the schema)."""
+    if req.temperature is not None and not (math.isfinite(req.temperature) and 0 <= req.temperature <= 2):
+        raise RequestError(f"temperature must be between 0 and 2 (got {req.temperature}).", "temperature")
+    if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1] (got {req.top_p}).", "top_p")
+    if req.top_k is not None and req.top_k < 0:
+        raise RequestError(f"top_k must be >= 0, 0 disables it (got {req.top_k}).", "top_k")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be between 1 and {MAX_N} (got {n}).", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and v != 0:
+            raise RequestError(f"{name} is not supported by this server; omit it or pass 0.", name)
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported by this server.", "logit_bias")
+    stops = stop_list(req)
+    if len(stops) > MAX_STOP:
+        raise RequestError(f"At most {MAX_STOP} stop sequences are allowed (got {len(stops)}).", "stop")
+    if any(s == "" for s in stops):
+        raise RequestError("stop sequences must be non-empty strings.", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def check_completion_extras(req: CompletionRequest) -> None:
+    if req.logprobs is not None:
+        raise RequestError("logprobs is not supported by this server.", "logprobs")
+    if req.suffix:
+        raise RequestError("suffix is not supported by this server.", "suffix")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise RequestError("best_of is not supported by this server (it must equal n).", "best_of")
+    if isinstance(req.prompt, list) and not req.prompt:
+        raise RequestError("prompt must not be empty.", "prompt")
+    if isinstance(req.prompt, list) and any(isinstance(p, list) and not p for p in req.prompt):
+        raise RequestError("prompt token lists must not be empty.", "prompt")
+
+
+def check_chat_extras(req: ChatCompletionRequest) -> None:
+    if req.logprobs:
+        raise RequestError("logprobs is not supported by this server.", "logprobs")
+    if req.top_logprobs:
+        raise RequestError("top_logprobs is not supported by this server.", "top_logprobs")
+    if req.tools:
+        raise RequestError("tools (function calling) are not supported by this server.", "tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise RequestError("tool_choice is not supported by this server.", "tool_choice")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise RequestError("Only response_format {'type': 'text'} is supported.", "response_format")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        if req.max_tokens != req.max_completion_tokens:
+            raise RequestError("Pass only one of max_tokens and max_completion_tokens.", "max_tokens")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as plain dicts for the chat template; content parts must be text."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                try:
+                    texts.append(TextPart.model_validate(part).text)
+                except ValidationError:
+                    raise RequestError("Only text content parts ({'type': 'text', 'text': ...}) are "
+                                       "supported.", f"messages[{i}].content[{j}]") from None
+            content = "".join(texts)
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def stop_list(req: _CommonRequest) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def resolve_max_tokens(requested: int | None, explicit: bool, prompt_len: int, max_model_len: int,
+                       param: str = "max_tokens", prompt_param: str = "prompt") -> int:
+    """The number of tokens to generate for one prompt, or a `RequestError` naming the limit.
+
+    An explicit request that does not fit is an error (as in OpenAI / vLLM); an implicit default is
+    clamped to the room left in the context.
+    """
+    if requested is not None and requested < 1:
+        raise RequestError(f"{param} must be at least 1 (got {requested}).", param)
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of "
+            "the prompt.", prompt_param,
+            code="context_length_exceeded")
+    if requested is None:
+        return room
+    if explicit and requested > room:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            f"completion). Please reduce the prompt or {param}.", param, code="context_length_exceeded")
+    return min(requested, room)
+
+
+def engine_seed(seed: int | None, index: int) -> int | None:
+    """Per-choice seed: choices of one request differ, and any OpenAI seed (even negative) is valid."""
+    if seed is None:
+        return None
+    return (seed + index) % SEED_MOD
+
+
+# ------------------------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
