@@ -21,13 +21,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed when ready)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion tokens per request; default: the model's max_position_embeddings")
+                   help="prompt + completion tokens per request; default: max_position_embeddings")
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pool size in pages (one page = page_size slots of one layer and KV head); "
                         "default: the engine's (about 1 GiB of KV)")
     p.add_argument("--page-size", type=int, default=16, help="cache slots per page")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one step")
-    p.add_argument("--max-step-tokens", type=int, default=512, help="tokens (prefill chunks + decodes) per step")
+    p.add_argument("--max-step-tokens", type=int, default=512,
+                   help="tokens (prefill chunks + decodes) per step")
     p.add_argument("--head-classes", default=None,
                    help="head_classes.json; default: the one next to the model, else all heads global")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -55,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import jax
 
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
     state = build_state(model, engine, name, use_generation_config=args.generation_config)
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots", flush=True)
-    serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log, started_at=started)
+    serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
+          started_at=started)
     return 0
 
 

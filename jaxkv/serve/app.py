@@ -290,7 +290,8 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
             choices.append({"index": j.index, "message": {"role": "assistant", "content": text},
                             "logprobs": None, "finish_reason": j.finish_reason})
         else:
-            choices.append({"index": j.index, "text": text, "logprobs": None, "finish_reason": j.finish_reason})
+            choices.append({"index": j.index, "text": text, "logprobs": None,
+                            "finish_reason": j.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
 

@@ -89,7 +89,8 @@ class EngineLoop:
             if track is None:
                 return  # already finished
             if self._metrics is not None:
-                self._metrics.observe_finished("abort", track.prompt_tokens, time.perf_counter() - track.arrival)
+                elapsed = time.perf_counter() - track.arrival
+                self._metrics.observe_finished("abort", track.prompt_tokens, elapsed)
             try:
                 self._engine.abort(request_id)
             except KeyError:
@@ -151,7 +152,8 @@ class EngineLoop:
             if out.finished:
                 del self._tracks[out.request_id]
                 if self._metrics is not None:
-                    self._metrics.observe_finished(out.finish_reason, track.prompt_tokens, now - track.arrival)
+                    elapsed = now - track.arrival
+                    self._metrics.observe_finished(out.finish_reason, track.prompt_tokens, elapsed)
             track.loop.call_soon_threadsafe(track.queue.put_nowait, (track.index, out))
 
     def _refresh_stats(self) -> None:

@@ -39,7 +39,7 @@ def build_state(model, engine, served_model_name: str, use_generation_config: bo
         vocab_size=model.config.vocab_size,
         encode=tok.encode,
         decode=tok.decode,
-        chat_ids=lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True),
+        chat_ids=lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True),
         eos_token_ids=tuple(tok.eos_token_ids),
         loop=EngineLoop(engine, metrics),
         metrics=metrics,
