@@ -19,15 +19,17 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-def dispatch(name: str, implementation: str | None, impls: dict[str, Callable], *args, **kwargs):
+def dispatch(name: str, implementation: str | None, impls: dict[str, Callable]):
     """Run the first implementation of the order that traces; `implementation` pins one (no fallback)."""
     if implementation is not None and implementation not in impls:
         raise ValueError(f"{name}: implementation must be one of {sorted(impls)}, got {implementation!r}")
-    order: Sequence[str] = (implementation,) if implementation is not None else default_order()
+    if implementation is not None:
+        return impls[implementation]()
+    order: Sequence[str] = default_order()
     errors = []
     for impl in order:
         try:
-            return impls[impl](*args, **kwargs)
+            return impls[impl]()
         except (NotImplementedError, jax.errors.JaxRuntimeError) as e:  # lowering refused: next in order
             errors.append(f"{impl}: {e}")
     raise RuntimeError(f"{name}: no implementation ran: {errors}")
