@@ -1,0 +1,78 @@
+"""Host page allocator (numpy, never imports jax): a free stack plus per-page reference counts.
+
+A page is owned by whoever holds a reference: a sequence's page list (``HeadPageTables``) and/or the
+prefix cache. A page returns to the free stack when its count drops to zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation asks for more pages than are free; nothing was allocated."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        if not isinstance(num_pages, int | np.integer) or num_pages < 1:
+            raise ValueError(f"PageAllocator: num_pages must be a positive integer (got {num_pages!r})")
+        self.num_pages = int(num_pages)
+        # Free stack: entries [0, _top) are free page ids; popping from the end hands out low ids first.
+        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = self.num_pages
+        self._ref = np.zeros(self.num_pages, np.int32)  # [num_pages] reference count per page
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self._top
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Returns ``n`` fresh page ids (np.int32[n]) with reference count 1; raises OutOfPages."""
+        if n < 0:
+            raise ValueError(f"allocate: n must be >= 0 (got {n})")
+        if n > self._top:
+            raise OutOfPages(f"asked for {n} pages, {self._top} of {self.num_pages} are free")
+        ids = self._free[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self._ref[ids] = 1
+        return ids
+
+    def refcount(self, ids) -> np.ndarray:
+        """Reference counts of ``ids`` (any int array shape)."""
+        return self._ref[self._check(ids)]
+
+    def incref(self, ids) -> None:
+        ids = self._check(ids).ravel()
+        if (self._ref[ids] <= 0).any():
+            raise ValueError("incref of a free page")
+        np.add.at(self._ref, ids, 1)
+
+    def decref(self, ids) -> None:
+        """Drops one reference per occurrence in ``ids``; pages reaching zero become free."""
+        ids = self._check(ids).ravel()
+        if ids.size == 0:
+            return
+        uniq, counts = np.unique(ids, return_counts=True)
+        if (self._ref[uniq] < counts).any():
+            raise ValueError("decref below zero (page freed twice)")
+        self._ref[uniq] -= counts.astype(np.int32)
+        freed = uniq[self._ref[uniq] == 0]
+        self._free[self._top:self._top + freed.size] = freed
+        self._top += freed.size
+
+    def free(self, ids) -> None:
+        """Returns pages that are held exactly once (by the caller) to the free stack."""
+        ids = self._check(ids).ravel()
+        if ids.size and ((self._ref[ids] != 1).any() or np.unique(ids).size != ids.size):
+            raise ValueError("free: pages must be held exactly once; use decref for shared pages")
+        self.decref(ids)
+
+    def _check(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        return ids

@@ -1,0 +1,213 @@
+"""Per-(sequence, layer, KV head) page lists and the flat slot mapping (host, numpy, never imports jax).
+
+Every (sequence, layer, KV head) owns its own page list. The ``i``-th token a head stores (``i`` counts
+from 0 over the sequence) goes to storage index:
+
+* global head (window 0): ``i`` — the list grows page by page with the context;
+* local head (window W > 0, sink S): ``i`` if ``i < S`` (sink slots, never overwritten), else
+  ``S + (i - S) % (C - S)`` — a ring. The capacity ``C = round_up(S + W - 1 + max_step_tokens, page_size)``
+  keeps every slot a query of the current step may see (the window before the step's first query plus
+  the step's own tokens), so a local head's footprint is bounded by ``C / page_size`` pages.
+
+Storage index ``j`` of a head lives in page ``pages[j // page_size]`` at offset ``j % page_size``; the flat
+slot id handed to ``write_kv`` is ``page * page_size + offset``. The length reported for the kernels is
+the number of valid storage slots, ``min(i_total, C)`` for a local head. The attention masks by stored
+position, so ring order never matters. Sinks are the first S tokens a head stores; the engine appends
+positions 0, 1, 2, ... so these are exactly the positions ``< S`` of the attention rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from jaxkv.cache.allocator import PageAllocator
+
+
+class _Seq:
+    """Bookkeeping of one sequence."""
+
+    def __init__(self, L: int, H: int, cap_pages: int):
+        self.table = np.full((L, H, max(cap_pages, 1)), -1, np.int32)  # [L, H, cap] ids, -1 past npages
+        self.npages = np.zeros((L, H), np.int64)  # [L, H] pages held
+        self.written = np.zeros((L, H), np.int64)  # [L, H] tokens stored so far (logical index counter)
+        self.last_pos = -1  # last appended position
+
+
+class HeadPageTables:
+    def __init__(self, num_layers: int, num_kv_heads: int, page_size: int, allocator: PageAllocator,
+                 sink, window, max_step_tokens: int):
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("page_size", page_size),
+                        ("max_step_tokens", max_step_tokens)):
+            if not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"HeadPageTables: {name} must be a positive integer (got {v!r})")
+        L, H = num_layers, num_kv_heads
+        sink = np.asarray(sink)
+        window = np.asarray(window)
+        if sink.shape != (L, H) or window.shape != (L, H):
+            raise ValueError(f"HeadPageTables: sink and window must be [{L}, {H}] "
+                             f"(got {sink.shape}, {window.shape})")
+        if (sink < 0).any() or (window < 0).any():
+            raise ValueError("HeadPageTables: sink and window must be >= 0")
+        self.num_layers, self.num_kv_heads, self.page_size = L, H, int(page_size)
+        self.allocator = allocator
+        self.max_step_tokens = int(max_step_tokens)
+        self.sink = sink.astype(np.int64)
+        self.window = window.astype(np.int64)
+        self.local = self.window > 0  # [L, H]
+        ps = self.page_size
+        need = self.sink + self.window - 1 + self.max_step_tokens
+        # [L, H] ring-head capacity in slots (0 for global heads = unbounded).
+        self.capacity = np.where(self.local, -(-need // ps) * ps, 0)
+        self._ring = np.where(self.local, self.capacity - self.sink, 1)  # ring size (1 keeps % safe)
+        self._seqs: dict[Hashable, _Seq] = {}
+
+    # ---- queries ------------------------------------------------------------------------------
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def _stored(self, written: np.ndarray) -> np.ndarray:
+        return np.where(self.local, np.minimum(written, self.capacity), written)
+
+    def _pages_for(self, written: np.ndarray) -> np.ndarray:
+        return -(-self._stored(written) // self.page_size)
+
+    def pages_needed(self, seq_id, num_new_tokens: int) -> int:
+        """New pages an append of ``num_new_tokens`` would allocate (summed over heads); unknown or
+        ``None`` ``seq_id`` = a fresh sequence."""
+        seq = self._seqs.get(seq_id) if seq_id is not None else None
+        written = seq.written if seq is not None else np.zeros((self.num_layers, self.num_kv_heads), np.int64)
+        held = seq.npages if seq is not None else 0
+        return int((self._pages_for(written + num_new_tokens) - held).sum())
+
+    def num_tokens(self, seq_id) -> int:
+        return int(self._get(seq_id).last_pos + 1)
+
+    def lengths(self, seq_id) -> np.ndarray:
+        """[L, H] int32 valid storage slots per head."""
+        return self._stored(self._get(seq_id).written).astype(np.int32)
+
+    def page_lists(self, seq_id) -> list[list[np.ndarray]]:
+        """``[layer][kv_head]`` -> np.int32 page ids in storage order."""
+        seq = self._get(seq_id)
+        return [[seq.table[layer, h, :seq.npages[layer, h]].copy() for h in range(self.num_kv_heads)]
+                for layer in range(self.num_layers)]
+
+    def max_pages(self, seq_id) -> int:
+        """Largest page-list length over the sequence's heads (0 for an unknown sequence)."""
+        seq = self._seqs.get(seq_id)
+        return int(seq.npages.max()) if seq is not None else 0
+
+    def pages_per_head(self) -> np.ndarray:
+        """[L, H] pages held summed over sequences (a page shared by k sequences counts k times)."""
+        total = np.zeros((self.num_layers, self.num_kv_heads), np.int64)
+        for seq in self._seqs.values():
+            total += seq.npages
+        return total
+
+    def pages_in_use_by_kind(self, kinds) -> dict[str, int]:
+        """Pages held per head kind; ``kinds`` is an [L, H] array of kind names (HeadClassMap.kinds())."""
+        kinds = np.asarray(kinds)
+        per_head = self.pages_per_head()
+        return {str(k): int(per_head[kinds == k].sum()) for k in np.unique(kinds)}
+
+    # ---- mutation -----------------------------------------------------------------------------
+    def append(self, seq_id, positions) -> np.ndarray:
+        """Reserves slots for new tokens of ``seq_id`` (created if unknown).
+
+        ``positions`` is np.int32[n], strictly increasing and after the sequence's last position.
+        Returns flat slot ids np.int32[n, L, H]. Raises OutOfPages without changing anything.
+        """
+        positions = np.asarray(positions)
+        if positions.ndim != 1:
+            raise ValueError(f"append: positions must be 1-D (got shape {positions.shape})")
+        seq = self._seqs.get(seq_id)
+        new = seq is None
+        if new:
+            seq = _Seq(self.num_layers, self.num_kv_heads, 0)
+        n = positions.shape[0]
+        if n and (positions[0] <= seq.last_pos or (np.diff(positions) <= 0).any()):
+            raise ValueError(f"append: positions must increase and follow position {seq.last_pos}")
+        target = self._pages_for(seq.written + n)
+        add = target - seq.npages
+        ids = self.allocator.allocate(int(add.sum()))  # OutOfPages here leaves everything untouched
+        if new:
+            self._seqs[seq_id] = seq
+        if target.max() > seq.table.shape[2]:
+            cap = max(int(target.max()), 2 * seq.table.shape[2])
+            grown = np.full((self.num_layers, self.num_kv_heads, cap), -1, np.int32)
+            grown[:, :, :seq.table.shape[2]] = seq.table
+            seq.table = grown
+        j = np.arange(seq.table.shape[2])
+        fresh = (j >= seq.npages[..., None]) & (j < target[..., None])
+        seq.table[fresh] = ids  # C order over (layer, head, page) matches allocation order
+        seq.npages = target
+
+        idx = seq.written[None] + np.arange(n)[:, None, None]  # [n, L, H] logical storage index
+        ring = self.sink + (idx - self.sink) % self._ring
+        sidx = np.where(self.local & (idx >= self.sink), ring, idx)
+        page = np.take_along_axis(seq.table, (sidx // self.page_size).transpose(1, 2, 0), axis=2)
+        slots = page.transpose(2, 0, 1) * self.page_size + sidx % self.page_size
+        seq.written = seq.written + n
+        if n:
+            seq.last_pos = int(positions[-1])
+        return slots.astype(np.int32)
+
+    def fill_step(self, seq_ids: Sequence, page_table_out: np.ndarray, lengths_out: np.ndarray) -> None:
+        """Writes rows ``0..len(seq_ids)-1`` of ``page_table_out [S, L, H, P]`` and ``lengths_out [S, L, H]``;
+        every other entry becomes -1 (page table) / 0 (lengths)."""
+        S, L, H, P = page_table_out.shape
+        if (len(seq_ids) > S or lengths_out.shape != (S, L, H)
+                or (L, H) != (self.num_layers, self.num_kv_heads)):
+            raise ValueError(f"fill_step: {len(seq_ids)} sequences do not fit page_table "
+                             f"{page_table_out.shape} / lengths {lengths_out.shape}")
+        page_table_out.fill(-1)
+        lengths_out.fill(0)
+        for row, seq_id in enumerate(seq_ids):
+            seq = self._get(seq_id)
+            mp = int(seq.npages.max())
+            if mp > P:
+                raise ValueError(f"fill_step: sequence {seq_id!r} holds {mp} pages per head; "
+                                 f"the bucket has {P}")
+            page_table_out[row, :, :, :mp] = seq.table[:, :, :mp]
+            lengths_out[row] = self._stored(seq.written)
+
+    def release(self, seq_id) -> None:
+        """Drops the sequence and one reference to each of its pages (no-op for an unknown id)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.allocator.decref(seq.table[seq.table >= 0])
+
+    def adopt_prefix(self, seq_id, pages_per_block: Sequence[np.ndarray], num_tokens: int) -> None:
+        """Starts ``seq_id`` from shared full prefix pages (positions 0..num_tokens-1).
+
+        ``pages_per_block[b]`` is the [L, H] page ids of token block ``b``. Only valid when every head is
+        global (a ring's pages are not a pure function of the prefix). Takes one reference per page.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"adopt_prefix: sequence {seq_id!r} already exists")
+        if self.local.any():
+            raise ValueError("adopt_prefix: prefix sharing needs every head to keep full history (window 0)")
+        nb = len(pages_per_block)
+        if num_tokens != nb * self.page_size:
+            raise ValueError(f"adopt_prefix: {nb} blocks hold {nb * self.page_size} tokens, not {num_tokens}")
+        if nb == 0:
+            return
+        blocks = np.stack([np.asarray(b, np.int32) for b in pages_per_block], axis=-1)  # [L, H, nb]
+        if blocks.shape != (self.num_layers, self.num_kv_heads, nb):
+            raise ValueError(f"adopt_prefix: blocks must be [{self.num_layers}, {self.num_kv_heads}] "
+                             "page ids")
+        self.allocator.incref(blocks)
+        seq = _Seq(self.num_layers, self.num_kv_heads, nb)
+        seq.table[:, :, :nb] = blocks
+        seq.npages[:] = nb
+        seq.written[:] = num_tokens
+        seq.last_pos = num_tokens - 1
+        self._seqs[seq_id] = seq
+
+    def _get(self, seq_id) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
