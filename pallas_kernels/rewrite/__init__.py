@@ -1,0 +1,3 @@
+from pallas_kernels.rewrite.api import rewrite
+
+__all__ = ["rewrite"]
