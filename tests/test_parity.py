@@ -1,0 +1,125 @@
+"""Logit and greedy-generation parity with Hugging Face transformers (fp32, CPU) for every family.
+
+Run with `-s` to print the measured max relative errors (recorded in docs/models.md).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import FAMILIES, make_tiny_checkpoint  # noqa: E402
+
+import jaxkv  # noqa: E402
+
+TOL = 1e-4  # max |jaxkv - hf| / max |hf|
+SEQ = 40  # longer than the Mistral / Qwen2 windows (8)
+
+torch.set_num_threads(1)
+
+
+def _rel_err(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _hf_logits(path, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model, model(torch.tensor(ids)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    return {f: make_tiny_checkpoint(f, root / f, seed=1) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_match_transformers(checkpoints, family):
+    path = checkpoints[family]
+    model = jaxkv.load(path)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, SEQ))
+    hf_model, ref = _hf_logits(path, ids)
+    err = _rel_err(model.logits(ids), ref)
+    print(f"\nparity {family}: max rel logit error {err:.2e} (T={SEQ}, windows={model.config.layer_windows})")
+    assert err <= TOL
+
+    # Greedy: HF generate (its KV / sliding-window cache path) vs argmax of re-run dense logits. The
+    # sequence is padded to its final length once, so one compilation serves every step (causal).
+    prompt, new = list(ids[0, :12]), 32
+    hf_model.generation_config.eos_token_id = None  # always 32 tokens
+    with torch.no_grad():
+        hf_out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    seq = np.zeros(len(prompt) + new, np.int32)
+    seq[: len(prompt)] = prompt
+    for t in range(len(prompt), len(seq)):
+        seq[t] = int(np.argmax(model.logits(seq)[0, t - 1]))
+    assert seq[len(prompt) :].tolist() == hf_out
+
+
+def _random_overrides(family: str, rng: np.random.Generator) -> dict:
+    kv = int(rng.integers(1, 4))
+    heads = kv * int(rng.integers(1, 4))
+    head_dim = int(rng.choice([8, 12, 16, 32]))
+    layers = int(rng.integers(1, 4))
+    o = dict(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=int(rng.choice([48, 80, 128])),
+        tie_word_embeddings=bool(rng.integers(2)),
+        rope_theta=float(rng.choice([1e4, 5e5, 1e6])),
+        vocab_size=int(rng.choice([320, 384])),
+        rms_norm_eps=float(rng.choice([1e-6, 1e-5])),
+    )
+    if family == "qwen2":  # no head_dim field: hidden = heads * head_dim
+        o["hidden_size"] = heads * head_dim
+    elif family == "qwen3":  # head_dim independent of hidden / heads
+        o.update(hidden_size=int(rng.choice([32, 48, 64])), head_dim=head_dim)
+    else:  # transformers requires hidden % heads == 0 here, head_dim may still differ
+        o.update(hidden_size=heads * int(rng.choice([8, 16])), head_dim=head_dim)
+    if family == "llama":
+        low = float(rng.choice([1.0, 2.0]))
+        o["attention_bias"] = bool(rng.integers(2))
+        o["rope_scaling"] = (
+            None
+            if rng.integers(4) == 0
+            else {
+                "rope_type": "llama3",
+                "factor": float(rng.uniform(2, 32)),
+                "low_freq_factor": low,
+                "high_freq_factor": low + float(rng.choice([1.0, 3.0])),
+                "original_max_position_embeddings": int(rng.choice([8, 16, 32, 64])),
+            }
+        )
+    if family == "mistral":
+        o["sliding_window"] = None if rng.integers(4) == 0 else int(rng.integers(2, 20))
+    if family in ("qwen2", "qwen3"):
+        use = bool(rng.integers(2))
+        o.update(use_sliding_window=use, sliding_window=int(rng.integers(2, 20)))
+        if use and rng.integers(2):
+            o["layer_types"] = [
+                str(rng.choice(["full_attention", "sliding_attention"])) for _ in range(layers)
+            ]
+        else:
+            o["max_window_layers"] = int(rng.integers(0, layers + 1))
+    if family == "qwen3":
+        o["attention_bias"] = bool(rng.integers(2))
+    return o
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_config_parity(tmp_path, family, seed):
+    rng = np.random.default_rng(1000 * seed + FAMILIES.index(family))
+    overrides = _random_overrides(family, rng)
+    path = make_tiny_checkpoint(family, tmp_path / "ckpt", seed=seed, **overrides)
+    model = jaxkv.load(path)
+    ids = rng.integers(0, model.config.vocab_size, (2, 24))
+    _, ref = _hf_logits(path, ids)
+    err = _rel_err(model.logits(ids), ref)
+    print(f"\nrandom parity {family} seed={seed}: {err:.2e} {overrides}")
+    assert err <= TOL, overrides
