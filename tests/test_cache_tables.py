@@ -120,6 +120,9 @@ def test_out_of_pages_leaves_state_untouched():
     with pytest.raises(ValueError, match="increase"):
         tables.append(0, np.array([3]))
     assert tables.num_tokens(0) == 4
+    ring = HeadPageTables(1, 1, 4, alloc, np.zeros((1, 1)), np.ones((1, 1)), 2)
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        ring.append(0, np.arange(3))
 
 
 def test_slots_layout_and_fill_step_padding():

@@ -127,6 +127,9 @@ class HeadPageTables:
         if new:
             seq = _Seq(self.num_layers, self.num_kv_heads, 0)
         n = positions.shape[0]
+        if n > self.max_step_tokens and self.local.any():
+            raise ValueError(f"append: {n} tokens in one step exceed max_step_tokens={self.max_step_tokens}, "
+                             "which sizes the local heads' rings")
         if n and (positions[0] <= seq.last_pos or (np.diff(positions) <= 0).any()):
             raise ValueError(f"append: positions must increase and follow position {seq.last_pos}")
         target = self._pages_for(seq.written + n)
