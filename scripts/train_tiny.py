@@ -260,12 +260,20 @@ def make_batch(args) -> tuple[np.ndarray, np.ndarray]:
     return toks, wgt
 
 
-def phase(curriculum, step) -> tuple[int, int]:
+def phase(curriculum, progress: float) -> tuple[int, int]:
+    """(seq_len, batch) of the curriculum entry [start_fraction, seq_len, batch] active at `progress`."""
     cur = curriculum[0]
     for c in curriculum:
-        if step >= c[0]:
+        if progress >= c[0]:
             cur = c
     return cur[1], cur[2]
+
+
+def lr_at(tc: dict, step: int, progress: float) -> float:
+    """Linear warmup over `warmup_steps`, then cosine from lr to lr * min_lr_ratio over the progress."""
+    warm = min(1.0, (step + 1) / max(1, tc["warmup_steps"]))
+    lo = tc["min_lr_ratio"]
+    return tc["lr"] * warm * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 # ----------------------------------------------------------------------------------------- train
@@ -281,17 +289,17 @@ def train(args) -> None:
     conf = json.loads(Path(args.config).read_text())
     cfg = hf_config(conf["model"])
     tc = conf["train"] | ({"total_steps": args.steps} if args.steps else {})
+    for key in ("lr", "min_lr_ratio", "warmup_steps", "min_context_fraction"):
+        if getattr(args, key) is not None:
+            tc[key] = getattr(args, key)
     if args.curriculum:
         tc["curriculum"] = json.loads(args.curriculum)
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     total = tc["total_steps"]
-
-    warm = tc["warmup_steps"]
-    sched = optax.warmup_cosine_decay_schedule(0.0, tc["lr"], warm, max(total, warm + 1),
-                                               tc["lr"] * tc["min_lr_ratio"])
+    # AdamW at unit rate; the step's learning rate multiplies the update (decoupled decay included).
     opt = optax.chain(optax.clip_by_global_norm(tc["grad_clip"]),
-                      optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc["weight_decay"],
+                      optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=tc["weight_decay"],
                                   mask=lambda p: {k: v.ndim == 2 for k, v in p.items()}))
 
     ckpt_dir = Path(args.ckpt_dir).resolve()
@@ -307,14 +315,10 @@ def train(args) -> None:
     else:
         if args.init_from:
             params = {k: jnp.asarray(v) for k, v in load_hf_params(Path(args.init_from)).items()}
-            state_file = Path(args.init_from) / "train_state.json"
-            if state_file.exists():
-                start = json.loads(state_file.read_text())["step"]
-            print(f"initialised from {args.init_from} at step {start}", flush=True)
+            print(f"initialised from {args.init_from} (fresh optimiser state)", flush=True)
         else:
             params = {k: jnp.asarray(v) for k, v in init_params(cfg, tc["seed"]).items()}
         opt_state = opt.init(params)
-
     attn_impl = "cudnn" if on_gpu else "xla"
 
     def loss_fn(p, toks, wgt):
@@ -323,74 +327,83 @@ def train(args) -> None:
         nll = -jnp.take_along_axis(logp, toks[:, 1:, None], -1)[..., 0]
         w = wgt[:, :-1]
         per_seq = (nll * w).sum(1) / jnp.maximum(w.sum(1), 1e-6)
-        ans = (w == 1.0)
+        ans = w == 1.0
         acc = ((logits[:, :-1].argmax(-1) == toks[:, 1:]) & ans).sum() / jnp.maximum(ans.sum(), 1)
         return per_seq.mean(), acc
 
-    # Started from exported weights with fresh Adam moments: ramp the updates in over 100 steps.
-    rewarm = args.init_from is not None and start > 0
-
-    def train_step(p, o, toks, wgt, step):
+    def train_step(p, o, toks, wgt, lr):
         (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, toks, wgt)
         updates, o = opt.update(grads, o, p)
-        if rewarm:
-            ramp = jnp.minimum(1.0, (step - start + 1) / 100.0)
-            updates = jax.tree.map(lambda u: u * ramp, updates)
-        p = optax.apply_updates(p, updates)
+        p = optax.apply_updates(p, jax.tree.map(lambda u: lr * u, updates))
         return p, o, loss, acc
 
     train_step = jax.jit(train_step, donate_argnums=(0, 1))
 
+    t0 = time.time()
+    run_start = start
+
+    def progress(step):
+        frac = (step - run_start) / max(1, total - run_start) if args.time_budget else step / total
+        if args.time_budget:
+            frac = max(frac, (time.time() - t0) / args.time_budget)
+        return frac
+
     def batch_args(step):
-        seq_len, bsz = phase(tc["curriculum"], step)
-        return (tc["seed"] * 1_000_003 + step, seq_len, bsz, tc["task_weights"],
+        seq_len, bsz = phase(tc["curriculum"], progress(step))
+        return (tc["seed"] * 1_000_003 + step + int(args.data_offset), seq_len, bsz, tc["task_weights"],
                 tc["min_context_fraction"], tc["context_weight"])
 
-    t0 = time.time()
     workers = max(1, min(args.workers, (os.cpu_count() or 2) - 1))
     pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
-    it = (pool.imap(make_batch, (batch_args(s) for s in range(start, total)), chunksize=1) if pool
-          else (make_batch(batch_args(s)) for s in range(start, total)))
+    pending: list = []
     step = start
     bar = tqdm(total=total, initial=start, desc="train", mininterval=2.0)
     log_f = open(log_path, "a")
     ema = None
+    next_submit = start
     try:
-        for toks, wgt in it:
-            p_, o_, loss, acc = train_step(params, opt_state, jnp.asarray(toks), jnp.asarray(wgt),
-                                           jnp.int32(step))
-            params, opt_state = p_, o_
+        while step < total:
+            if pool:
+                while len(pending) < 2 * workers and next_submit < total:
+                    pending.append(pool.apply_async(make_batch, (batch_args(next_submit),)))
+                    next_submit += 1
+                toks, wgt = pending.pop(0).get()
+            else:
+                toks, wgt = make_batch(batch_args(step))
+            lr = lr_at(tc, step - (run_start if args.init_from else 0), progress(step))
+            params, opt_state, loss, acc = train_step(params, opt_state, jnp.asarray(toks), jnp.asarray(wgt),
+                                                      jnp.float32(lr))
             step += 1
             if step % tc["log_every"] == 0 or step == total:
                 loss_v, acc_v = float(loss), float(acc)
                 ema = loss_v if ema is None else 0.9 * ema + 0.1 * loss_v
-                rec = {"step": step, "loss": loss_v, "answer_acc": acc_v, "seq_len": toks.shape[1],
-                       "lr": float(sched(step)), "elapsed": time.time() - t0}
+                rec = {"step": step, "loss": loss_v, "answer_acc": acc_v, "seq_len": int(toks.shape[1]),
+                       "lr": lr, "elapsed": round(time.time() - t0, 2)}
                 log_f.write(json.dumps(rec) + "\n")
                 log_f.flush()
                 bar.set_postfix(loss=f"{ema:.3f}", acc=f"{acc_v:.3f}", T=toks.shape[1])
             bar.update(1)
-            if step % tc["checkpoint_every"] == 0 or step == total:
+            if step % tc["checkpoint_every"] == 0:
                 mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
             if args.time_budget and time.time() - t0 > args.time_budget:
                 print(f"\ntime budget reached at step {step}", flush=True)
-                break
-            if step >= total:
                 break
     finally:
         bar.close()
         log_f.close()
         if pool:
             pool.terminate()
-    mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+    if mngr.latest_step() != step:
+        mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     mngr.wait_until_finished()
     print(f"trained to step {step} in {time.time() - t0:.0f}s", flush=True)
     if args.export:
         out = Path(args.export)
         export_hf({k: np.asarray(v) for k, v in params.items()}, cfg, out)
-        (out / "train_state.json").write_text(json.dumps({"step": step, "config": args.config}))
-        if (out / "README.md").exists() and "UNTRAINED" in (out / "README.md").read_text():
-            (out / "README.md").unlink()
+        (out / "train_state.json").write_text(json.dumps({"step": step, "config": str(args.config)}))
+        readme = out / "README.md"
+        if readme.exists() and "UNTRAINED" in readme.read_text():
+            readme.unlink()
         if args.copy_log:
             shutil.copy(log_path, out / "loss_log.jsonl")
         print(f"exported to {out}", flush=True)
@@ -404,7 +417,12 @@ def main(argv=None) -> None:
     ap.add_argument("--export-untrained", help="write a random-weight model here and exit")
     ap.add_argument("--init-from", help="start from an exported HF directory (params only)")
     ap.add_argument("--steps", type=int, help="override train.total_steps")
-    ap.add_argument("--curriculum", help="override train.curriculum (JSON list of [step, seq_len, batch])")
+    ap.add_argument("--curriculum", help="JSON [[start_fraction, seq_len, batch], ...]")
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--min-lr-ratio", type=float)
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--min-context-fraction", type=float)
+    ap.add_argument("--data-offset", type=int, default=0, help="shift the data seed stream (continuations)")
     ap.add_argument("--time-budget", type=float, default=0.0, help="seconds; stop cleanly after this")
     ap.add_argument("--workers", type=int, default=8, help="data-generation processes")
     ap.add_argument("--copy-log", action="store_true", help="copy loss_log.jsonl into the export dir")
