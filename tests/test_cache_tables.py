@@ -176,3 +176,12 @@ def test_adopt_prefix_shares_pages():
     local = HeadPageTables(2, 2, 4, alloc, z, z + np.array([[0, 3], [0, 0]]), 8)
     with pytest.raises(ValueError, match="full history"):
         local.adopt_prefix("c", blocks, 8)
+
+
+def test_host_modules_never_import_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxkv.cache.tables, jaxkv.cache.prefix, jaxkv.cache.head_classes, "
+            "jaxkv.cache.allocator; assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
