@@ -140,14 +140,17 @@ def _raise_exception(message):
     raise ChatTemplateError(f"chat template error: {message}")
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Same signature as transformers' filter (jinja's own tojson escapes HTML characters).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _compile(template: str):
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
-        x, ensure_ascii=False, indent=indent, **kw
-    )
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
