@@ -7,7 +7,8 @@ from pallas_kernels.lse_merge.kernel import lse_merge_pallas
 from pallas_kernels.lse_merge.reference import lse_merge as lse_merge_reference
 
 
-def lse_merge(outs, lses, *, out_dtype=None, implementation: str | None = None, interpret: bool | None = None):
+def lse_merge(outs, lses, *, out_dtype=None, implementation: str | None = None,
+              interpret: bool | None = None):
     """Merge K partial attention results (outs [K, ..., D], lses [K, ...]) -> (out [..., D], lse [...]).
 
     Fallback order: Pallas on GPU, then the jnp twin (see `pallas_kernels._dispatch`).

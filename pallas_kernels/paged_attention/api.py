@@ -106,7 +106,6 @@ def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q
 
     q_seq = jnp.where(q_seq >= 0, q_seq, -1).astype(jnp.int32)
     s_b, t0, n_b, tok_block, tok_row = _query_blocks(q_seq, q_pos, s, block_q)
-    nb = s_b.shape[0]
     r = jnp.arange(rows, dtype=jnp.int32)
     row_tok = r // g
     row_g = r % g

@@ -47,7 +47,7 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
     pj = lax.broadcasted_iota(jnp.int32, (ppb,), 0)
 
     def body(it, carry):
-        o, m, l = carry
+        o, m, lsum = carry
         base = v_lo + it * ppb
         # per page of the block
         vp = base + pj
@@ -71,7 +71,7 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = l * corr + jnp.sum(p, axis=1)
+        l_new = lsum * corr + jnp.sum(p, axis=1)
         o_new = o * corr[:, None] + plt.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return o_new, m_new, l_new
 
@@ -79,9 +79,9 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
     m0 = jnp.full((rows,), _NEG, jnp.float32)
     l0 = jnp.zeros((rows,), jnp.float32)
     n_it = pl.cdiv(jnp.maximum(v_hi - v_lo, 0), ppb)
-    o, m, l = lax.fori_loop(0, n_it, body, (o0, m0, l0))
-    seen = l > 0
-    denom = jnp.where(seen, l, 1.0)
+    o, m, lsum = lax.fori_loop(0, n_it, body, (o0, m0, l0))
+    seen = lsum > 0
+    denom = jnp.where(seen, lsum, 1.0)
     o_ref[...] = jnp.where(seen[:, None], o / denom[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
 

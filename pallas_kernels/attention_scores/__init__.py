@@ -1,0 +1,3 @@
+from pallas_kernels.attention_scores.api import attention_scores
+
+__all__ = ["attention_scores"]
