@@ -58,6 +58,7 @@ class _Job:
     echo: str = ""
     request_id: str | None = None
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
     finished: bool = False
     finish_reason: str | None = None
 
@@ -231,6 +232,7 @@ def _apply(state: ServerState, job: _Job, out) -> None:
     """Feed one engine output into its choice; ends the choice on finish or a matched stop string."""
     new = list(out.new_token_ids)
     job.output_tokens += len(new)
+    job.cached_tokens = max(job.cached_tokens, getattr(out, "num_cached_tokens", 0))
     if out.finished and out.finish_reason == "stop" and new and new[-1] in job.stop_ids:
         new = new[:-1]  # the stop token itself is not part of the text
     job.text.add(new, final=out.finished)
@@ -259,7 +261,8 @@ async def _events(state: ServerState, jobs: list[_Job], q: asyncio.Queue) -> Asy
 
 def _usage(jobs: list[_Job]) -> dict:
     prompt = {j.prompt_index: len(j.prompt_ids) for j in jobs}
-    return P.usage(sum(prompt.values()), sum(j.output_tokens for j in jobs))
+    cached = {j.prompt_index: j.cached_tokens for j in jobs}
+    return P.usage(sum(prompt.values()), sum(j.output_tokens for j in jobs), sum(cached.values()))
 
 
 async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], chat: bool):
