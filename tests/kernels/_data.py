@@ -94,3 +94,22 @@ def oracle_attention(c, sink, window, scale):
             out[ti, qh] = w @ v / w.sum()
             lse[ti, qh] = mx + np.log(w.sum())
     return out, lse
+
+
+def random_rewrite_case(rng, s=2, layers=2, h=2, mp=5, p=4, d=8, maxsel=12):
+    """Random per-(seq, layer, head) page lists with sorted unique selections (incl. empty heads)."""
+    u = s * layers * h
+    n = u * mp + 2
+    perm = rng.permutation(n)[: u * mp].reshape(s, layers, h, mp).astype(np.int32)
+    lengths = rng.integers(0, mp * p + 1, (s, layers, h)).astype(np.int32)
+    lengths.flat[0], lengths.flat[1] = 0, 1                  # empty and one-token heads
+    pt = np.where(np.arange(mp) < ((lengths + p - 1) // p)[..., None], perm, -1).astype(np.int32)
+    cnt = np.minimum(rng.integers(0, maxsel + 1, (s, layers, h)), lengths).astype(np.int32)
+    cnt.flat[1] = 1
+    sel = np.zeros((s, layers, h, maxsel), np.int32)
+    for i in np.ndindex(s, layers, h):
+        sel[i][: cnt[i]] = np.sort(rng.choice(lengths[i], cnt[i], replace=False))
+    k = rng.standard_normal((n, p, d)).astype(np.float32)
+    v = rng.standard_normal((n, p, d)).astype(np.float32)
+    pos = rng.integers(0, 100, (n, p)).astype(np.int32)
+    return k, v, pos, pt, lengths, sel, cnt
