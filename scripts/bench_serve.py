@@ -1,0 +1,149 @@
+"""Serving benchmark: start `python -m jaxkv.serve`, measure with the official openai client.
+
+Measures startup (process start to "serving" line, including model load and the warm-up step), the
+first request's time to first token (cold: it compiles its step shapes), then warm time to first token,
+single-stream decode speed and aggregate throughput with concurrent streams (each run once unmeasured
+first so compilation is excluded). Writes the table and the exact command into docs/benchmarks.md
+under "## Serving (CPU)" (or the backend's name), replacing only that section.
+
+    python scripts/bench_serve.py                       # embedded default model
+    python scripts/bench_serve.py --model DIR --concurrency 1 8 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jaxkv.serve.launch import ServerProcess  # noqa: E402
+
+PROMPT = ("You are a helpful assistant. Read the following notes about the river, the old house and the "
+          "music school, then write a short story about the king and the queen who lived by the water.")
+
+
+async def one(ac, model: str, max_tokens: int, seed: int) -> tuple[float, float, int]:
+    """(ttft, total seconds, completion tokens) of one streamed chat request."""
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    stream = await ac.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, temperature=0.8, seed=seed, extra_body={"ignore_eos": True})
+    async for ch in stream:
+        if ttft is None and ch.choices and ch.choices[0].delta.content:
+            ttft = time.perf_counter() - t0
+        usage = ch.usage or usage
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), total, usage.completion_tokens
+
+
+async def run_batch(ac, model, concurrency, max_tokens, seed0=0):
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(one(ac, model, max_tokens, seed0 + i) for i in range(concurrency)))
+    return res, time.perf_counter() - t0
+
+
+async def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int) -> dict:
+    ac = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
+    out = {}
+    try:
+        (cold,), _ = await run_batch(ac, model, 1, max_tokens)
+        out["cold_ttft"] = cold[0]
+        for c in concurrency:
+            await run_batch(ac, model, c, max_tokens, seed0=1000)  # compile this concurrency's shapes
+            ttfts, tps_single, agg = [], [], []
+            for r in range(repeats):
+                res, wall = await run_batch(ac, model, c, max_tokens, seed0=100 * r)
+                ttfts += [t for t, _, _ in res]
+                tps_single += [(n - 1) / (total - t) for t, total, n in res if n > 1 and total > t]
+                agg.append(sum(n for _, _, n in res) / wall)
+            out[c] = dict(ttft=statistics.median(ttfts), decode_tps=statistics.median(tps_single),
+                          agg_tps=statistics.median(agg))
+    finally:
+        await ac.close()
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_section(path: Path, title: str, body: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == title), None)
+    if start is None:
+        new = text.rstrip("\n") + "\n\n" + title + "\n\n" + body.rstrip("\n") + "\n"
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        new = "\n".join(lines[:start] + [title, "", body.rstrip("\n"), ""] + lines[end:]).rstrip("\n") + "\n"
+    path.write_text(new)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--server-args", default="", help="extra flags for python -m jaxkv.serve (quoted)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    args = p.parse_args()
+
+    server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    server = ServerProcess(server_args, timeout=1800)
+    try:
+        ready = [line for line in server.log if line.startswith("jaxkv: ") and " on " in line]
+        backend = ready[0].split(" on ")[1].split(" ")[0] if ready else "?"
+        res = asyncio.run(measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats))
+    finally:
+        server.stop()
+
+    cmd = "python scripts/bench_serve.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    rows = ["| concurrent streams | TTFT median (s) | decode tok/s per stream | aggregate output tok/s |",
+            "|---:|---:|---:|---:|"]
+    for c in args.concurrency:
+        r = res[c]
+        rows.append(f"| {c} | {r['ttft']:.3f} | {r['decode_tps']:.1f} | {r['agg_tps']:.1f} |")
+    body = "\n".join([
+        f"Command: `{cmd.strip()}`",
+        "",
+        f"Model `{server.name}`, backend {backend}, host {cpu_name()} ({os.cpu_count()} cores), "
+        f"Python {platform.python_version()}; chat prompt of ~40 tokens, {args.max_tokens} output tokens "
+        f"(ignore_eos), streamed through the official `openai` client; medians over {args.repeats} runs "
+        "after one unmeasured run per concurrency (compilation excluded).",
+        "",
+        f"- startup (process start to ready, incl. load + warm-up compile): **{server.startup_s:.1f} s**",
+        f"- first request after startup, time to first token (compiles its shapes): "
+        f"**{res['cold_ttft']:.2f} s**",
+        "",
+        *rows,
+    ])
+    print(body)
+    if not args.no_write:
+        title = "## Serving (CPU)" if backend == "cpu" else f"## Serving ({backend.upper()})"
+        write_section(Path(args.out), title, body)
+        print(f"\nwrote {title!r} in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
