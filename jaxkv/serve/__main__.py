@@ -68,14 +68,19 @@ def main(argv=None) -> int:
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    model = jaxkv.load(args.model, dtype=dtype)
-    engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len, max_step_tokens=args.max_step_tokens,
-                    head_classes=args.head_classes, enable_prefix_caching=args.enable_prefix_caching)
+    try:
+        model = jaxkv.load(args.model, dtype=dtype)
+        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        max_step_tokens=args.max_step_tokens, head_classes=args.head_classes,
+                        enable_prefix_caching=args.enable_prefix_caching)
+        name = args.served_model_name or Path(args.model).resolve().name
+        state = build_state(model, engine, name, use_generation_config=args.generation_config)
+    except (ValueError, OSError) as e:  # bad checkpoint, head-class file, engine sizes
+        print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
+        return 2
     if args.warmup:
         warm_up(engine)
-    name = args.served_model_name or Path(args.model).resolve().name
-    state = build_state(model, engine, name, use_generation_config=args.generation_config)
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots", flush=True)
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
