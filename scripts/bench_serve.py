@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args()
 
+    load_before = os.getloadavg()[0]
     server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     server = ServerProcess(server_args, timeout=1800)
     try:
@@ -129,7 +130,8 @@ def main() -> int:
         f"Model `{server.name}`, backend {backend}, host {cpu_name()} ({os.cpu_count()} cores), "
         f"Python {platform.python_version()}; chat prompt of ~40 tokens, {args.max_tokens} output tokens "
         f"(ignore_eos), streamed through the official `openai` client; medians over {args.repeats} runs "
-        "after one unmeasured run per concurrency (compilation excluded).",
+        "after one unmeasured run per concurrency (compilation excluded). 1-minute load average before the "
+        f"run: {load_before:.1f} (a shared machine makes these numbers noisy).",
         "",
         f"- startup (process start to ready, incl. load + warm-up compile): **{server.startup_s:.1f} s**",
         f"- first request after startup, time to first token (compiles its shapes): "
