@@ -12,7 +12,7 @@ def __getattr__(name):
 
         return load
     if name == "generate":
-        from jaxkv.generate import generate
+        from jaxkv.generation import generate
 
         return generate
     if name == "SamplingParams":

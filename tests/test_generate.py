@@ -5,6 +5,7 @@ import pytest
 
 import jaxkv
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.runner import num_compilations
 from jaxkv.sampling import SamplingParams
 from tests.hf_tiny import FAMILIES, make_tiny_checkpoint
 
@@ -28,13 +29,21 @@ def prompts_for(model, lengths, seed=0):
 
 
 def dense_greedy(model, prompt, n):
-    """Argmax of `.logits` re-run on the growing sequence (padded to one length: causal, so exact)."""
-    total = len(prompt) + n
-    ids = np.zeros((1, total), np.int32)
-    ids[0, :len(prompt)] = prompt
-    for t in range(len(prompt), total):
-        ids[0, t] = int(np.argmax(model.logits(ids)[0, t - 1]))
-    return ids[0, len(prompt):].tolist()
+    return dense_greedy_batch(model, [prompt], n)[0]
+
+
+def dense_greedy_batch(model, prompts, n):
+    """Argmax of `.logits` re-run on each growing sequence (all padded to one shape: causal, so exact)."""
+    total = max(len(p) for p in prompts) + n
+    ids = np.zeros((len(prompts), total), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    for step in range(n):
+        logits = model.logits(ids)
+        for i, p in enumerate(prompts):
+            t = len(p) + step
+            ids[i, t] = int(np.argmax(logits[i, t - 1]))
+    return [ids[i, len(p):len(p) + n].tolist() for i, p in enumerate(prompts)]
 
 
 def test_greedy_paged_decoding_equals_dense_argmax(model):
@@ -43,9 +52,8 @@ def test_greedy_paged_decoding_equals_dense_argmax(model):
     # sequences) runs its heads as rings of pages.
     prompts = prompts_for(model, [5, 23, 40])
     outs = jaxkv.generate(model, prompts, GREEDY, page_size=4, max_step_tokens=16, max_num_seqs=2)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == dense_greedy(model, prompt, 64)
-        assert out.finish_reason == "length"
+    assert [o.token_ids for o in outs] == dense_greedy_batch(model, prompts, 64)
+    assert all(o.finish_reason == "length" for o in outs)
 
 
 def test_no_retrace_in_steady_decode(llama):
@@ -53,12 +61,11 @@ def test_no_retrace_in_steady_decode(llama):
     engine.add_request(prompts_for(llama, [40])[0], SamplingParams(temperature=0.0, max_tokens=20,
                                                                     ignore_eos=True))
     engine.step()  # prefill: 40 tokens -> token bucket 64, pages bucket 4
-    engine.step()  # first decode: token bucket 1
-    traces = engine.runner.num_traces
-    assert traces == 2
-    for _ in range(15):  # positions 41..56 stay inside the same (1 seq, 1 token, 4 pages) bucket
+    engine.step()  # first decode: token bucket 8
+    compiled = num_compilations()
+    for _ in range(15):  # positions 41..56 stay inside the same (1 seq, 8 tokens, 4 pages) bucket
         assert engine.step()
-    assert engine.runner.num_traces == traces
+    assert num_compilations() == compiled
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llama):
@@ -89,9 +96,9 @@ def test_stop_token_and_stop_string(llama):
                                                          stop_token_ids=(stop_id,)))[0]
     assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason == "stop"
 
-    words = full.text.split()
-    assert len(words) > 4, full.text
-    stop = " ".join(words[3:5])
+    # A 3-character stop string from the middle of the text (random weights: avoid partial-byte chars).
+    start = next(i for i in range(4, len(full.text) - 3) if "\ufffd" not in full.text[i:i + 3])
+    stop = full.text[start:start + 3]
     out = jaxkv.generate(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                                          stop=(stop,)))[0]
     assert out.finish_reason == "stop"

@@ -15,7 +15,7 @@ import random
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
-from jaxkv.cache.head_classes import HeadClassMap, all_global
+from jaxkv.cache.head_classes import HeadClassMap, all_global, load_or_default
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.cache.tables import HeadPageTables
 from jaxkv.engine.buckets import bucket_for, powers_of_two
@@ -54,7 +54,7 @@ class Engine:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.head_classes = _resolve_head_classes(head_classes, model)
         sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
-        self._kinds = np.array([[c.kind for c in row] for row in self.head_classes.classes])
+        self._kinds = self.head_classes.kinds()
         self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
         if num_pages is None:
             per_page = page_size * (2 * cfg.head_dim * 2 + 4)
@@ -72,8 +72,9 @@ class Engine:
                                   kv_dtype=kv_dtype)
         self.page_size = page_size
         self._seq_buckets = powers_of_two(max_num_seqs)
-        self._token_buckets = powers_of_two(max_step_tokens)
-        self._page_buckets = powers_of_two(self.max_pages_per_head)
+        # Few buckets: small steps and short page lists pad up rather than compile their own variant.
+        self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
+        self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head))
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(0)
@@ -198,12 +199,8 @@ class Engine:
 
     # ---- introspection ------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        by_class: dict[str, int] = {k: 0 for k in ("global", "local", "budget", "retrieval")}
-        for req in self.scheduler.running:
-            lists = self.tables.page_lists(req.request_id)
-            for l, row in enumerate(lists):
-                for h, pages in enumerate(row):
-                    by_class[self._kinds[l, h]] += len(pages)
+        by_class = dict.fromkeys(self.head_classes.counts(), 0)
+        by_class.update(self.tables.pages_in_use_by_kind(self._kinds))
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             pages_total=self.allocator.num_pages, pages_in_use=self.allocator.num_pages - self.allocator.num_free,
@@ -230,8 +227,8 @@ def _resolve_head_classes(head_classes, model) -> HeadClassMap:
         hc = head_classes
     elif head_classes is not None:
         hc = HeadClassMap.load(head_classes)
-    elif getattr(model, "path", None) and os.path.exists(os.path.join(model.path, "head_classes.json")):
-        hc = HeadClassMap.load(os.path.join(model.path, "head_classes.json"))
+    elif getattr(model, "path", None):
+        hc = load_or_default(model.path, cfg.num_layers, cfg.num_kv_heads)
     else:
         hc = all_global(cfg.num_layers, cfg.num_kv_heads)
     if (hc.num_layers, hc.num_kv_heads) != (cfg.num_layers, cfg.num_kv_heads):

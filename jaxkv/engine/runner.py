@@ -7,6 +7,7 @@ and never inspects request objects. The KV pool is donated into every step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,33 @@ class StepBatch:
     counters: np.ndarray  # [S] int32, output index being sampled (PRNG stream position)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
+def _step(params, pool, b, cfg):
+    """One ragged step: write K/V and attend per layer, then sample one token per sequence row.
+
+    Module level (not a closure) so engines over the same model share compilations.
+    """
+    scale = cfg.head_dim ** -0.5
+
+    def attend(layer, q, k, v, pool):
+        pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
+        out, _ = paged_attention(
+            q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
+            b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale)
+        return out[None], pool
+
+    hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool)
+    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+    tokens, logprobs = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"],
+                              b["seeds"], b["counters"])
+    return tokens, logprobs, pool
+
+
+def num_compilations() -> int:
+    """Compiled variants of the step so far (one per bucket and model); tests use it to prove no retrace."""
+    return _step._cache_size()
+
+
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
                  kv_dtype=None):
@@ -43,31 +71,10 @@ class ModelRunner:
         self.params = model.params
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
         self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
-        self.num_traces = 0  # incremented at trace time only: counts compilations
-        cfg = self.cfg
-        sink_j, window_j = jnp.asarray(sink, jnp.int32), jnp.asarray(window, jnp.int32)
-        scale = cfg.head_dim ** -0.5
-
-        def step(params, pool, b):
-            self.num_traces += 1
-
-            def attend(layer, q, k, v, pool):
-                pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
-                out, _ = paged_attention(
-                    q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
-                    b["q_seq"], b["positions"], sink_j[layer], window_j[layer], scale=scale)
-                return out[None], pool
-
-            hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool)
-            logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
-            tokens, logprobs = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"],
-                                      b["seeds"], b["counters"])
-            return tokens, logprobs, pool
-
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
         arrays = {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
-        tokens, logprobs, self.pool = self._step(self.params, self.pool, arrays)
+        tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads}, cfg=self.cfg)
         return np.asarray(tokens), np.asarray(logprobs)
