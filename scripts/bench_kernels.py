@@ -62,6 +62,16 @@ def timeit_state(step, state, iters=10):
     return float(np.median(ts)) * 1e3, state
 
 
+def best_splits(make, inputs, args):
+    """Time the kernel for each --splits value (None = api heuristic); return (best ms, its splits)."""
+    res = {}
+    for ns in args.splits:
+        res[ns] = timeit(make(ns), *inputs, iters=args.iters)
+    log("  splits sweep (ms):", res)
+    ns = min(res, key=res.get)
+    return res[ns], ns
+
+
 def row(name, ours, anchor, ratio, target=None):
     met = "" if target is None else ("yes" if ratio >= target else "**no**")
     ROWS.append((name, ours, anchor, f"{ratio:.2f}x", "" if target is None else f">= {target}x", met))
@@ -165,11 +175,10 @@ def bench_uniform_decode(ctx, page, b, args):
     kp, vp, pos, pt, lens = uniform_pool(key, b, hkv, ctx, page, d)
     q, q_seq, q_pos = decode_queries(jax.random.key(7), b, hq, d, ctx)
     zeros = jnp.zeros((hkv,), jnp.int32)
-    ours = jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
-        q, kp, vp, pos, pt, lens, q_seq, q_pos, zeros, zeros, scale=scale, implementation="pallas",
-        ordered=True)[0])
     nbytes = 2 * b * hkv * ctx * d * 2
-    t_ours = timeit(ours, q, kp, vp, pos, pt, lens, iters=args.iters)
+    t_ours, _ = best_splits(lambda ns: jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
+        q, kp, vp, pos, pt, lens, q_seq, q_pos, zeros, zeros, scale=scale, implementation="pallas",
+        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args)
     del kp, vp, pos, pt
     # cuDNN paged: pages hold all KV heads [blocks, page, Hkv, D]
     mp = ctx // page
@@ -224,13 +233,13 @@ def bench_headclass_decode(ctx, page, b, t_cudnn, args):
     kp, vp, pos, pt, lens = uniform_pool(jax.random.key(11), b, hkv, ctx, page, d)
     q, q_seq, q_pos = decode_queries(jax.random.key(7), b, hq, d, ctx)
     sink, window = head_class_arrays(hkv)
-    ours = jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
+    t, ns = best_splits(lambda ns: jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
         q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
-        ordered=True)[0])
-    t = timeit(ours, q, kp, vp, pos, pt, lens, iters=args.iters)
+        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args)
     target = 6 if ctx == 32768 else (15 if ctx == 131072 else None)
     ceil = 8 / (1 + 7 * 320 / ctx)
-    row(f"head-class decode B={b} ctx={ctx // 1024}K page={page} (ms; bytes ceiling {ceil:.1f}x)",
+    row(f"head-class decode B={b} ctx={ctx // 1024}K page={page} "
+        f"(ms; splits={ns}; bytes ceiling {ceil:.1f}x)",
         f"{t:.3f}", f"{t_cudnn:.3f}", t_cudnn / t, target)
 
 
@@ -363,7 +372,10 @@ def main():
     ap.add_argument("--only", default="decode,headclass,prefill,rope,rewrite")
     ap.add_argument("--rewrite-layers", type=int, default=4, help="36 needs ~97 GB; default scaled to 4")
     ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--splits", default="auto,8,32",
+                    help="split-K values swept for decode (auto = heuristic)")
     args = ap.parse_args()
+    args.splits = [None if x == "auto" else int(x) for x in args.splits.split(",")]
     command = "python scripts/bench_kernels.py " + " ".join(sys.argv[1:])
     log("devices:", jax.devices(), "jax", jax.__version__)
     check_ok = "not run"
