@@ -1,0 +1,149 @@
+"""Methods the eval harness can run, behind one registry.
+
+A method turns one prompt (given as its pieces: prefix ids, segment ids, suffix ids, so reuse methods can
+cache segments) into a greedy completion plus the numbers the harness reports. ``full`` is the reference:
+full recompute of the whole prompt, then greedy decoding over a dense KV cache, all jitted (prefill per
+power-of-two prompt bucket, one compiled decode step). Later methods register with `register_method`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.eval import metrics
+from jaxkv.models import llama
+from jaxkv.models.attention import dense_attention
+
+
+@dataclasses.dataclass
+class PromptPieces:
+    prefix: list[int]
+    segments: list[list[int]]
+    suffix: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prefix + [t for s in self.segments for t in s] + self.suffix
+
+
+@dataclasses.dataclass
+class MethodOutput:
+    token_ids: list[int]            # generated ids (stop token excluded)
+    first_logits: np.ndarray        # float32 [vocab], logits of the first generated token
+    ttft_s: float                   # prefill + first token, wall clock (after compilation)
+    kv_bytes_held: int              # peak KV bytes resident for this request
+    kv_bytes_loaded: int            # KV bytes read by attention over prefill and decode
+    prefill_flops: dict[str, float]  # analytical, see metrics.prefill_flops
+
+
+METHODS: dict[str, Callable[..., Method]] = {}
+
+
+def register_method(name: str):
+    def deco(cls):
+        METHODS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_method(name: str, model, **kwargs) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
+    return METHODS[name](model, **kwargs)
+
+
+class Method:
+    """Interface: `run(pieces, max_new_tokens, stop_ids) -> MethodOutput`."""
+
+    name = "base"
+
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
+        raise NotImplementedError
+
+
+def _bucket(n: int, lo: int = 128) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+def _cache_attend(cfg, write_pos):
+    """AttendFn over a dense per-layer cache: write k, v at `write_pos`, attend with causal positions."""
+
+    def attend(layer, q, k, v, state):
+        kc, vc, kpos = state  # [L, 1, S, Hkv, D] x2, [1, S] (-1 = empty)
+        kc = kc.at[layer].set(jax.lax.dynamic_update_slice(kc[layer], k.astype(kc.dtype), (0, write_pos, 0, 0)))
+        vc = vc.at[layer].set(jax.lax.dynamic_update_slice(vc[layer], v.astype(vc.dtype), (0, write_pos, 0, 0)))
+        t = q.shape[1]
+        q_pos = write_pos + jnp.arange(t, dtype=jnp.int32)[None]
+        kp = jnp.where(jnp.arange(kpos.shape[1])[None] < write_pos + t, jnp.arange(kpos.shape[1])[None], -1)
+        out = dense_attention(q, kc[layer], vc[layer], q_pos, kp, window=cfg.layer_windows[layer])
+        return out, (kc, vc, kpos)
+
+    return attend
+
+
+@partial(jax.jit, static_argnums=(1,), donate_argnums=(3, 4))
+def _prefill(params, cfg, tokens, kc, vc, n_valid):
+    """tokens [1, Tb] (padded) -> logits of position n_valid-1, updated cache."""
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    kpos = jnp.zeros((1, kc.shape[2]), jnp.int32)
+    hidden, (kc, vc, _) = llama.forward(params, cfg, tokens, pos, _cache_attend(cfg, 0), (kc, vc, kpos))
+    last = jax.lax.dynamic_slice_in_dim(hidden, n_valid - 1, 1, axis=1)
+    return llama.lm_head(params, cfg, last)[0, 0], kc, vc
+
+
+@partial(jax.jit, static_argnums=(1,), donate_argnums=(3, 4))
+def _decode(params, cfg, token, kc, vc, pos):
+    """One greedy step: token [1, 1] at position pos -> logits [V], cache."""
+    kpos = jnp.zeros((1, kc.shape[2]), jnp.int32)
+    hidden, (kc, vc, _) = llama.forward(params, cfg, token, jnp.full((1, 1), pos, jnp.int32),
+                                        _cache_attend(cfg, pos), (kc, vc, kpos))
+    return llama.lm_head(params, cfg, hidden)[0, 0], kc, vc
+
+
+@register_method("full")
+class FullRecompute(Method):
+    """Full attention over the whole prompt recomputed from scratch (the quality reference)."""
+
+    name = "full"
+
+    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
+        cfg, params = self.model.config, self.model.params
+        ids = pieces.ids
+        n = len(ids)
+        tb = _bucket(n)
+        size = _bucket(n + max_new_tokens)
+        dtype = jax.tree.leaves(params)[0].dtype
+        shape = (cfg.num_layers, 1, size, cfg.num_kv_heads, cfg.head_dim)
+        kc, vc = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        toks = jnp.asarray(np.pad(np.asarray(ids, np.int32), (0, tb - n))[None])
+        t0 = time.perf_counter()
+        logits, kc, vc = _prefill(params, cfg, toks, kc, vc, jnp.int32(n))
+        first = np.asarray(logits)
+        ttft = time.perf_counter() - t0
+        out: list[int] = []
+        tok = int(first.argmax())
+        loaded = metrics.kv_bytes(cfg, n * (n + 1) // 2, dtype.itemsize)
+        while tok not in stop_ids and len(out) < max_new_tokens:
+            out.append(tok)
+            if len(out) == max_new_tokens:
+                break
+            pos = n + len(out) - 1
+            logits, kc, vc = _decode(params, cfg, jnp.full((1, 1), tok, jnp.int32), kc, vc, jnp.int32(pos))
+            loaded += metrics.kv_bytes(cfg, pos + 1, dtype.itemsize)
+            tok = int(jnp.argmax(logits))
+        return MethodOutput(out, first, ttft, metrics.kv_bytes(cfg, n + len(out), dtype.itemsize), loaded,
+                            metrics.prefill_flops(cfg, n))
