@@ -321,7 +321,7 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
                 "system_fingerprint": None, "choices": choices}
         if include_usage:
             body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(body)}\n\n"  # ASCII: no U+2028 etc. inside an SSE line
 
     def choice(job: _Job, text: str, finish: str | None, first: bool = False) -> dict:
         if chat:
