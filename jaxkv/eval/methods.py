@@ -84,8 +84,9 @@ def _cache_attend(cfg, write_pos):
 
     def attend(layer, q, k, v, state):
         kc, vc, kpos = state  # [L, 1, S, Hkv, D] x2, [1, S] (-1 = empty)
-        kc = kc.at[layer].set(jax.lax.dynamic_update_slice(kc[layer], k.astype(kc.dtype), (0, write_pos, 0, 0)))
-        vc = vc.at[layer].set(jax.lax.dynamic_update_slice(vc[layer], v.astype(vc.dtype), (0, write_pos, 0, 0)))
+        at = (0, write_pos, 0, 0)
+        kc = kc.at[layer].set(jax.lax.dynamic_update_slice(kc[layer], k.astype(kc.dtype), at))
+        vc = vc.at[layer].set(jax.lax.dynamic_update_slice(vc[layer], v.astype(vc.dtype), at))
         t = q.shape[1]
         q_pos = write_pos + jnp.arange(t, dtype=jnp.int32)[None]
         kp = jnp.where(jnp.arange(kpos.shape[1])[None] < write_pos + t, jnp.arange(kpos.shape[1])[None], -1)

@@ -58,15 +58,18 @@ def match_all(prediction: str, answers: list[str] | tuple[str, ...]) -> float:
 
 def _contains(prediction: str, answer: str) -> bool:
     a = normalize_answer(answer)
-    return bool(a) and re.search(r"(^|\s)" + re.escape(a) + r"(\s|$)", normalize_answer(prediction)) is not None
+    pattern = r"(^|\s)" + re.escape(a) + r"(\s|$)"
+    return bool(a) and re.search(pattern, normalize_answer(prediction)) is not None
 
 
 def chain_accuracy(prediction: str, answers: list[str] | tuple[str, ...]) -> float:
     """Fraction of steps i at which the i-th predicted word equals the i-th expected word."""
     if not answers:
         return 0.0
-    pred = normalize_answer(prediction).split()
-    return sum(i < len(pred) and pred[i] == normalize_answer(a) for i, a in enumerate(answers)) / len(answers)
+    # Position-wise, so articles are kept (SQuAD normalisation would shift the steps).
+    pred = re.findall(r"\w+", prediction.lower())
+    gold = [a.lower() for a in answers]
+    return sum(i < len(pred) and pred[i] == g for i, g in enumerate(gold)) / len(gold)
 
 
 def score(metric: str, prediction: str, answers) -> float:
