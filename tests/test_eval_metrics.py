@@ -20,7 +20,7 @@ def test_match_all_and_chain():
     assert metrics.match_all(pred, ["634313", "394237", "111111"]) == pytest.approx(2 / 3)
     assert metrics.match_all("6343130", ["634313"]) == 0.0  # whole words only
     assert metrics.chain_accuracy("a b x d", ["a", "b", "c", "d"]) == 0.75
-    assert metrics.score("all", "a", ["a"]) == 1.0
+    assert metrics.score("all", "x", ["x"]) == 1.0
     with pytest.raises(ValueError):
         metrics.score("bleu", "a", ["a"])
 
