@@ -455,6 +455,39 @@ def train(args) -> None:
             (Path(args.export) / "tf_eval.json").write_text(json.dumps(rows, indent=1))
 
 
+def plot_loss(logs: list[Path], png: Path) -> None:
+    """Answer loss and teacher-forced answer-token accuracy against step, context length shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines() if line.strip()]
+    step = np.array([r["step"] for r in rows])
+    loss = np.array([r["loss"] for r in rows])
+    acc = np.array([r["answer_acc"] for r in rows])
+    k = max(1, len(rows) // 200)
+    smooth = lambda x: np.convolve(x, np.ones(k) / k, mode="same")
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    ax[0].plot(step, loss, alpha=0.3)
+    ax[0].plot(step, smooth(loss))
+    ax[0].set_ylabel("answer loss (nats/token)")
+    ax[1].plot(step, acc, alpha=0.3)
+    ax[1].plot(step, smooth(acc))
+    ax[1].set_ylabel("answer token accuracy (teacher forced)")
+    for a in ax:
+        a.set_xlabel("step")
+        prev = None
+        for r in rows:
+            if r["seq_len"] != prev:
+                a.axvline(r["step"], color="gray", lw=0.5)
+                a.text(r["step"], a.get_ylim()[1], f"{r['seq_len']}", fontsize=7, va="top")
+                prev = r["seq_len"]
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_default.json"))
@@ -474,7 +507,12 @@ def main(argv=None) -> None:
     ap.add_argument("--tf-eval", help="comma-separated contexts for a teacher-forced eval after training")
     ap.add_argument("--tf-num", type=int, default=16)
     ap.add_argument("--copy-log", action="store_true", help="copy loss_log.jsonl into the export dir")
+    ap.add_argument("--plot-loss", nargs="+", metavar="PATH",
+                    help="LOG.jsonl [LOG2.jsonl ...] OUT.png: plot loss curves and exit")
     args = ap.parse_args(argv)
+    if args.plot_loss:
+        plot_loss([Path(p) for p in args.plot_loss[:-1]], Path(args.plot_loss[-1]))
+        return
     if args.export_untrained:
         conf = json.loads(Path(args.config).read_text())
         cfg = hf_config(conf["model"])
