@@ -1,5 +1,7 @@
 """Generation through the per-head paged cache: equals dense argmax, never retraces, samples correctly."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -73,10 +75,10 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llama):
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=1234, ignore_eos=True)
     alone = jaxkv.generate(llama, [prompt], sp)[0].token_ids
     others = prompts_for(llama, [7, 30], seed=5)
-    batched = jaxkv.generate(llama, [others[0], prompt, others[1]], [sp.__class__(**{**sp.__dict__, "seed": 7}),
-                                                                     sp, SamplingParams(temperature=0.0)])
+    mixed = [dataclasses.replace(sp, seed=7), sp, SamplingParams(temperature=0.0)]
+    batched = jaxkv.generate(llama, [others[0], prompt, others[1]], mixed)
     assert batched[1].token_ids == alone
-    other_seed = jaxkv.generate(llama, [prompt], SamplingParams(**{**sp.__dict__, "seed": 99}))[0].token_ids
+    other_seed = jaxkv.generate(llama, [prompt], dataclasses.replace(sp, seed=99))[0].token_ids
     assert other_seed != alone
 
 

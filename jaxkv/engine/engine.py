@@ -43,7 +43,8 @@ class Engine:
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 8,
                  max_model_len: int | None = None, max_step_tokens: int = 512,
                  head_classes: HeadClassMap | str | os.PathLike | None = None,
-                 enable_prefix_caching: bool = True, kv_dtype=None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
+                 enable_prefix_caching: bool = True, kv_dtype=None,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens)]:
@@ -61,8 +62,8 @@ class Engine:
             want = max_num_seqs * cfg.num_layers * cfg.num_kv_heads * self.max_pages_per_head
             num_pages = max(cfg.num_layers * cfg.num_kv_heads * 2, min(want, kv_cache_bytes // per_page))
         self.allocator = PageAllocator(num_pages)
-        self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink, window,
-                                     max_step_tokens)
+        self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
+                                     window, max_step_tokens)
         # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md).
         sharable = enable_prefix_caching and bool((window == 0).all())
         self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
@@ -191,10 +192,9 @@ class Engine:
                              len(req.prompt_ids), len(req.output_ids), new_logprobs, req.num_cached)
 
     def _cache_prefix(self, req: Request) -> None:
-        lists = self.tables.page_lists(req.request_id)  # [L][H] -> page ids
+        lists = self.tables.page_lists(req.request_id)  # [layer][kv_head] -> page ids
         num_blocks = len(req.prompt_ids) // self.page_size
-        blocks = [np.array([[lists[l][h][b] for h in range(len(lists[l]))] for l in range(len(lists))],
-                           np.int32) for b in range(num_blocks)]
+        blocks = [np.array([[pages[b] for pages in row] for row in lists], np.int32) for b in range(num_blocks)]
         self.prefix.insert(req.prompt_ids[:num_blocks * self.page_size], blocks, req.extra_key)
 
     # ---- introspection ------------------------------------------------------------------------
@@ -203,7 +203,8 @@ class Engine:
         by_class.update(self.tables.pages_in_use_by_kind(self._kinds))
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            pages_total=self.allocator.num_pages, pages_in_use=self.allocator.num_pages - self.allocator.num_free,
+            pages_total=self.allocator.num_pages,
+            pages_in_use=self.allocator.num_pages - self.allocator.num_free,
             pages_in_use_by_class=by_class,
             prefix_cache_queries=self.prefix.queries if self.prefix else 0,
             prefix_cache_hits=self.prefix.hits if self.prefix else 0,
@@ -232,6 +233,6 @@ def _resolve_head_classes(head_classes, model) -> HeadClassMap:
     else:
         hc = all_global(cfg.num_layers, cfg.num_kv_heads)
     if (hc.num_layers, hc.num_kv_heads) != (cfg.num_layers, cfg.num_kv_heads):
-        raise ValueError(f"head-class map is for {hc.num_layers} layers x {hc.num_kv_heads} KV heads; the model "
-                         f"has {cfg.num_layers} x {cfg.num_kv_heads}")
+        raise ValueError(f"head-class map is for {hc.num_layers} layers x {hc.num_kv_heads} KV heads; "
+                         f"the model has {cfg.num_layers} x {cfg.num_kv_heads}")
     return hc
