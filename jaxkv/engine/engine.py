@@ -194,7 +194,8 @@ class Engine:
     def _cache_prefix(self, req: Request) -> None:
         lists = self.tables.page_lists(req.request_id)  # [layer][kv_head] -> page ids
         num_blocks = len(req.prompt_ids) // self.page_size
-        blocks = [np.array([[pages[b] for pages in row] for row in lists], np.int32) for b in range(num_blocks)]
+        blocks = [np.array([[pages[b] for pages in row] for row in lists], np.int32)
+                  for b in range(num_blocks)]
         self.prefix.insert(req.prompt_ids[:num_blocks * self.page_size], blocks, req.extra_key)
 
     # ---- introspection ------------------------------------------------------------------------
