@@ -117,6 +117,7 @@ def test_tiny_pool_preempts_and_still_answers_everything(llama):
     outs = jaxkv.generate(llama, prompts, sp, engine=engine)
     expected = jaxkv.generate(llama, prompts, sp, page_size=4)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert engine.stats().num_preemptions > 0  # the pool really was too small for the batch
     assert engine.allocator.num_free == engine.allocator.num_pages - _cached_pages(engine)
 
 
@@ -136,7 +137,8 @@ def test_prefix_cache_hit_gives_same_tokens(llama):
         for out in engine.step():
             cached = out.num_cached_tokens if out.request_id == rid else cached
     assert cached == 32  # 8 full pages of the shared 33-token prefix
-    assert engine.stats().prefix_cache_hits >= 1
+    stats = engine.stats()
+    assert stats.prefix_cache_hits >= 1 and stats.prefix_cache_hit_tokens == 32
     fresh = jaxkv.generate(llama, [a, b], sp, enable_prefix_caching=False)
     assert first.token_ids == fresh[0].token_ids
     assert jaxkv.generate(llama, [b], sp, engine=engine)[0].token_ids == fresh[1].token_ids

@@ -34,9 +34,11 @@ class EngineStats:
     pages_total: int
     pages_in_use: int
     pages_in_use_by_class: dict[str, int]
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
+    prefix_cache_queries: int  # lookups since start
+    prefix_cache_hits: int  # lookups that reused at least one block
+    prefix_cache_query_tokens: int  # prompt tokens looked up
+    prefix_cache_hit_tokens: int  # of those, tokens served from cached pages
+    num_preemptions: int  # since start
 
 
 class Engine:
@@ -209,7 +211,9 @@ class Engine:
             pages_in_use_by_class=by_class,
             prefix_cache_queries=self.prefix.queries if self.prefix else 0,
             prefix_cache_hits=self.prefix.hits if self.prefix else 0,
-            num_preemptions=sum(r.num_preemptions for r in self._requests.values()))
+            prefix_cache_query_tokens=self.prefix.query_tokens if self.prefix else 0,
+            prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
+            num_preemptions=self.scheduler.num_preemptions)
 
 
 def _held_back(text: str, stops) -> int:

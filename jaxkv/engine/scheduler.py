@@ -39,6 +39,7 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -115,6 +116,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
 
