@@ -46,7 +46,7 @@ class Engine:
                  max_model_len: int | None = None, max_step_tokens: int = 512,
                  head_classes: HeadClassMap | str | os.PathLike | None = None,
                  enable_prefix_caching: bool = True, kv_dtype=None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens)]:
@@ -72,7 +72,7 @@ class Engine:
         self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
                                    max_step_tokens=max_step_tokens)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, attn_impl=attn_impl)
         self.page_size = page_size
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.

@@ -16,7 +16,7 @@ import numpy as np
 from jaxkv.cache.pool import init_pool, write_kv
 from jaxkv.models import llama
 from jaxkv.sampling import sample
-from pallas_kernels.paged_attention.reference import paged_attention
+from pallas_kernels.paged_attention.api import paged_attention
 
 
 @dataclasses.dataclass
@@ -37,11 +37,12 @@ class StepBatch:
     counters: np.ndarray  # [S] int32, output index being sampled (PRNG stream position)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
-def _step(params, pool, b, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl"), donate_argnames=("pool",))
+def _step(params, pool, b, cfg, attn_impl=None):
     """One ragged step: write K/V and attend per layer, then sample one token per sequence row.
 
-    Module level (not a closure) so engines over the same model share compilations.
+    Module level (not a closure) so engines over the same model share compilations. `attn_impl` picks the
+    paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin elsewhere).
     """
     scale = cfg.head_dim ** -0.5
 
@@ -49,7 +50,8 @@ def _step(params, pool, b, cfg):
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
         out, _ = paged_attention(
             q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
-            b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale)
+            b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
+            implementation=attn_impl)
         return out[None], pool
 
     hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool)
@@ -66,15 +68,17 @@ def num_compilations() -> int:
 
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
-                 kv_dtype=None):
+                 kv_dtype=None, attn_impl: str | None = None):
         self.cfg = model.config
         self.params = model.params
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
         self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
         self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
+        self.attn_impl = attn_impl
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
         arrays = {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
-        tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads}, cfg=self.cfg)
+        tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads}, cfg=self.cfg,
+                                         attn_impl=self.attn_impl)
         return np.asarray(tokens), np.asarray(logprobs)
