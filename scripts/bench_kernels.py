@@ -10,6 +10,7 @@ table with the exact command goes to the "## Kernels" section of docs/benchmarks
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -341,6 +342,117 @@ def bench_rewrite(args):
         res["reference"] / res["pallas"])
 
 
+def _profile_decode(ctx, page, b, hc, sweep, it):
+    from pallas_kernels.paged_attention import api as pa
+    from pallas_kernels.paged_attention import kernel as pk
+
+    hq, hkv, d = 32, 8, 128
+    kp, vp, pos, pt, lens = uniform_pool(jax.random.key(ctx + page), b, hkv, ctx, page, d)
+    q, q_seq, q_pos = decode_queries(jax.random.key(7), b, hq, d, ctx)
+    sink, window = head_class_arrays(hkv) if hc else (jnp.zeros((hkv,), jnp.int32),) * 2
+    name = f"{'headclass' if hc else 'uniform'} ctx={ctx // 1024}K page={page} B={b}"
+    nbytes = 2 * b * hkv * ctx * d * 2
+    full = jax.jit(lambda q, kp, vp, pos, pt, lens: pa.paged_attention(
+        q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
+        ordered=True))
+    t_full = timeit(full, q, kp, vp, pos, pt, lens, iters=it)
+    prep = jax.jit(lambda q, pos, pt, lens: pa._prepare(q, pos, pt, lens, q_seq, q_pos, sink, window,
+                                                         block_q=1, rows=16, ordered=True)[:3])
+    t_prep = timeit(prep, q, pos, pt, lens, iters=it)
+    meta, qpr, qr = prep(q, pos, pt, lens)
+    cfg = pa.default_config(b, b, hkv, pt.shape[-1], page)
+    log(f"PROFILE {name}: full api {t_full:.3f} ms ({nbytes / t_full / 1e6:.0f} GB/s dense-equiv), "
+        f"metadata {t_prep:.3f} ms, auto cfg {cfg}")
+    ptf = pt.reshape(-1)
+
+    def kern(ns, ppb, w, st):
+        return jax.jit(lambda meta, qpr, qr, kp, vp, pos: pk.paged_attention_blocks(
+            meta, qpr, qr, ptf, kp, vp, pos, scale=0.088, num_splits=ns, pages_per_block=ppb,
+            max_pages=pt.shape[-1], num_warps=w, num_stages=st))
+
+    def tk(ns, ppb, w, st):
+        try:
+            return timeit(kern(ns, ppb, w, st), meta, qpr, qr, kp, vp, pos, iters=it)
+        except Exception as e:  # noqa: BLE001
+            log(f"  cfg {(ns, ppb, w, st)} failed: {repr(e)[:200]}")
+            return float("nan")
+
+    res = {}
+    if sweep in ("full", "small"):
+        keys = (64, 128, 256) if sweep == "full" else (64, 128, 256)
+        stages = (2, 3, 4) if sweep == "full" else (2, 3)
+        for kb in keys:
+            for w in (4, 8):
+                for st in stages:
+                    res[(16, max(1, kb // page), w, st)] = tk(16, max(1, kb // page), w, st)
+    best = min((v, k) for k, v in res.items() if v == v)[1] if res else (16, cfg[2], *pa.DECODE_LAUNCH)
+    for ns in (4, 8, 16, 32, 64):
+        if ns <= pt.shape[-1] // best[1]:
+            res[(ns, *best[1:])] = tk(ns, *best[1:])
+    for k_, v in sorted(res.items(), key=lambda kv: kv[1]):
+        log(f"  kernel (splits, ppb, warps, stages)={k_}: {v:.3f} ms ({nbytes / v / 1e6:.0f} GB/s)")
+    ns = max(2, cfg[1])
+    o_p, l_p = kern(ns, *best[1:])(meta, qpr, qr, kp, vp, pos)
+    pps = pk.split_pages(pt.shape[-1], ns, best[1])
+    mg = jax.jit(lambda meta, o, l_: pk.merge_splits(meta, o, l_, pps=pps, out_dtype=jnp.bfloat16))
+    log(f"  merge (splits={ns}): {timeit(mg, meta, o_p, l_p, iters=it):.3f} ms")
+
+
+def profile(args):
+    """Where decode/prefill time goes: full API vs metadata vs kernel vs merge, and launch-config sweeps."""
+    from pallas_kernels.paged_attention import api as pa
+
+    hq, hkv, d = 32, 8, 128
+    it = args.iters
+    for ctx, page, b, hc, sweep in [(32768, 16, 32, False, "full"), (32768, 64, 32, False, "small"),
+                                    (8192, 16, 32, False, "splits"), (32768, 16, 32, True, "splits"),
+                                    (131072, 16, 8, True, "splits"), (131072, 64, 8, True, "splits")]:
+        _profile_decode(ctx, page, b, hc, sweep, args.iters)
+    # prefill: block_q x keys per block x warps
+    ctx = 32768
+    kp, vp, pos, pt, lens = uniform_pool(jax.random.key(12), 1, hkv, ctx, 16, d)
+    q = jax.random.normal(jax.random.key(8), (ctx, hq, d), jnp.bfloat16)
+    q_seq = jnp.zeros((ctx,), jnp.int32)
+    q_pos = jnp.arange(ctx, dtype=jnp.int32)
+    sink, window = head_class_arrays(hkv)
+    res = {}
+    for bq in (16, 32):
+        for kb in (32, 64, 128):
+            for w in (4, 8):
+                for st in (2, 3):
+                    f = jax.jit(functools.partial(
+                        pa.paged_attention_pallas, q_seq=q_seq, q_pos=q_pos, sink=sink, window=window,
+                        scale=0.088, ordered=True, block_q=bq, num_splits=1, pages_per_block=kb // 16,
+                        num_warps=w, num_stages=st))
+                    try:
+                        res[(bq, kb, w, st)] = timeit(f, q, kp, vp, pos, pt, lens, iters=max(3, it // 2))
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  prefill {(bq, kb, w, st)} failed: {repr(e)[:200]}")
+    for k_, v in sorted(res.items(), key=lambda kv: kv[1]):
+        log(f"  prefill 32K (block_q, keys, warps, stages)={k_}: {v:.3f} ms")
+
+
+def engine_check():
+    """The engine on this device: Pallas attention gives the twin's greedy tokens (tiny Mistral)."""
+    import tempfile
+
+    import jaxkv
+    from jaxkv.sampling import SamplingParams
+    from tests.hf_tiny import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = jaxkv.load(make_tiny_checkpoint("mistral", tmp))
+        prompts = [list(range(3, 9)), list(range(5, 24)), list(range(7, 40))]
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        kw = dict(page_size=4, max_step_tokens=16)
+        a = jaxkv.generate(model, prompts, sp, attn_impl="pallas", **kw)
+        r = jaxkv.generate(model, prompts, sp, attn_impl="reference", **kw)
+        ok = [o.token_ids for o in a] == [o.token_ids for o in r]
+        log(f"ENGINE {'PASS' if ok else 'FAIL'}: pallas {[o.token_ids for o in a]} "
+            f"reference {[o.token_ids for o in r]}")
+        return ok
+
+
 def write_table(args, command, check_ok):
     dev = jax.devices()[0]
     lines = ["## Kernels", "", f"Command: `{command}`", "",
@@ -367,6 +479,8 @@ def write_table(args, command, check_ok):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare every kernel with its twin first")
+    ap.add_argument("--profile", action="store_true", help="decode/prefill time breakdown + config sweeps")
+    ap.add_argument("--engine", action="store_true", help="engine greedy tokens: Pallas vs twin, tiny model")
     ap.add_argument("--quick", action="store_true", help="8K contexts only")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--only", default="decode,headclass,prefill,rope,rewrite")
@@ -385,6 +499,14 @@ def main():
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             check_ok = "crashed (see log)"
+    if args.engine:
+        try:
+            engine_check()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    if args.profile:
+        profile(args)
+        return
     only = set(args.only.split(","))
     contexts = [8192] if args.quick else [8192, 32768, 131072]
     for ctx in contexts:

@@ -13,10 +13,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import dispatch, next_pow2, resolve_interpret
-from pallas_kernels.lse_merge.api import lse_merge
-from pallas_kernels.paged_attention.kernel import META_WIDTH, paged_attention_blocks
-
-_INT_MAX = jnp.iinfo(jnp.int32).max
+from pallas_kernels.paged_attention.kernel import (
+    META_WIDTH,
+    merge_splits,
+    paged_attention_blocks,
+    split_pages,
+)
 
 
 def _query_blocks(q_seq, q_pos, num_seqs: int, block_q: int):
@@ -47,31 +49,41 @@ def _query_blocks(q_seq, q_pos, num_seqs: int, block_q: int):
     return s_b, t0, n_b, tok_block, tok_row
 
 
+def _search_pages(page_table, slot_pos, s_b, values, npg, side: str):
+    """Per (block, head): number of the head's first `npg` pages whose first stored position is < value
+    ("left") or <= value ("right"); pages are in position order. An unrolled binary search of gathers
+    (one XLA fusion; the earlier vmapped `searchsorted` ran a device while-loop per search)."""
+    nb, hkv = values.shape
+    mp = page_table.shape[-1]
+    hh = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[None, :], (nb, hkv))
+    ss = jnp.broadcast_to(s_b[:, None], (nb, hkv))
+    lo = jnp.zeros((nb, hkv), jnp.int32)
+    hi = npg.astype(jnp.int32)
+    for _ in range(max(1, int(mp).bit_length())):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        page = page_table[ss, hh, jnp.clip(mid, 0, mp - 1)]
+        first = slot_pos[jnp.maximum(page, 0), 0]
+        go = (first < values) if side == "left" else (first <= values)
+        lo = jnp.where(active & go, mid + 1, lo)
+        hi = jnp.where(active & ~go, mid, hi)
+    return lo
+
+
 def _page_ranges(slot_pos, page_table, lengths, sink, window, s_b, qmin, qmax, n_b, ordered: bool):
     """Per (block, head): (nsc, w0, nv) virtual page range, see kernel.py."""
-    s, hkv, mp = page_table.shape
     page_size = slot_pos.shape[1]
     lens = lengths[s_b]                                               # [NB, Hkv]
     npg = (lens + page_size - 1) // page_size
     if not ordered:
         zero = jnp.zeros_like(npg)
         return zero, zero, jnp.where(n_b[:, None] > 0, npg, 0)
-    # first stored position of every page, +inf past the head's used pages (sorted when ordered)
-    first = slot_pos[jnp.maximum(page_table, 0), 0]                    # [S, Hkv, MP]
-    used = jnp.arange(mp)[None, None, :] < ((lengths + page_size - 1) // page_size)[..., None]
-    first = jnp.where(used, first, _INT_MAX)
     is_local = window > 0                                             # [Hkv]
     wstart = qmin[:, None] - window[None, :] + 1                      # [NB, Hkv]
-
-    def count(row_fn, values, side):
-        # rows of `first` per (s, h) searched with the values of every block, then picked per block
-        per_sh = jax.vmap(jax.vmap(lambda r, v: jnp.searchsorted(r, v, side=side), (0, 1)), (0, None))(
-            first, values)                                            # [S, Hkv, NB]
-        return per_sh[s_b, :, jnp.arange(s_b.shape[0])]              # [NB, Hkv]
-
-    hi = jnp.minimum(count(None, jnp.broadcast_to(qmax[:, None], wstart.shape), "right"), npg)
-    ns = count(None, jnp.broadcast_to(sink[None, :], wstart.shape), "left")
-    wl = jnp.maximum(count(None, wstart, "left") - 1, 0)
+    count = functools.partial(_search_pages, page_table, slot_pos, s_b, npg=npg)
+    hi = count(jnp.broadcast_to(qmax[:, None], wstart.shape), side="right")
+    ns = count(jnp.broadcast_to(sink[None, :], wstart.shape), side="left")
+    wl = jnp.maximum(count(wstart, side="left") - 1, 0)
     nsc = jnp.where(is_local, jnp.minimum(ns, hi), 0)
     w0 = jnp.where(is_local, jnp.maximum(wl, nsc), 0)
     nv = nsc + jnp.maximum(hi - w0, 0)
@@ -79,21 +91,34 @@ def _page_ranges(slot_pos, page_table, lengths, sink, window, s_b, qmin, qmax, n
 
 
 def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, max_pages: int, page_size: int):
-    """Heuristic block config: (block_q, num_splits, pages_per_block)."""
+    """Heuristic block config: (block_q, num_splits, pages_per_block).
+
+    Decode: DECODE_KEYS keys per inner step; splits of ~SPLIT_KEYS keys (at least ~4 programs per H200 SM over
+    all units). Empty splits exit at once and are never merged, so a generous split count costs local
+    heads (whose sink + window range fits one split) almost nothing while global heads spread out.
+    """
     decode = num_tokens <= num_seqs
     block_q = 1 if decode else 16
-    ppb = max(1, 128 // page_size) if decode else max(1, 64 // page_size)
-    nb = min(num_tokens, pl.cdiv(num_tokens, block_q) + num_seqs)
-    want = pl.cdiv(4 * 132, max(1, nb * num_kv_heads))              # ~4 programs per H200 SM
-    num_splits = int(max(1, min(want, pl.cdiv(max_pages, ppb), 64)))
+    ppb = max(1, (DECODE_KEYS if decode else PREFILL_KEYS) // page_size)
+    nb = num_tokens if block_q == 1 else min(num_tokens, pl.cdiv(num_tokens, block_q) + num_seqs)
+    by_keys = pl.cdiv(max_pages * page_size, SPLIT_KEYS)
+    by_occupancy = pl.cdiv(4 * 132, max(1, nb * num_kv_heads))
+    num_splits = int(max(1, min(max(by_keys, by_occupancy), pl.cdiv(max_pages, ppb), 64)))
     return block_q, num_splits, ppb
+
+
+DECODE_KEYS = 128    # keys per inner iteration for decode
+SPLIT_KEYS = 4096    # keys per split-K program for decode (H200 sweep, docs/kernels.md)
+DECODE_LAUNCH = (4, 2)     # (num_warps, num_stages) for block_q == 1
+PREFILL_LAUNCH = (4, 3)
+PREFILL_KEYS = 32    # keys per inner iteration for prefill (block_q 16 -> 64 rows)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "ordered", "block_q", "num_splits", "pages_per_block",
                                              "interpret", "num_warps", "num_stages"))
 def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
                            scale, ordered=False, block_q=None, num_splits=None, pages_per_block=None,
-                           interpret=False, num_warps=4, num_stages=2):
+                           interpret=False, num_warps=None, num_stages=None):
     t, hq, d = q.shape
     s, hkv, mp = page_table.shape
     page_size = k_pages.shape[1]
@@ -103,44 +128,83 @@ def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q
     num_splits = cfg[1] if num_splits is None else num_splits
     ppb = cfg[2] if pages_per_block is None else pages_per_block
     rows = next_pow2(max(16, block_q * g))
+    launch = DECODE_LAUNCH if block_q == 1 else PREFILL_LAUNCH
+    num_warps = launch[0] if num_warps is None else num_warps
+    num_stages = launch[1] if num_stages is None else num_stages
+    meta, qpos_rows, q_rows, gather = _prepare(q, slot_pos, page_table, lengths, q_seq, q_pos, sink, window,
+                                               block_q=block_q, rows=rows, ordered=ordered)
+    o_blk, lse_blk = _run(meta, qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos, scale=scale,
+                          num_splits=num_splits, ppb=ppb, num_warps=num_warps, num_stages=num_stages,
+                          interpret=interpret, out_dtype=q.dtype)
+    return gather(o_blk, lse_blk)
 
+
+def _prepare(q, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *, block_q, rows, ordered):
+    """Kernel metadata: meta [NB, Hkv, 8], qpos_rows [NB, R], q_rows [NB, Hkv, R, D] and the output gather."""
+    t, hq, d = q.shape
+    s, hkv, mp = page_table.shape
+    g = hq // hkv
     q_seq = jnp.where(q_seq >= 0, q_seq, -1).astype(jnp.int32)
-    s_b, t0, n_b, tok_block, tok_row = _query_blocks(q_seq, q_pos, s, block_q)
+    q_pos = q_pos.astype(jnp.int32)
+    pad = (q_seq < 0)[:, None]
     r = jnp.arange(rows, dtype=jnp.int32)
-    row_tok = r // g
-    row_g = r % g
-    row_ok = r[None, :] < (n_b * g)[:, None]                          # [NB, R]
-    t_idx = jnp.clip(t0[:, None] + row_tok[None, :], 0, t - 1)
-    qpos_rows = jnp.where(row_ok, q_pos[t_idx], -1).astype(jnp.int32)
-    q4 = q.reshape(t, hkv, g, d)
-    q_rows = q4[t_idx, :, jnp.broadcast_to(row_g[None, :], t_idx.shape), :]   # [NB, R, Hkv, D]
-    q_rows = jnp.where(row_ok[:, :, None, None], q_rows, 0).transpose(0, 2, 1, 3)
+    if block_q == 1:
+        # decode fast path: one block per token, rows = the G query heads of a KV head (no block search)
+        s_b = jnp.clip(q_seq, 0, s - 1)
+        n_b = (q_seq >= 0).astype(jnp.int32)
+        qpos_rows = jnp.where((r[None, :] < g) & (n_b[:, None] > 0), q_pos[:, None], -1)
+        q_rows = jnp.pad(q.reshape(t, hkv, g, d), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+        qmin = qmax = q_pos
 
-    qmin = q_pos[t0]
-    qmax = q_pos[jnp.clip(t0 + n_b - 1, 0, t - 1)]
+        def gather(o_blk, lse_blk):
+            out = o_blk[:, :, :g].reshape(t, hq, d)
+            lse = lse_blk[:, :, :g].reshape(t, hq)
+            return jnp.where(pad[..., None], 0, out).astype(q.dtype), jnp.where(pad, -jnp.inf, lse)
+    else:
+        s_b, t0, n_b, tok_block, tok_row = _query_blocks(q_seq, q_pos, s, block_q)
+        row_tok = r // g
+        row_g = r % g
+        row_ok = r[None, :] < (n_b * g)[:, None]                      # [NB, R]
+        t_idx = jnp.clip(t0[:, None] + row_tok[None, :], 0, t - 1)
+        qpos_rows = jnp.where(row_ok, q_pos[t_idx], -1).astype(jnp.int32)
+        q4 = q.reshape(t, hkv, g, d)
+        q_rows = q4[t_idx, :, jnp.broadcast_to(row_g[None, :], t_idx.shape), :]   # [NB, R, Hkv, D]
+        q_rows = jnp.where(row_ok[:, :, None, None], q_rows, 0).transpose(0, 2, 1, 3)
+        qmin = q_pos[t0]
+        qmax = q_pos[jnp.clip(t0 + n_b - 1, 0, t - 1)]
+
+        def gather(o_blk, lse_blk):
+            # rows back to [T, Hq, D]: row = tok_row * G + g of block tok_block, KV head h
+            qh = jnp.arange(hq, dtype=jnp.int32)
+            row_idx = tok_row[:, None] * g + (qh % g)[None, :]        # [T, Hq]
+            out = o_blk[tok_block[:, None], (qh // g)[None, :], row_idx]
+            lse = lse_blk[tok_block[:, None], (qh // g)[None, :], row_idx]
+            return jnp.where(pad[..., None], 0, out).astype(q.dtype), jnp.where(pad, -jnp.inf, lse)
+
     nsc, w0, nv = _page_ranges(slot_pos, page_table, lengths, sink, window, s_b, qmin, qmax, n_b, ordered)
     unit = s_b[:, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None, :]
     zeros = jnp.zeros_like(unit)
     meta = jnp.stack([unit, lengths[s_b], nsc, w0, nv, jnp.broadcast_to(sink[None], unit.shape),
                       jnp.broadcast_to(window[None], unit.shape), zeros], axis=-1).astype(jnp.int32)
     assert meta.shape[-1] == META_WIDTH
+    return meta, qpos_rows, q_rows, gather
 
-    o_part, l_part = paged_attention_blocks(
-        meta, qpos_rows, q_rows, page_table.reshape(-1).astype(jnp.int32), k_pages, v_pages, slot_pos,
-        scale=float(scale), num_splits=num_splits, pages_per_block=ppb, max_pages=mp,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    if num_splits > 1:
-        o_blk, lse_blk = lse_merge(o_part, l_part, out_dtype=q.dtype,
-                                   implementation="pallas", interpret=interpret)
-    else:
-        o_blk, lse_blk = o_part[0].astype(q.dtype), l_part[0]
-    # gather rows back to [T, Hq, D]: row = tok_row * G + g of block tok_block, KV head h
-    qh = jnp.arange(hq, dtype=jnp.int32)
-    row_idx = tok_row[:, None] * g + (qh % g)[None, :]                 # [T, Hq]
-    out = o_blk[tok_block[:, None], (qh // g)[None, :], row_idx]       # [T, Hq, D]
-    lse = lse_blk[tok_block[:, None], (qh // g)[None, :], row_idx]
-    pad = (q_seq < 0)[:, None]
-    return jnp.where(pad[..., None], 0, out).astype(q.dtype), jnp.where(pad, -jnp.inf, lse)
+
+def _run(meta, qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos, *, scale, num_splits, ppb,
+         num_warps, num_stages, interpret, out_dtype):
+    """Attention kernel + per-unit merge of the written splits -> (out [NB, Hkv, R, D], lse [NB, Hkv, R])."""
+    mp = page_table.shape[-1]
+    kw = dict(scale=float(scale), num_splits=num_splits, pages_per_block=ppb, max_pages=mp,
+              num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    pt_flat = page_table.reshape(-1).astype(jnp.int32)
+    if num_splits == 1:
+        o, l_ = paged_attention_blocks(meta, qpos_rows, q_rows, pt_flat, k_pages, v_pages, slot_pos,
+                                       out_dtype=out_dtype, **kw)
+        return o[0], l_[0]
+    o_part, l_part = paged_attention_blocks(meta, qpos_rows, q_rows, pt_flat, k_pages, v_pages, slot_pos,
+                                            **kw)
+    return merge_splits(meta, o_part, l_part, pps=split_pages(mp, num_splits, ppb), out_dtype=out_dtype,
+                        interpret=interpret)
 
 
 def _reference(*args, **kwargs):

@@ -5,8 +5,16 @@ tokens of one sequence; its rows are those tokens x the G query heads of KV head
 of two >= 16 for the MMA). The program walks a *virtual page range* of its (sequence, head) unit:
 the sink pages [0, nsc) followed by the window pages [w0, w0 + nv - nsc) (api.py derives both from the
 stored first slot position of each page when pages are in position order; otherwise nsc = 0,
-w0 = 0 and nv = all pages). Split k takes virtual pages [k*pps, (k+1)*pps); partial (out, lse) pairs
-are merged by the LSE merge kernel, so a 128K-token global head is spread over many programs.
+w0 = 0 and nv = all pages). Split k takes virtual pages [k*pps, (k+1)*pps).
+
+Keys are gathered slot by slot from the pool viewed flat ([N * P, D], a free reshape outside the kernel):
+`k_ref[slot_ids]` is a [block_k, D] tile that feeds the MMA directly, so Triton's pipeliner can turn it
+into multi-stage asynchronous copies (the earlier page gather `[ppb, P, D]` + in-register reshape could
+not be pipelined).
+
+Split-K: a split with no pages (k > 0 and k * pps >= nv) returns at once and writes nothing; split 0
+always writes (0 / -inf for a unit that sees nothing). `merge_splits` then merges, per unit, only its
+`max(1, cdiv(nv, pps))` written splits, so local heads (1 split) cost one copy and global heads many.
 """
 
 from __future__ import annotations
@@ -24,55 +32,46 @@ META_WIDTH = 8
 _NEG = -1e30  # finite mask value: keeps m - m_new free of inf - inf when a block is fully masked
 
 
-def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *,
-            scale: float, page_size: int, ppb: int, pps: int, max_pages: int):
-    split = pl.program_id(2)
+def _attend(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *, v_lo, v_hi,
+            scale: float, page_size: int, ppb: int, max_pages: int):
     unit = meta_ref[0]
     length = meta_ref[1]
     nsc = meta_ref[2]
     w0 = meta_ref[3]
-    nv = meta_ref[4]
     sink = meta_ref[5]
     window = meta_ref[6]
-    v_lo = split * pps
-    v_hi = jnp.minimum(v_lo + pps, nv)
 
     q = q_ref[...]                      # [R, D] storage dtype
     qpos = qpos_ref[...]                # [R] int32, -1 = padding row
     rows, head_dim = q.shape
     bk = ppb * page_size
+    tf32 = False if q.dtype == jnp.float32 else None     # fp32 pools (parity runs): exact fp32 products
     kk = lax.broadcasted_iota(jnp.int32, (bk,), 0)
     kk_page = kk // page_size
     kk_off = kk % page_size
-    pj = lax.broadcasted_iota(jnp.int32, (ppb,), 0)
 
     def body(it, carry):
         o, m, lsum = carry
-        base = v_lo + it * ppb
-        # per page of the block
-        vp = base + pj
-        jp = jnp.where(vp < nsc, vp, vp - nsc + w0)
-        okp = (vp < v_hi) & (jp < max_pages)
-        pages = pt_ref[unit * max_pages + jnp.where(okp, jp, 0)]
-        pages = jnp.where(okp & (pages >= 0), pages, 0)
-        # per key of the block (same arithmetic, no gather)
-        vk = base + kk_page
-        jk = jnp.where(vk < nsc, vk, vk - nsc + w0)
-        slot = jk * page_size + kk_off
-        k = k_ref[pages].reshape(bk, head_dim)
-        v = v_ref[pages].reshape(bk, head_dim)
-        kpos = pos_ref[pages].reshape(bk)
-        kvalid = (vk < v_hi) & (slot < length) & (kpos >= 0)
+        vk = v_lo + it * ppb + kk_page                                 # virtual page of every key
+        jk = jnp.where(vk < nsc, vk, vk - nsc + w0)                    # page index in the unit's list
+        okk = (vk < v_hi) & (jk < max_pages)
+        page = pt_ref[unit * max_pages + jnp.where(okk, jk, 0)]        # [bk] (same id P times: cached)
+        okk = okk & (page >= 0)
+        sid = jnp.where(okk, page, 0) * page_size + kk_off             # flat slot id
+        k = k_ref[sid]                                                 # [bk, D]
+        v = v_ref[sid]
+        kpos = pos_ref[sid]                                            # [bk]
+        kvalid = okk & (jk * page_size + kk_off < length) & (kpos >= 0)
         vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         local = (kpos[None, :] > qpos[:, None] - window) | (kpos[None, :] < sink)
         vis = vis & ((window == 0) | local)
-        s = plt.dot(q, k, trans_b=True).astype(jnp.float32) * scale       # [R, bk]
+        s = plt.dot(q, k, trans_b=True, allow_tf32=tf32).astype(jnp.float32) * scale   # [R, bk]
         s = jnp.where(vis, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         l_new = lsum * corr + jnp.sum(p, axis=1)
-        o_new = o * corr[:, None] + plt.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        o_new = o * corr[:, None] + plt.dot(p.astype(v.dtype), v, allow_tf32=tf32).astype(jnp.float32)
         return o_new, m_new, l_new
 
     o0 = jnp.zeros((rows, head_dim), jnp.float32)
@@ -86,21 +85,41 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
     lse_ref[...] = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
 
 
+def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *,
+            scale: float, page_size: int, ppb: int, pps: int, max_pages: int, num_splits: int):
+    split = pl.program_id(2)
+    nv = meta_ref[4]
+    v_lo = split * pps
+    v_hi = jnp.minimum(v_lo + pps, nv)
+    attend = functools.partial(_attend, meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref,
+                               lse_ref, v_lo=v_lo, v_hi=v_hi, scale=scale, page_size=page_size, ppb=ppb,
+                               max_pages=max_pages)
+    if num_splits == 1:
+        attend()
+    else:
+        pl.when((split == 0) | (v_lo < nv))(attend)   # empty splits exit early and write nothing
+
+
 def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_pages, slot_pos, *,
                            scale: float, num_splits: int, pages_per_block: int, max_pages: int,
-                           num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                           num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+                           out_dtype=jnp.float32):
     """Run the kernel over prepared blocks.
 
     meta [NB, Hkv, 8] int32, qpos_rows [NB, R] int32, q_rows [NB, Hkv, R, D],
     page_table_flat [S * Hkv * max_pages] int32, pools as in the contract.
-    Returns partial out [K, NB, Hkv, R, D] float32 and lse [K, NB, Hkv, R] float32.
+    Returns partial out [K, NB, Hkv, R, D] and lse [K, NB, Hkv, R] float32; only the splits
+    `k < max(1, cdiv(nv, pps))` of a unit are written (see `merge_splits`).
     """
     nb, hkv, rows, d = q_rows.shape
-    page_size = k_pages.shape[1]
+    n, page_size = slot_pos.shape
     ppb = pages_per_block
-    pps = pl.cdiv(pl.cdiv(max_pages, num_splits), ppb) * ppb
+    pps = split_pages(max_pages, num_splits, ppb)
     kernel = functools.partial(_kernel, scale=scale, page_size=page_size, ppb=ppb, pps=pps,
-                               max_pages=max_pages)
+                               max_pages=max_pages, num_splits=num_splits)
+    k_flat = k_pages.reshape(n * page_size, d)
+    v_flat = v_pages.reshape(n * page_size, d)
+    pos_flat = slot_pos.reshape(n * page_size)
     full = lambda x: pl.BlockSpec(x.shape, lambda b, h, k: (0,) * x.ndim)
     return pl.pallas_call(
         kernel,
@@ -109,15 +128,62 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
             pl.BlockSpec((None, None, META_WIDTH), lambda b, h, k: (b, h, 0)),
             pl.BlockSpec((None, rows), lambda b, h, k: (b, 0)),
             pl.BlockSpec((None, None, rows, d), lambda b, h, k: (b, h, 0, 0)),
-            full(page_table_flat), full(k_pages), full(v_pages), full(slot_pos),
+            full(page_table_flat), full(k_flat), full(v_flat), full(pos_flat),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, d), lambda b, h, k: (k, b, h, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, k: (k, b, h, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, nb, hkv, rows, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((num_splits, nb, hkv, rows, d), out_dtype),
                    jax.ShapeDtypeStruct((num_splits, nb, hkv, rows), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxkv_ragged_paged_attention",
-    )(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_pages, slot_pos)
+    )(meta, qpos_rows, q_rows, page_table_flat, k_flat, v_flat, pos_flat)
+
+
+def split_pages(max_pages: int, num_splits: int, ppb: int) -> int:
+    """Virtual pages per split (a multiple of pages_per_block)."""
+    return pl.cdiv(pl.cdiv(max_pages, num_splits), ppb) * ppb
+
+
+def _merge_kernel(meta_ref, o_ref, l_ref, out_ref, lse_ref, *, pps: int):
+    nsplit = jnp.maximum(pl.cdiv(meta_ref[4], pps), 1)
+
+    def body(k, carry):
+        m, tot, acc = carry
+        lk = l_ref[k]                                                 # [R]
+        ok = lk > -jnp.inf
+        lkf = jnp.where(ok, lk, _NEG)
+        m_new = jnp.maximum(m, lkf)
+        a = jnp.exp(m - m_new)
+        w = jnp.where(ok, jnp.exp(lkf - m_new), 0.0)
+        return m_new, tot * a + w, acc * a[:, None] + w[:, None] * o_ref[k].astype(jnp.float32)
+
+    rows, d = out_ref.shape
+    m0 = jnp.full((rows,), _NEG, jnp.float32)
+    m, tot, acc = lax.fori_loop(0, nsplit, body, (m0, jnp.zeros((rows,), jnp.float32),
+                                                  jnp.zeros((rows, d), jnp.float32)))
+    seen = tot > 0
+    denom = jnp.where(seen, tot, 1.0)
+    out_ref[...] = jnp.where(seen[:, None], acc / denom[:, None], 0.0).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
+
+
+def merge_splits(meta, o_part, l_part, *, pps: int, out_dtype, interpret: bool = False):
+    """Merge each unit's written splits: o_part [K, NB, Hkv, R, D] -> out [NB, Hkv, R, D], lse."""
+    k, nb, hkv, rows, d = o_part.shape
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, pps=pps),
+        grid=(nb, hkv),
+        in_specs=[pl.BlockSpec((None, None, META_WIDTH), lambda b, h: (b, h, 0)),
+                  pl.BlockSpec((k, None, None, rows, d), lambda b, h: (0, b, h, 0, 0)),
+                  pl.BlockSpec((k, None, None, rows), lambda b, h: (0, b, h, 0))],
+        out_specs=[pl.BlockSpec((None, None, rows, d), lambda b, h: (b, h, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((nb, hkv, rows, d), out_dtype),
+                   jax.ShapeDtypeStruct((nb, hkv, rows), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxkv_paged_attention_merge",
+    )(meta, o_part, l_part)

@@ -15,6 +15,9 @@ CASES = [  # (q_lens, ring, ordered, num_splits, block_q)
     ((1, 1, 1), False, True, 3, None),      # decode, page-range skipping, split-K + LSE merge
     ((6, 3, 0), False, True, 2, 4),         # chunked prefill, one sequence without queries
     ((9, 1, 2), True, False, 1, 4),         # ring storage: scan every page
+    ((1, 1, 1), False, True, 4, 1),         # decode fast path (one block per token), empty splits skipped
+    ((6, 3, 0), False, True, 3, 1),         # one-token blocks for a chunk (window / causal cut per token)
+    ((2, 1, 3), True, False, 2, 1),         # decode fast path over a ring
 ]
 
 
