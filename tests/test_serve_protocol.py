@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from jaxkv.engine.detok import TextStream
 from jaxkv.serve import protocol as P
-from jaxkv.serve.detok import TextStream
 
 
 def byte_decode(ids) -> str:

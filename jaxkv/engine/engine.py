@@ -19,6 +19,7 @@ from jaxkv.cache.head_classes import HeadClassMap, all_global, load_or_default
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.cache.tables import HeadPageTables
 from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.detok import TextStream
 from jaxkv.engine.request import Request, RequestOutput, Status
 from jaxkv.engine.runner import ModelRunner, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
@@ -104,7 +105,9 @@ class Engine:
             raise ValueError(f"a request of {total} tokens needs more KV pages than the pool holds "
                              f"({self.allocator.num_pages}); raise num_pages or lower max_tokens")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
-        req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key)
+        stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if self.tokenizer else None
+        req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
+                      stream=stream)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -174,20 +177,22 @@ class Engine:
     def _check_stop(self, req: Request) -> None:
         sp, last = req.sampling, req.output_ids[-1]
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
-        text_ids = req.output_ids[:-1] if last in stop_ids else req.output_ids
-        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
-        hit = min((i for i in (text.find(s) for s in sp.stop) if i >= 0), default=-1)
+        out_of_room = len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len
+        stream = req.stream
         if last in stop_ids:
-            req.finish_reason = "stop"
-        elif hit >= 0:
-            text, req.finish_reason = text[:hit], "stop"
-        elif len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "stop"  # counted as an output token, never shown as text
+        elif stream is not None:
+            stream.add([last], final=out_of_room)
+            if stream.stopped:
+                req.finish_reason = "stop"
+        if req.finish_reason is None and out_of_room:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             req.status = Status.FINISHED
-        else:
-            text = text[:len(text) - _held_back(text, sp.stop)]
-        req.text = text
+        if stream is not None:
+            # While running, withhold a tail that may be the start of a stop string.
+            held = 0 if req.finished else _held_back(stream.text, sp.stop)
+            req.text = stream.text[:len(stream.text) - held]
 
     def _output(self, req: Request, new_ids, new_logprobs) -> RequestOutput:
         return RequestOutput(req.request_id, new_ids, req.text, req.finished, req.finish_reason,

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from jaxkv.engine.detok import TextStream
 from jaxkv.sampling import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served by the prefix cache at the last admission
+    stream: TextStream | None = None  # incremental output text + stop strings (None without a tokenizer)
     text: str = ""
     finish_reason: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)

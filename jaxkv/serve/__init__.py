@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server over the continuous-batching engine: `python -m jaxkv.serve`.
 
-Modules: `protocol` (schemas, validation, error bodies), `detok` (streamed text, stop strings),
+Modules: `protocol` (schemas, validation, error bodies),
 `engine_loop` (the engine's thread), `metrics` (Prometheus), `app` (routes), `server` (wiring, uvicorn).
 """
 

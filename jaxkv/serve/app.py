@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxkv.engine.detok import TextStream
 from jaxkv.serve import protocol as P
-from jaxkv.serve.detok import TextStream
 from jaxkv.serve.engine_loop import EngineDeadError, EngineLoop
 from jaxkv.serve.metrics import CONTENT_TYPE, ServeMetrics
 
