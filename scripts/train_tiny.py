@@ -462,7 +462,11 @@ def plot_loss(logs: list[Path], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines() if line.strip()]
+    rows, offset = [], 0
+    for log in logs:  # continuation runs count steps from 0 again: lay them end to end
+        part = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        rows += [r | {"step": r["step"] + offset} for r in part]
+        offset = rows[-1]["step"] if rows else 0
     step = np.array([r["step"] for r in rows])
     loss = np.array([r["loss"] for r in rows])
     acc = np.array([r["answer_acc"] for r in rows])
