@@ -78,7 +78,7 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
-        arrays = {f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # numpy: jit transfers
         tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads}, cfg=self.cfg,
                                          attn_impl=self.attn_impl)
         return np.asarray(tokens), np.asarray(logprobs)
