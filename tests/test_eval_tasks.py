@@ -34,14 +34,27 @@ def test_structure_and_length(task, context, tok):
 def test_answers_grounded_in_segments():
     inst = make_instance("mq_niah", 2048, 0, 0)
     body = "".join(inst.segments)
-    assert all(f"is {n} ." in body for n in inst.answers)
+    for k, n in zip(inst.meta["keys"], inst.answers, strict=True):
+        assert f" {k} {n} {k} ." in body  # needle: the number right after its key
+        assert inst.target.count(f"{k} {n} {k}") == 1
     vt = make_instance("vt", 4096, 0, 1)
-    seg_of = {v: next(i for i, s in enumerate(vt.segments) if f"var {v} =" in s) for v in vt.answers}
+    seg_of = {v: next(i for i, s in enumerate(vt.segments) if f" {v} " in s) for v in vt.answers}
     assert len(set(seg_of.values())) > 1  # the chain crosses segment boundaries
+    vt_body = "".join(vt.segments)
+    walk = [vt.meta["value"], *vt.answers]
+    assert vt.target.split() == walk
+    for a, b in zip(walk, walk[1:]):  # one-token hops: each name is the left element of exactly one pair
+        assert vt_body.count(f"var {a} ") == 1 and f"var {a} {b} ." in vt_body
     qa = make_instance("qa", 4096, 0, 2)
     assert qa.meta["gold_docs"][0] != qa.meta["gold_docs"][1]
+    person, city, country = qa.target.split()
+    qa_body = "".join(qa.segments)
+    assert f"person {person} {city} born ." in qa_body and f"city {city} {country} located ." in qa_body
     ch = make_instance("chain", 8192, 0, 0)
     assert len(ch.answers) >= 200  # long generation
+    ch_body = "".join(ch.segments)
+    assert all(f"go {a} {b} ." in ch_body for a, b in zip(ch.answers, ch.answers[1:]))
+    assert ch.target.split() == list(ch.answers)
 
 
 def test_bad_arguments():

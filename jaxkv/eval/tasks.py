@@ -122,23 +122,24 @@ def _default_segments(context: int) -> int:
     return max(2, min(8, context // 1024))
 
 
-def mq_niah(rng: random.Random, context: int, num_segments: int | None = None) -> Instance:
+def mq_niah(rng: random.Random, context: int, num_segments: int | None = None,
+            num_queries: int | None = None) -> Instance:
+    """Needles ``... number KEY NUMBER KEY .``; the question lists 1-4 keys side by side and the answer
+    re-lists them as ``KEY NUMBER KEY``: every answer token follows a unique token (the key just written:
+    its number in the needle, the next queried key in the question) or continues the copied needle."""
     ns = num_segments or _default_segments(context)
     keys = rng.sample(pools()["keys"], 6)
     nums = [_num(rng, 6) for _ in keys]
-    queried = rng.sample(range(len(keys)), 4)
-    needles = [["the", "special", "magic", "number", "for", k, "is", n, "."]
-               for k, n in zip(keys, nums, strict=True)]
+    nq = num_queries or rng.randint(1, 4)
+    queried = rng.sample(range(len(keys)), nq)
+    needles = [["the", "special", "magic", "number", k, n, k, "."] for k, n in zip(keys, nums, strict=True)]
     prefix = USER_OPEN + ("some special magic numbers are hidden in the text below . "
                           "memorize them , i will ask about them .\n")
     qk = [keys[i] for i in queried]
-    q = ["what", "are", "the", "special", "magic", "numbers", "for"]
-    for i, k in enumerate(qk):
-        q += [k] + ([","] if i < len(qk) - 2 else (["and"] if i == len(qk) - 2 else []))
-    q += ["?"]
+    q = ["what", "are", "the", "special", "magic", "numbers", "for", *qk, "?"]
     tgt = []
     for i, k in enumerate(qk):
-        tgt += [k, ":", nums[queried[i]]] + ([","] if i < len(qk) - 1 else [])
+        tgt += [k, nums[queried[i]], k]
     budget = _layout(context, prefix, q, count_tokens(tgt), ns)
     segs = _spread(rng, needles, ns, budget, keep_order=False)
     return Instance("mq_niah", prefix, tuple(segs), " ".join(q) + " " + ASSISTANT_OPEN, " ".join(tgt),
@@ -150,11 +151,13 @@ def vt(rng: random.Random, context: int, num_segments: int | None = None, num_ch
     ns = num_segments or _default_segments(context)
     names = rng.sample(pools()["vars"], num_chains * (num_hops + 1))
     chains = [names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)] for c in range(num_chains)]
-    values = rng.sample(range(10000, 99999), num_chains)
+    values = rng.sample(pools()["attr_values"], num_chains)
+    # Source-first statements ``var SRC DST .`` (DST takes the value of SRC): every name is the left
+    # element of exactly one statement, so each hop is the word right after the word just written.
     stmts = []
     for c, chain in enumerate(chains):
-        s = [["var", chain[0], "=", str(values[c]), "."]]
-        s += [["var", chain[h + 1], "=", "var", chain[h], "."] for h in range(num_hops)]
+        s = [["var", values[c], chain[0], "."]]
+        s += [["var", chain[h], chain[h + 1], "."] for h in range(num_hops)]
         stmts.append(s)
     # Interleave chains while keeping each chain's order: merged sequence, then spread in order.
     merged, heads = [], [0] * num_chains
@@ -163,10 +166,8 @@ def vt(rng: random.Random, context: int, num_segments: int | None = None, num_ch
         merged.append(stmts[c][heads[c]])
         heads[c] += 1
     prefix = USER_OPEN + ("memorize and track the chain of variable assignments hidden in the text below .\n")
-    q = ["find", "all", "variables", "that", "are", "assigned", "the", "value", str(values[0]), "."]
-    tgt = []
-    for i, v in enumerate(chains[0]):
-        tgt += [v] + ([","] if i < num_hops else [])
+    q = ["find", "all", "variables", "that", "are", "assigned", "the", "value", values[0], "."]
+    tgt = [values[0], *chains[0]]
     budget = _layout(context, prefix, q, count_tokens(tgt), ns)
     segs = _spread(rng, merged, ns, budget, keep_order=True)
     return Instance("vt", prefix, tuple(segs), " ".join(q) + " " + ASSISTANT_OPEN, " ".join(tgt),
@@ -231,8 +232,10 @@ def qa(rng: random.Random, context: int, num_segments: int | None = None) -> Ins
     persons = rng.sample(p["persons"], nf)
     cities = rng.sample(p["cities"], nf)
     countries = [rng.choice(p["countries"]) for _ in cities]
-    facts = [["person", persons[i], "was", "born", "in", cities[i], "."] for i in range(nf)]
-    facts += [["the", "city", cities[i], "is", "located", "in", countries[i], "."] for i in range(nf)]
+    # ``person P C`` (P was born in city C) and ``city C K`` (city C is located in country K): each hop is
+    # the word right after the word just written.
+    facts = [["person", persons[i], cities[i], "born", "."] for i in range(nf)]
+    facts += [["city", cities[i], countries[i], "located", "."] for i in range(nf)]
     rng.shuffle(facts)
     gold_p = rng.randrange(nf)
     # Person fact and city fact of the gold person go to two different random documents.
@@ -241,13 +244,13 @@ def qa(rng: random.Random, context: int, num_segments: int | None = None) -> Ins
     for f in facts:
         if f[1] == persons[gold_p]:
             docs[gold_docs[0]].append(f)
-        elif f[2] == cities[gold_p]:
+        elif f[0] == "city" and f[1] == cities[gold_p]:
             docs[gold_docs[1]].append(f)
         else:
             docs[rng.randrange(ns)].append(f)
     prefix = USER_OPEN + "answer the question based on the documents below .\n"
     q = ["in", "which", "country", "was", "person", persons[gold_p], "born", "?"]
-    tgt = [cities[gold_p], ",", countries[gold_p]]
+    tgt = [persons[gold_p], cities[gold_p], countries[gold_p]]
     budget = _layout(context, prefix, q, count_tokens(tgt), ns) - 3
     segs = [_join(["document", str(d + 1), ":"] + _fill(rng, budget, docs[d], keep_order=False))
             for d in range(ns)]
@@ -267,24 +270,27 @@ def chat(rng: random.Random, context: int, num_segments: int | None = None) -> I
             for a in attrs]
     facts = []
     for a, v in zip(attrs, vals, strict=True):
-        facts.append(["<|user|>", "my", *CHAT_ATTRS[a], "is", v, ".", END_OF_TURN, "<|assistant|>",
+        facts.append(["<|user|>", "my", *CHAT_ATTRS[a], v, ".", END_OF_TURN, "<|assistant|>",
                       "okay", ",", "i", "will", "keep", "that", "in", "mind", ".", END_OF_TURN])
     asked = rng.sample(range(4), 2)
     q = ["<|user|>", "what", "are", "my", *CHAT_ATTRS[attrs[asked[0]]], "and", "my",
          *CHAT_ATTRS[attrs[asked[1]]], "?"]
-    tgt = ["your", *CHAT_ATTRS[attrs[asked[0]]], "is", vals[asked[0]], "and", "your",
-           *CHAT_ATTRS[attrs[asked[1]]], "is", vals[asked[1]]]
+    # The answer is the question with each value right after its attribute (as stated in the facts).
+    tgt = ["my", *CHAT_ATTRS[attrs[asked[0]]], vals[asked[0]], "and", "my",
+           *CHAT_ATTRS[attrs[asked[1]]], vals[asked[1]]]
     budget = _layout(context, prefix, q, count_tokens(tgt), ns)
     # Facts land in the first 3/4 of the history; filler turns are noise chit-chat.
     cuts = sorted(rng.randint(0, max(0, (3 * ns) // 4 - 1)) for _ in facts)
     segs = []
     for s in range(ns):
         items = [f for f, c in zip(facts, cuts, strict=True) if c == s]
-        toks, need = [], budget - sum(len(f) for f in items)
+        toks, need = [], budget - sum(count_tokens(f) for f in items)
         turns = []
         while need > 0:
             t = ["<|user|>", *_noise_sentence(rng), END_OF_TURN,
                  "<|assistant|>", *_noise_sentence(rng), END_OF_TURN]
+            if len(t) > need and turns:  # stop under the budget rather than overshoot it
+                break
             turns.append(t)
             need -= len(t)
         slots = sorted(rng.randint(0, len(turns)) for _ in items)
@@ -306,12 +312,12 @@ def chain(rng: random.Random, context: int, num_segments: int | None = None, ste
     n = steps or max(16, min(256, context // 32))
     p = pools()
     words = rng.sample(p["keys"] + p["vars"] + p["persons"], n + 1)
-    links = [[words[i], "goes", "to", words[i + 1], "."] for i in range(n)]
-    prefix = USER_OPEN + ("the text below hides links of the form a goes to b . "
+    links = [["go", words[i], words[i + 1], "."] for i in range(n)]
+    prefix = USER_OPEN + ("the text below hides links of the form go a b . "
                           "follow the chain of links and write each next word .\n")
     q = ["start", "from", words[0], "and", "follow", "the", "chain", "for", str(n), "steps", "."]
-    tgt = words[1:]
-    budget = _layout(context, prefix, q, n, ns)
+    tgt = words  # the start word, then one word per step (each follows the word just written)
+    budget = _layout(context, prefix, q, n + 1, ns)
     if budget * ns < 6 * n:
         raise ValueError(f"context {context} is too small for {n} chain steps")
     segs = _spread(rng, links, ns, budget, keep_order=False)
