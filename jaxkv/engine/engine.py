@@ -12,6 +12,7 @@ import math
 import os
 import random
 
+import jax
 import numpy as np
 
 from jaxkv.cache.allocator import PageAllocator
@@ -61,7 +62,8 @@ class Engine:
         self._kinds = self.head_classes.kinds()
         self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
         if num_pages is None:
-            per_page = page_size * (2 * cfg.head_dim * 2 + 4)
+            itemsize = np.dtype(kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype).itemsize
+            per_page = page_size * (2 * cfg.head_dim * itemsize + 4)  # K + V + int32 slot position
             want = max_num_seqs * cfg.num_layers * cfg.num_kv_heads * self.max_pages_per_head
             num_pages = max(cfg.num_layers * cfg.num_kv_heads * 2, min(want, kv_cache_bytes // per_page))
         self.allocator = PageAllocator(num_pages)

@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-step-tokens", type=int, default=512,
                    help="tokens (prefill chunks + decodes) per step")
     p.add_argument("--head-classes", default=None,
-                   help="head_classes.json; default: the one next to the model, else all heads global")
+                   help="head_classes.json, or 'global' for full history in every head; default: the "
+                        "head_classes.json next to the model, else all heads global")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV pages of repeated prompt prefixes")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
     import jax
 
     import jaxkv
+    from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
     from jaxkv.serve.server import build_state, serve, warm_up
 
@@ -70,9 +72,12 @@ def main(argv=None) -> int:
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
         model = jaxkv.load(args.model, dtype=dtype)
+        head_classes = args.head_classes
+        if head_classes == "global":
+            head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        max_step_tokens=args.max_step_tokens, head_classes=args.head_classes,
+                        max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching)
         name = args.served_model_name or Path(args.model).resolve().name
         state = build_state(model, engine, name, use_generation_config=args.generation_config)
@@ -81,8 +86,10 @@ def main(argv=None) -> int:
         return 2
     if args.warmup:
         warm_up(engine)
+    classes = ", ".join(f"{n} {k}" for k, n in engine.head_classes.counts().items() if n)
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
-          f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots", flush=True)
+          f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots, KV heads: {classes}, "
+          f"prefix caching {'on' if engine.prefix is not None else 'off'}", flush=True)
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
           started_at=started)
     return 0
