@@ -58,6 +58,12 @@ class TextStream:
             self.text = self.text[:min(hits)]
             self.stopped = True
 
+    def visible(self, final: bool) -> str:
+        """All text so far, less a tail that may still grow into a stop string unless `final`."""
+        if final or self.stopped:
+            return self.text
+        return self.text[:max(0, len(self.text) - self._holdback)]
+
     def take(self, final: bool) -> str:
         """Text not yet handed out; keeps a possible stop-string prefix back unless `final`."""
         end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self._holdback)

@@ -192,9 +192,7 @@ class Engine:
         if req.finish_reason is not None:
             req.status = Status.FINISHED
         if stream is not None:
-            # While running, withhold a tail that may be the start of a stop string.
-            held = 0 if req.finished else _held_back(stream.text, sp.stop)
-            req.text = stream.text[:len(stream.text) - held]
+            req.text = stream.visible(final=req.finished)
 
     def _output(self, req: Request, new_ids, new_logprobs) -> RequestOutput:
         return RequestOutput(req.request_id, new_ids, req.text, req.finished, req.finish_reason,
@@ -221,17 +219,6 @@ class Engine:
             prefix_cache_query_tokens=self.prefix.query_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
             num_preemptions=self.scheduler.num_preemptions)
-
-
-def _held_back(text: str, stops) -> int:
-    """Characters at the end of `text` that may be the start of a stop string (not streamed yet)."""
-    keep = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                keep = max(keep, k)
-                break
-    return keep
 
 
 def _resolve_head_classes(head_classes, model) -> HeadClassMap:
