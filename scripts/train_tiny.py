@@ -335,6 +335,12 @@ def train(args) -> None:
             tc[key] = getattr(args, key)
     if args.curriculum:
         tc["curriculum"] = json.loads(args.curriculum)
+    if args.task_weights:
+        extra = json.loads(args.task_weights)
+        unknown = set(extra) - set(tc["task_weights"])
+        if unknown:
+            raise SystemExit(f"--task-weights: unknown tasks {sorted(unknown)}; known {sorted(tc['task_weights'])}")
+        tc["task_weights"] = {**tc["task_weights"], **extra}
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     total = tc["total_steps"]
@@ -502,6 +508,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, help="override train.total_steps")
     ap.add_argument("--curriculum", help="JSON [[start_fraction, seq_len, batch], ...]")
     ap.add_argument("--lr", type=float)
+    ap.add_argument("--task-weights", help='JSON {"task": weight, ...}; updates the config\'s task_weights')
     ap.add_argument("--min-lr-ratio", type=float)
     ap.add_argument("--warmup-steps", type=int)
     ap.add_argument("--min-context-fraction", type=float)

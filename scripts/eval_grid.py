@@ -1,0 +1,88 @@
+"""Run ``python -m jaxkv.eval`` over a grid of tasks x contexts x methods and print one markdown table.
+
+    python scripts/eval_grid.py --tasks mq_niah,vt,cwe,fwe,qa,chat,chain --contexts 2048,8192 \
+        --methods full --num 12 --seed 101 --jobs 4 --out-dir /tmp/grid
+
+Each cell is its own ``jaxkv.eval`` process (so a cell's failure is contained and every cell leaves its
+JSON in ``--out-dir``); ``--jobs`` run at once. On a GPU the processes share the card, so preallocation
+is switched off. The table is printed last and written to ``--out-dir/table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def run_cell(task: str, context: int, method: str, args) -> dict:
+    out = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.json"
+    cmd = [sys.executable, "-m", "jaxkv.eval", "--task", task, "--method", method, "--context", str(context),
+           "--num", str(args.num), "--seed", str(args.seed), "--out", str(out), "--dtype", args.dtype]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.log"
+    log.write_text(proc.stdout + proc.stderr[-4000:])
+    cell = {"task": task, "context": context, "method": method, "wall_s": time.time() - t0, "rc": proc.returncode}
+    if proc.returncode == 0 and out.is_file():
+        cell |= json.loads(out.read_text())["summary"] | {"accuracy": json.loads(out.read_text())["accuracy"]}
+    print(f"[{cell['wall_s']:6.1f}s] {task:8s} {method:8s} {context:6d} "
+          f"{'accuracy=%.3f' % cell['accuracy'] if 'accuracy' in cell else 'FAILED rc=%d' % proc.returncode}",
+          flush=True)
+    return cell
+
+
+def table(cells: list[dict], args) -> str:
+    lines = [f"seed {args.seed}, {args.num} instances per cell, {args.dtype}", "",
+             "| task | context | method | accuracy | F1 | EM | top-1 vs full | KV MB held | TTFT median s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if "accuracy" not in c:
+            lines.append(f"| {c['task']} | {c['context']} | {c['method']} | failed (rc {c['rc']}) | | | | | |")
+            continue
+        lines.append(f"| {c['task']} | {c['context']} | {c['method']} | **{c['accuracy']:.3f}** | {c['f1']:.3f} | "
+                     f"{c['exact_match']:.3f} | {c['top1_agree']:.3f} | {c['kv_bytes_held'] / 2**20:.1f} | "
+                     f"{c['ttft_s_median']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="mq_niah,vt,cwe,fwe,qa,chat,chain")
+    ap.add_argument("--contexts", default="2048")
+    ap.add_argument("--methods", default="full")
+    ap.add_argument("--num", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=101)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out-dir", default="eval_grid")
+    args = ap.parse_args(argv)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    grid = list(itertools.product(args.tasks.split(","), [int(c) for c in args.contexts.split(",")],
+                                  args.methods.split(",")))
+    # Longest cells first so the pool does not end on one straggler.
+    order = sorted(grid, key=lambda g: -g[1])
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        done = dict(zip(order, pool.map(lambda g: run_cell(*g, args), order)))
+    cells = [done[g] for g in grid]
+    md = table(cells, args)
+    (Path(args.out_dir) / "table.md").write_text(md + "\n")
+    (Path(args.out_dir) / "cells.json").write_text(json.dumps(cells, indent=1))
+    print(md)
+    return 0 if all(c["rc"] == 0 for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
