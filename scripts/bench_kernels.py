@@ -1,10 +1,12 @@
 """GPU benchmark (and --check parity run) of the jaxkv Pallas kernels against their anchors.
 
-Each row times jaxkv and its anchor in the same run (median of --iters calls after warm-up) and the
-table with the exact command goes to the "## Kernels" section of docs/benchmarks.md.
+Each row times jaxkv and its anchor in the same run and the same way (default: device-throughput timing,
+--iters calls enqueued back to back with one block at the end; `--timing host` = the old per-call host
+clock) and the table with the exact command goes to the "## Kernels" section of docs/benchmarks.md.
 
     python scripts/bench_kernels.py --check          # kernels vs jnp twins on the GPU, then benchmark
     python scripts/bench_kernels.py --quick          # small contexts only
+    python scripts/bench_kernels.py --small --out /tmp/b.md   # tiny sizes, CPU interpret mode: logic check
 """
 
 from __future__ import annotations
@@ -30,51 +32,98 @@ from pallas_kernels.rewrite.api import rewrite  # noqa: E402
 from pallas_kernels.rope_shift.api import rope_inv_freq, rope_shift  # noqa: E402
 
 ROWS: list[tuple] = []      # (row, jaxkv, anchor, ratio, target, met)
+HEADER_NOTES: list[str] = []   # lines printed above the table (machine copy ceiling, ...)
 
 
 def log(*a):
     print(*a, flush=True)
 
 
-def timeit(fn, *args, iters=10):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    out = fn(*args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(iters):
+TIMING = {"method": "device", "rounds": 3}   # set from --timing / --rounds in main()
+
+
+def timing_note(iters):
+    if TIMING["method"] == "host":
+        return (f"host timing: median of {iters} calls, each timed with the host clock around "
+                "`block_until_ready` (includes dispatch + sync per call)")
+    return (f"device-throughput timing: 2 warm-up calls, then {iters} calls enqueued back to back "
+            f"(async dispatch, inputs rotated over 2 sets) and one block at the end; time / {iters}, median "
+            f"of {TIMING['rounds']} such rounds")
+
+
+def _sets(args, alts):
+    return [tuple(args)] + [tuple(a) for a in alts]
+
+
+def timeit(fn, *args, iters=10, alts=()):
+    """ms per call of `fn`. `alts`: further argument tuples rotated with `args` (a fresh input per call).
+
+    Device method (default): warm up, enqueue `iters` calls without blocking, block once on the last output
+    (one GPU stream: in order) -> device time per call when dispatch keeps ahead of the GPU. Host method:
+    median of per-call host-clock times around block_until_ready (adds dispatch + sync per call).
+    """
+    sets = _sets(args, alts)
+    for i in range(2):
+        jax.block_until_ready(fn(*sets[i % len(sets)]))
+    if TIMING["method"] == "host":
+        ts = []
+        for i in range(iters):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*sets[i % len(sets)]))
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts)) * 1e3
+    per = []
+    for _ in range(TIMING["rounds"]):
+        out = None
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
+        for i in range(iters):
+            out = fn(*sets[i % len(sets)])
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t) / iters)
+        del out
+    return float(np.median(per)) * 1e3
 
 
 def timeit_state(step, state, iters=10):
-    """For donating functions: state -> state."""
+    """For donating functions: state -> state (each call consumes the previous state, so inputs differ)."""
     for _ in range(2):
         state = step(state)
     jax.block_until_ready(state)
-    ts = []
-    for _ in range(iters):
+    if TIMING["method"] == "host":
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            state = step(state)
+            jax.block_until_ready(state)
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts)) * 1e3, state
+    per = []
+    for _ in range(TIMING["rounds"]):
         t = time.perf_counter()
-        state = step(state)
+        for _ in range(iters):
+            state = step(state)
         jax.block_until_ready(state)
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3, state
+        per.append((time.perf_counter() - t) / iters)
+    return float(np.median(per)) * 1e3, state
 
 
-def best_splits(make, inputs, args):
+def best_splits(make, inputs, args, alts=()):
     """Time the kernel for each --splits value (None = api heuristic); return (best ms, its splits)."""
     res = {}
     for ns in args.splits:
-        res[ns] = timeit(make(ns), *inputs, iters=args.iters)
+        try:
+            res[ns] = timeit(make(ns), *inputs, iters=args.iters, alts=alts)
+        except Exception as e:  # noqa: BLE001 - one split count failing must not lose the row
+            log(f"  splits={ns} failed: {repr(e)[:300]}")
     log("  splits sweep (ms):", res)
+    if not res:
+        raise RuntimeError("every split count failed")
     ns = min(res, key=res.get)
     return res[ns], ns
 
 
 def row(name, ours, anchor, ratio, target=None):
-    met = "" if target is None else ("yes" if ratio >= target else "**no**")
+    met = "" if target is None else ("yes" if ratio >= target else "**no**")   # nan ratio -> no
     ROWS.append((name, ours, anchor, f"{ratio:.2f}x", "" if target is None else f">= {target}x", met))
     log(f"ROW | {name} | {ours} | {anchor} | {ratio:.2f}x | {target} | {met}")
 
@@ -166,52 +215,68 @@ def check(args):
 
 
 # ---------------------------------------------------------------- benchmarks
-def bench_uniform_decode(ctx, page, b, args):
-    from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_paged
-    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+def on_gpu():
+    return jax.default_backend() == "gpu"
 
-    hq, hkv, d = 32, 8, 128
+
+def dpa(q, k, v, **kw):
+    """jax.nn.dot_product_attention: cuDNN on the GPU; XLA elsewhere (--small on CPU: logic check only)."""
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn" if on_gpu() else None, **kw)
+
+
+def bench_uniform_decode(ctx, page, b, args):
+    hq, hkv, d = args.hq, args.hkv, args.d
     scale = 1 / math.sqrt(d)
     key = jax.random.key(ctx + page)
     kp, vp, pos, pt, lens = uniform_pool(key, b, hkv, ctx, page, d)
     q, q_seq, q_pos = decode_queries(jax.random.key(7), b, hq, d, ctx)
+    q2 = jax.random.normal(jax.random.key(17), q.shape, q.dtype)
     zeros = jnp.zeros((hkv,), jnp.int32)
     nbytes = 2 * b * hkv * ctx * d * 2
     t_ours, _ = best_splits(lambda ns: jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
         q, kp, vp, pos, pt, lens, q_seq, q_pos, zeros, zeros, scale=scale, implementation="pallas",
-        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args)
+        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args,
+        alts=[(q2, kp, vp, pos, pt, lens)])
     del kp, vp, pos, pt
     # cuDNN paged: pages hold all KV heads [blocks, page, Hkv, D]
     mp = ctx // page
     kc = jax.random.normal(key, (b * mp, page, hkv, d), jnp.bfloat16)
     vc = jax.random.normal(jax.random.key(3), (b * mp, page, hkv, d), jnp.bfloat16)
     ptc = jax.random.permutation(key, b * mp).astype(jnp.int32).reshape(b, 1, mp, 1)
-    q4 = q[:, None]
+    q4, q4b = q[:, None], q2[:, None]
     ones = jnp.ones((b,), jnp.int32)
     kvl = jnp.full((b,), ctx, jnp.int32)
-    cud = jax.jit(lambda q, k, v, pt: cudnn_paged(q, k, v, ones, kvl, pt, pt, scale=scale))
-    t_cudnn = timeit(cud, q4, kc, vc, ptc, iters=args.iters)
     # cuDNN dense on contiguous [B, L, Hkv, D] (same bytes)
     kd = kc.reshape(b, ctx, hkv, d)
     vd = vc.reshape(b, ctx, hkv, d)
-    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale,
-                                                                  implementation="cudnn"))
-    t_dense = timeit(dense, q4, kd, vd, iters=args.iters)
+    dense = jax.jit(lambda q, k, v: dpa(q, k, v, scale=scale))
+    t_dense = timeit(dense, q4, kd, vd, iters=args.iters, alts=[(q4b, kd, vd)])
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_paged
+
+        cud = jax.jit(lambda q, k, v, pt: cudnn_paged(q, k, v, ones, kvl, pt, pt, scale=scale))
+        t_cudnn = timeit(cud, q4, kc, vc, ptc, iters=args.iters, alts=[(q4b, kc, vc, ptc)])
+    except Exception as e:  # noqa: BLE001 - no cuDNN (CPU --small): the dense anchor stands in, logged
+        log(f"cuDNN paged unavailable ({repr(e)[:120]}); anchor = dense attention")
+        t_cudnn = t_dense
     del kd, vd, kc, vc
     # deprecated Pallas-Triton paged attention (floor): pages [Hkv, N, page, D]
-    kf = jax.random.normal(key, (hkv, b * mp, page, d), jnp.bfloat16)
-    vf = jax.random.normal(jax.random.key(4), (hkv, b * mp, page, d), jnp.bfloat16)
-    bt = ptc.reshape(b, mp)
-    splits = 16 if mp % 16 == 0 else 1
-    flo = jax.jit(lambda q, k, v, bt: pallas_paged.paged_attention(q, k, v, bt, kvl, k_splits=splits))
     try:
-        t_floor = timeit(flo, q, kf, vf, bt, iters=args.iters)
+        from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+        kf = jax.random.normal(key, (hkv, b * mp, page, d), jnp.bfloat16)
+        vf = jax.random.normal(jax.random.key(4), (hkv, b * mp, page, d), jnp.bfloat16)
+        bt = ptc.reshape(b, mp)
+        splits = 16 if mp % 16 == 0 else 1
+        flo = jax.jit(lambda q, k, v, bt: pallas_paged.paged_attention(q, k, v, bt, kvl, k_splits=splits))
+        t_floor = timeit(flo, q, kf, vf, bt, iters=args.iters, alts=[(q2, kf, vf, bt)]) if on_gpu() \
+            else float("nan")
+        del kf, vf
     except Exception as e:  # noqa: BLE001 - the floor is best effort
         log("pallas floor failed:", repr(e)[:200])
         t_floor = float("nan")
-    del kf, vf
     gbs = lambda t: nbytes / t / 1e6
-    name = f"decode B={b} ctx={ctx // 1024}K page={page}"
+    name = f"decode B={b} ctx={fmt_ctx(ctx)} page={page}"
     log(f"{name}: ours {t_ours:.3f} ms ({gbs(t_ours):.0f} GB/s) "
         f"cudnn_paged {t_cudnn:.3f} ({gbs(t_cudnn):.0f}) "
         f"cudnn_dense {t_dense:.3f} ({gbs(t_dense):.0f}) pallas_floor {t_floor:.3f} ({gbs(t_floor):.0f})")
@@ -222,6 +287,10 @@ def bench_uniform_decode(ctx, page, b, args):
     return t_cudnn
 
 
+def fmt_ctx(ctx):
+    return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
+
+
 def head_class_arrays(hkv):
     # 1 of 8 KV heads global (12.5%; the per-head sink/window arrays are per layer), rest sink 64 + window 256
     sink = jnp.array([0] + [64] * (hkv - 1), jnp.int32)
@@ -230,51 +299,54 @@ def head_class_arrays(hkv):
 
 
 def bench_headclass_decode(ctx, page, b, t_cudnn, args):
-    hq, hkv, d = 32, 8, 128
+    hq, hkv, d = args.hq, args.hkv, args.d
     kp, vp, pos, pt, lens = uniform_pool(jax.random.key(11), b, hkv, ctx, page, d)
     q, q_seq, q_pos = decode_queries(jax.random.key(7), b, hq, d, ctx)
+    q2 = jax.random.normal(jax.random.key(17), q.shape, q.dtype)
     sink, window = head_class_arrays(hkv)
     t, ns = best_splits(lambda ns: jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
         q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
-        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args)
+        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args,
+        alts=[(q2, kp, vp, pos, pt, lens)])
     target = 6 if ctx == 32768 else (15 if ctx == 131072 else None)
-    ceil = 8 / (1 + 7 * 320 / ctx)
-    row(f"head-class decode B={b} ctx={ctx // 1024}K page={page} "
+    ceil = hkv / (1 + (hkv - 1) * 320 / ctx)
+    row(f"head-class decode B={b} ctx={fmt_ctx(ctx)} page={page} "
         f"(ms; splits={ns}; bytes ceiling {ceil:.1f}x)",
         f"{t:.3f}", f"{t_cudnn:.3f}", t_cudnn / t, target)
 
 
 def bench_headclass_prefill(ctx, args):
-    hq, hkv, d, page = 32, 8, 128, 16
+    hq, hkv, d, page = args.hq, args.hkv, args.d, 16
     kp, vp, pos, pt, lens = uniform_pool(jax.random.key(12), 1, hkv, ctx, page, d)
     q = jax.random.normal(jax.random.key(8), (ctx, hq, d), jnp.bfloat16)
+    q2 = jax.random.normal(jax.random.key(18), (ctx, hq, d), jnp.bfloat16)
     q_seq = jnp.zeros((ctx,), jnp.int32)
     q_pos = jnp.arange(ctx, dtype=jnp.int32)
     sink, window = head_class_arrays(hkv)
+    it = max(3, args.iters // 2)
     res = {}
     for bq in (16, 32):
         ours = jax.jit(lambda q, kp, vp, pos, pt, lens, bq=bq: paged_attention(
             q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
             ordered=True, block_q=bq, num_splits=1)[0])
         try:
-            res[bq] = timeit(ours, q, kp, vp, pos, pt, lens, iters=max(3, args.iters // 2))
+            res[bq] = timeit(ours, q, kp, vp, pos, pt, lens, iters=it, alts=[(q2, kp, vp, pos, pt, lens)])
         except Exception as e:  # noqa: BLE001
             log(f"prefill block_q={bq} failed: {repr(e)[:300]}")
     del kp, vp
     kd = jax.random.normal(jax.random.key(1), (1, ctx, hkv, d), jnp.bfloat16)
     vd = jax.random.normal(jax.random.key(2), (1, ctx, hkv, d), jnp.bfloat16)
-    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.088, is_causal=True,
-                                                                  implementation="cudnn"))
-    t_d = timeit(dense, q[None], kd, vd, iters=max(3, args.iters // 2))
+    dense = jax.jit(lambda q, k, v: dpa(q, k, v, scale=0.088, is_causal=True))
+    t_d = timeit(dense, q[None], kd, vd, iters=it, alts=[(q2[None], kd, vd)])
     bq, t = min(res.items(), key=lambda kv: kv[1])
     log(f"prefill {ctx}: ours {res} ms, cudnn dense causal {t_d:.3f} ms")
     target = 5 if ctx == 32768 else None
-    row(f"head-class prefill T={ctx // 1024}K (ms, block_q={bq})", f"{t:.3f}", f"{t_d:.3f}", t_d / t, target)
+    row(f"head-class prefill T={fmt_ctx(ctx)} (ms, block_q={bq})", f"{t:.3f}", f"{t_d:.3f}", t_d / t, target)
 
 
 def bench_rope(args):
-    n, page, d = 65536 * 2, 16, 128
-    m = 65536
+    m, page, d = args.rope_pages, 16, args.d
+    n = 2 * m
     ks = jax.random.split(jax.random.key(9), 3)
     k = jax.random.normal(ks[0], (n, page, d), jnp.bfloat16)
     v = jax.random.normal(ks[1], (n, page, d), jnp.bfloat16)
@@ -312,8 +384,8 @@ def bench_rope(args):
 
 
 def bench_rewrite(args):
-    s, layers, h, page, d = 32, args.rewrite_layers, 8, 16, 128
-    old, new = 20480, 2048
+    s, layers, h, page, d = args.rewrite_seqs, args.rewrite_layers, args.hkv, 16, args.d
+    old, new = args.rewrite_len
     mp = old // page
     u = s * layers * h
     n = u * mp
@@ -335,7 +407,8 @@ def bench_rewrite(args):
         k, v, pos = st
         res[impl] = t
     log(f"rewrite {s}x{layers}x{h} heads {old}->{new}: {res} ms")
-    row(f"rewrite {s} seqs x {layers} layers x {h} heads, 20K->2K (ms; vs XLA gather/scatter twin)",
+    row(f"rewrite {s} seqs x {layers} layers x {h} heads, {fmt_ctx(old)}->{fmt_ctx(new)} "
+        "(ms; vs XLA gather/scatter twin)",
         f"{res['pallas']:.2f}", f"{res['reference']:.2f}", res["reference"] / res["pallas"])
     row("rewrite effective bandwidth (GB/s; moved bytes, read+write)",
         f"{moved / res['pallas'] / 1e6:.0f}", f"{moved / res['reference'] / 1e6:.0f}",
@@ -456,10 +529,11 @@ def engine_check():
 def write_table(args, command, check_ok):
     dev = jax.devices()[0]
     lines = ["## Kernels", "", f"Command: `{command}`", "",
-             f"Device: {dev.device_kind}, jax {jax.__version__}; median of {args.iters} calls after warm-up; "
-             "ratio = anchor time / jaxkv time (higher is better for jaxkv).",
-             f"Check mode (Pallas vs jnp twin on this GPU): {check_ok}.", "",
-             "| row | jaxkv | anchor | ratio | target | met |", "|---|---|---|---|---|---|"]
+             f"Device: {dev.device_kind}, jax {jax.__version__}. Timing: {timing_note(args.iters)}. "
+             "Ratio = anchor time / jaxkv time (higher is better for jaxkv).",
+             f"Check mode (Pallas vs jnp twin on this GPU): {check_ok}.", ""]
+    lines += [f"{h}" for h in HEADER_NOTES] + ([""] if HEADER_NOTES else [])
+    lines += ["| row | jaxkv | anchor | ratio | target | met |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in ROWS]
     text = "\n".join(lines) + "\n"
     path = args.out
@@ -482,7 +556,13 @@ def main():
     ap.add_argument("--profile", action="store_true", help="decode/prefill time breakdown + config sweeps")
     ap.add_argument("--engine", action="store_true", help="engine greedy tokens: Pallas vs twin, tiny model")
     ap.add_argument("--quick", action="store_true", help="8K contexts only")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--small", action="store_true",
+                    help="tiny sizes so the whole script runs on CPU (Pallas interpret mode) in < 2 min: "
+                         "checks the script's logic, the numbers mean nothing")
+    ap.add_argument("--iters", type=int, default=None, help="calls per timing (default 50; 3 with --small)")
+    ap.add_argument("--timing", choices=("device", "host"), default="device",
+                    help="device: back-to-back async calls, one block (default); host: per-call host clock")
+    ap.add_argument("--rounds", type=int, default=None, help="device timing: median of this many rounds")
     ap.add_argument("--only", default="decode,headclass,prefill,rope,rewrite")
     ap.add_argument("--rewrite-layers", type=int, default=4, help="36 needs ~97 GB; default scaled to 4")
     ap.add_argument("--out", default="docs/benchmarks.md")
@@ -490,8 +570,25 @@ def main():
                     help="split-K values swept for decode (auto = heuristic)")
     args = ap.parse_args()
     args.splits = [None if x == "auto" else int(x) for x in args.splits.split(",")]
+    if args.iters is None:
+        args.iters = 3 if args.small else 50
+    TIMING["method"] = args.timing
+    TIMING["rounds"] = args.rounds or (1 if args.small else 3)
+    if args.small:
+        args.hq, args.hkv, args.d = 16, 8, 64
+        contexts, prefill_ctx = [1024], [256]
+        args.rope_pages, args.rewrite_seqs, args.rewrite_len = 64, 2, (256, 32)
+        args.rewrite_layers = min(args.rewrite_layers, 2)
+        batch = lambda ctx: 2
+    else:
+        args.hq, args.hkv, args.d = 32, 8, 128
+        contexts = [8192] if args.quick else [8192, 32768, 131072]
+        prefill_ctx = [c for c in contexts if c <= 32768]
+        args.rope_pages, args.rewrite_seqs, args.rewrite_len = 65536, 32, (20480, 2048)
+        batch = lambda ctx: 32 if ctx <= 32768 else 8
     command = "python scripts/bench_kernels.py " + " ".join(sys.argv[1:])
     log("devices:", jax.devices(), "jax", jax.__version__)
+    log("timing:", timing_note(args.iters))
     check_ok = "not run"
     if args.check:
         try:
@@ -508,9 +605,8 @@ def main():
         profile(args)
         return
     only = set(args.only.split(","))
-    contexts = [8192] if args.quick else [8192, 32768, 131072]
     for ctx in contexts:
-        b = 32 if ctx <= 32768 else 8
+        b = batch(ctx)
         for page in (16, 64):
             try:
                 t_c = bench_uniform_decode(ctx, page, b, args) if "decode" in only else None
@@ -518,7 +614,7 @@ def main():
                     bench_headclass_decode(ctx, page, b, t_c, args)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-    prefill = lambda: [bench_headclass_prefill(c, args) for c in contexts if c <= 32768]
+    prefill = lambda: [bench_headclass_prefill(c, args) for c in prefill_ctx]
     for name, fn in [("prefill", prefill),
                      ("rope", lambda: bench_rope(args)), ("rewrite", lambda: bench_rewrite(args))]:
         if name in only:
