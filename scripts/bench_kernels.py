@@ -429,10 +429,12 @@ def _profile_decode(ctx, page, b, hc, sweep, it):
         q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
         ordered=True))
     t_full = timeit(full, q, kp, vp, pos, pt, lens, iters=it)
-    prep = jax.jit(lambda q, pos, pt, lens: pa._prepare(q, pos, pt, lens, q_seq, q_pos, sink, window,
-                                                         block_q=1, rows=16, ordered=True)[:3])
-    t_prep = timeit(prep, q, pos, pt, lens, iters=it)
-    meta, qpr, qr = prep(q, pos, pt, lens)
+    prep = jax.jit(lambda pos, pt, lens: pa.paged_attention_plan(pos, pt, lens, q_seq, q_pos, sink, window,
+                                                                  num_q_heads=hq, ordered=True))
+    t_prep = timeit(prep, pos, pt, lens, iters=it)
+    plan = prep(pos, pt, lens)
+    meta, qpr = plan.meta, plan.qpos_rows
+    qr = jnp.pad(q.reshape(b, hkv, hq // hkv, d), ((0, 0), (0, 0), (0, plan.rows - hq // hkv), (0, 0)))
     cfg = pa.default_config(b, b, hkv, pt.shape[-1], page)
     log(f"PROFILE {name}: full api {t_full:.3f} ms ({nbytes / t_full / 1e6:.0f} GB/s dense-equiv), "
         f"metadata {t_prep:.3f} ms, auto cfg {cfg}")

@@ -2,10 +2,16 @@
 
 Same arguments and semantics as `reference.paged_attention` (docs/architecture.md); api.py turns the
 contract's arguments into the kernel's metadata (query blocks, per-(block, head) virtual page ranges).
+
+The metadata is a `PagedAttentionPlan`: `paged_attention_plan(...)` builds it from everything but q and the
+K/V values (for one layer, or for all layers of a step at once with a leading layer axis) and
+`paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos, page_table, scale=...)` runs the kernel on
+it, so an engine step pays the metadata once instead of once per layer. `paged_attention` = both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -114,80 +120,180 @@ PREFILL_LAUNCH = (4, 3)
 PREFILL_KEYS = 32    # keys per inner iteration for prefill (block_q 16 -> 64 rows)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "ordered", "block_q", "num_splits", "pages_per_block",
-                                             "interpret", "num_warps", "num_stages"))
-def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
-                           scale, ordered=False, block_q=None, num_splits=None, pages_per_block=None,
-                           interpret=False, num_warps=None, num_stages=None):
-    t, hq, d = q.shape
-    s, hkv, mp = page_table.shape
-    page_size = k_pages.shape[1]
-    g = hq // hkv
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionPlan:
+    """Everything a paged-attention call needs that depends on neither q nor the K/V values.
+
+    Built by `paged_attention_plan` once per engine step (for all layers at once when given a leading layer
+    axis) and consumed by `paged_attention_with_plan`. A pytree: the arrays are leaves (with a leading layer
+    axis when `num_layers` is set; `plan.layer(l)` indexes one layer, `l` may be traced), the launch
+    configuration is static aux data.
+
+    meta       [NB, Hkv, META_WIDTH] int32  per (query block, KV head): unit, length, page range, sink, window
+    qpos_rows  [NB, R] int32                query position of each kernel row (-1 = padding row)
+    row_tok    [NB, R] int32                prefill: token of each row (-1 = none); decode: [T, 0] (unused)
+    out_block  [T] int32                    prefill: block of each token; decode: [0] (unused)
+    out_row    [T] int32                    prefill: row offset (in tokens) of each token in its block
+    pad        [T] bool                     padding tokens (q_seq < 0): out 0, lse -inf
+    """
+
+    meta: jax.Array
+    qpos_rows: jax.Array
+    row_tok: jax.Array
+    out_block: jax.Array
+    out_row: jax.Array
+    pad: jax.Array
+    num_q_heads: int
+    block_q: int
+    rows: int
+    num_splits: int
+    pages_per_block: int
+    max_pages: int
+    num_warps: int
+    num_stages: int
+    num_layers: int | None = None
+
+    def layer(self, index) -> PagedAttentionPlan:
+        """The plan of one layer of a multi-layer plan (`index` may be a traced scalar)."""
+        if self.num_layers is None:
+            raise ValueError("layer() needs a multi-layer plan (planned with a leading layer axis)")
+        return dataclasses.replace(jax.tree.map(lambda x: x[index], self), num_layers=None)
+
+
+_PLAN_DATA = ("meta", "qpos_rows", "row_tok", "out_block", "out_row", "pad")
+jax.tree_util.register_dataclass(
+    PagedAttentionPlan, data_fields=list(_PLAN_DATA),
+    meta_fields=[f.name for f in dataclasses.fields(PagedAttentionPlan) if f.name not in _PLAN_DATA])
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "ordered", "block_q", "num_splits",
+                                             "pages_per_block", "num_warps", "num_stages"))
+def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *, num_q_heads: int,
+                         ordered: bool, block_q: int | None = None, num_splits: int | None = None,
+                         pages_per_block: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None) -> PagedAttentionPlan:
+    """Per-step metadata of `paged_attention` (arguments as there; nothing here reads q or K/V values).
+
+    One layer: page_table [S, Hkv, MP], lengths [S, Hkv], sink / window [Hkv]. Several layers at once:
+    page_table [L, S, Hkv, MP], lengths [L, S, Hkv], sink / window [L, Hkv] (q_seq, q_pos and the pool's
+    slot_pos are shared) -> a plan with a leading layer axis; index it with `plan.layer(l)`. The launch
+    configuration (block_q, num_splits, pages_per_block) depends only on shapes, so it is shared by all
+    layers. slot_pos must already hold this step's positions (the page search reads each page's first
+    stored position).
+    """
+    multi = page_table.ndim == 4
+    s, hkv, mp = page_table.shape[-3:]
+    t = q_seq.shape[0]
+    if num_q_heads % hkv:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num kv heads {hkv}")
+    g = num_q_heads // hkv
+    page_size = slot_pos.shape[1]
     cfg = default_config(t, s, hkv, mp, page_size)
     block_q = cfg[0] if block_q is None else block_q
-    num_splits = cfg[1] if num_splits is None else num_splits
-    ppb = cfg[2] if pages_per_block is None else pages_per_block
-    rows = next_pow2(max(16, block_q * g))
     launch = DECODE_LAUNCH if block_q == 1 else PREFILL_LAUNCH
-    num_warps = launch[0] if num_warps is None else num_warps
-    num_stages = launch[1] if num_stages is None else num_stages
-    meta, qpos_rows, q_rows, gather = _prepare(q, slot_pos, page_table, lengths, q_seq, q_pos, sink, window,
-                                               block_q=block_q, rows=rows, ordered=ordered)
-    o_blk, lse_blk = _run(meta, qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos, scale=scale,
-                          num_splits=num_splits, ppb=ppb, num_warps=num_warps, num_stages=num_stages,
-                          interpret=interpret, out_dtype=q.dtype)
-    return gather(o_blk, lse_blk)
+    static = dict(num_q_heads=num_q_heads, block_q=block_q, rows=next_pow2(max(16, block_q * g)),
+                  num_splits=cfg[1] if num_splits is None else num_splits,
+                  pages_per_block=cfg[2] if pages_per_block is None else pages_per_block, max_pages=mp,
+                  num_warps=launch[0] if num_warps is None else num_warps,
+                  num_stages=launch[1] if num_stages is None else num_stages)
+    one = functools.partial(_plan_arrays, slot_pos, q_seq=q_seq, q_pos=q_pos, g=g, block_q=block_q,
+                            rows=static["rows"], ordered=ordered)
+    if multi:
+        arrays = jax.vmap(lambda pt, ln, sk, wd: one(pt, ln, sink=sk, window=wd))(
+            page_table, lengths, sink, window)
+        return PagedAttentionPlan(*arrays, **static, num_layers=page_table.shape[0])
+    return PagedAttentionPlan(*one(page_table, lengths, sink=sink, window=window), **static)
 
 
-def _prepare(q, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *, block_q, rows, ordered):
-    """Kernel metadata: meta [NB, Hkv, 8], qpos_rows [NB, R], q_rows [NB, Hkv, R, D] and the output gather."""
-    t, hq, d = q.shape
+def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g, block_q, rows, ordered):
+    """One layer's plan arrays (see PagedAttentionPlan)."""
+    t = q_seq.shape[0]
     s, hkv, mp = page_table.shape
-    g = hq // hkv
     q_seq = jnp.where(q_seq >= 0, q_seq, -1).astype(jnp.int32)
     q_pos = q_pos.astype(jnp.int32)
-    pad = (q_seq < 0)[:, None]
+    sink = sink.astype(jnp.int32)
+    window = window.astype(jnp.int32)
+    lengths = lengths.astype(jnp.int32)
+    pad = q_seq < 0
     r = jnp.arange(rows, dtype=jnp.int32)
     if block_q == 1:
         # decode fast path: one block per token, rows = the G query heads of a KV head (no block search)
         s_b = jnp.clip(q_seq, 0, s - 1)
         n_b = (q_seq >= 0).astype(jnp.int32)
         qpos_rows = jnp.where((r[None, :] < g) & (n_b[:, None] > 0), q_pos[:, None], -1)
-        q_rows = jnp.pad(q.reshape(t, hkv, g, d), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
         qmin = qmax = q_pos
-
-        def gather(o_blk, lse_blk):
-            out = o_blk[:, :, :g].reshape(t, hq, d)
-            lse = lse_blk[:, :, :g].reshape(t, hq)
-            return jnp.where(pad[..., None], 0, out).astype(q.dtype), jnp.where(pad, -jnp.inf, lse)
+        row_tok = jnp.zeros((t, 0), jnp.int32)
+        out_block = out_row = jnp.zeros((0,), jnp.int32)
     else:
-        s_b, t0, n_b, tok_block, tok_row = _query_blocks(q_seq, q_pos, s, block_q)
-        row_tok = r // g
-        row_g = r % g
+        s_b, t0, n_b, out_block, out_row = _query_blocks(q_seq, q_pos, s, block_q)
         row_ok = r[None, :] < (n_b * g)[:, None]                      # [NB, R]
-        t_idx = jnp.clip(t0[:, None] + row_tok[None, :], 0, t - 1)
+        t_idx = jnp.clip(t0[:, None] + (r // g)[None, :], 0, t - 1)
         qpos_rows = jnp.where(row_ok, q_pos[t_idx], -1).astype(jnp.int32)
-        q4 = q.reshape(t, hkv, g, d)
-        q_rows = q4[t_idx, :, jnp.broadcast_to(row_g[None, :], t_idx.shape), :]   # [NB, R, Hkv, D]
-        q_rows = jnp.where(row_ok[:, :, None, None], q_rows, 0).transpose(0, 2, 1, 3)
+        row_tok = jnp.where(row_ok, t_idx, -1).astype(jnp.int32)
         qmin = q_pos[t0]
         qmax = q_pos[jnp.clip(t0 + n_b - 1, 0, t - 1)]
-
-        def gather(o_blk, lse_blk):
-            # rows back to [T, Hq, D]: row = tok_row * G + g of block tok_block, KV head h
-            qh = jnp.arange(hq, dtype=jnp.int32)
-            row_idx = tok_row[:, None] * g + (qh % g)[None, :]        # [T, Hq]
-            out = o_blk[tok_block[:, None], (qh // g)[None, :], row_idx]
-            lse = lse_blk[tok_block[:, None], (qh // g)[None, :], row_idx]
-            return jnp.where(pad[..., None], 0, out).astype(q.dtype), jnp.where(pad, -jnp.inf, lse)
-
     nsc, w0, nv = _page_ranges(slot_pos, page_table, lengths, sink, window, s_b, qmin, qmax, n_b, ordered)
     unit = s_b[:, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None, :]
     zeros = jnp.zeros_like(unit)
     meta = jnp.stack([unit, lengths[s_b], nsc, w0, nv, jnp.broadcast_to(sink[None], unit.shape),
                       jnp.broadcast_to(window[None], unit.shape), zeros], axis=-1).astype(jnp.int32)
     assert meta.shape[-1] == META_WIDTH
-    return meta, qpos_rows, q_rows, gather
+    return meta, qpos_rows.astype(jnp.int32), row_tok, out_block, out_row, pad
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slot_pos, page_table, *, scale,
+                              interpret: bool | None = None):
+    """Run the kernel on a one-layer plan: q [T, Hq, D], this layer's page_table [S, Hkv, MP] and the pool.
+
+    -> (out [T, Hq, D] in q.dtype, lse [T, Hq] float32), the same as `paged_attention` with the plan's
+    arguments.
+    """
+    if plan.num_layers is not None:
+        raise ValueError("multi-layer plan: pass plan.layer(l)")
+    t, hq, d = q.shape
+    s, hkv, mp = page_table.shape
+    if hq != plan.num_q_heads or mp != plan.max_pages:
+        raise ValueError(f"plan was built for {plan.num_q_heads} query heads / {plan.max_pages} pages, "
+                         f"got q {q.shape} and page_table {page_table.shape}")
+    g = hq // hkv
+    rows = plan.rows
+    if plan.block_q == 1:
+        q_rows = jnp.pad(q.reshape(t, hkv, g, d), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    else:
+        row_g = jnp.arange(rows, dtype=jnp.int32) % g
+        t_idx = jnp.maximum(plan.row_tok, 0)
+        q4 = q.reshape(t, hkv, g, d)
+        q_rows = q4[t_idx, :, jnp.broadcast_to(row_g[None, :], t_idx.shape), :]   # [NB, R, Hkv, D]
+        q_rows = jnp.where((plan.row_tok >= 0)[:, :, None, None], q_rows, 0).transpose(0, 2, 1, 3)
+    o_blk, lse_blk = _run(plan.meta, plan.qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos,
+                          scale=scale, num_splits=plan.num_splits, ppb=plan.pages_per_block,
+                          num_warps=plan.num_warps, num_stages=plan.num_stages,
+                          interpret=resolve_interpret(interpret), out_dtype=q.dtype)
+    pad = plan.pad
+    if plan.block_q == 1:
+        out = o_blk[:, :, :g].reshape(t, hq, d)
+        lse = lse_blk[:, :, :g].reshape(t, hq)
+    else:
+        # rows back to [T, Hq, D]: row = out_row * G + g of block out_block, KV head h
+        qh = jnp.arange(hq, dtype=jnp.int32)
+        row_idx = plan.out_row[:, None] * g + (qh % g)[None, :]      # [T, Hq]
+        out = o_blk[plan.out_block[:, None], (qh // g)[None, :], row_idx]
+        lse = lse_blk[plan.out_block[:, None], (qh // g)[None, :], row_idx]
+    return jnp.where(pad[:, None, None], 0, out).astype(q.dtype), jnp.where(pad[:, None], -jnp.inf, lse)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "ordered", "block_q", "num_splits", "pages_per_block",
+                                             "interpret", "num_warps", "num_stages"))
+def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
+                           scale, ordered=False, block_q=None, num_splits=None, pages_per_block=None,
+                           interpret=False, num_warps=None, num_stages=None):
+    plan = paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, window,
+                                num_q_heads=q.shape[1], ordered=ordered, block_q=block_q,
+                                num_splits=num_splits, pages_per_block=pages_per_block, num_warps=num_warps,
+                                num_stages=num_stages)
+    return paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos, page_table, scale=scale,
+                                     interpret=interpret)
 
 
 def _run(meta, qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos, *, scale, num_splits, ppb,

@@ -1,0 +1,119 @@
+"""Per-step plan API of the paged-attention kernel (interpret mode): plan + run == paged_attention == twin,
+and a multi-layer plan indexed at layer l == the one-layer plan."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention.api import (
+    PagedAttentionPlan,
+    paged_attention,
+    paged_attention_plan,
+    paged_attention_with_plan,
+)
+from tests.kernels._data import random_paged_case
+
+ARGS = ("q", "k_pages", "v_pages", "slot_pos", "page_table", "lengths", "q_seq", "q_pos")
+SINK, WINDOW = np.array([0, 2], np.int32), np.array([0, 5], np.int32)    # head 0 global, head 1 local
+
+CASES = [  # (q_lens, ring, ordered, num_splits, block_q, schedule)
+    ((1, 1, 1), False, True, 3, None, "grid"),      # ragged decode, page-range skipping, split-K
+    ((6, 3, 0), False, True, 2, 4, "grid"),         # chunked prefill, one sequence without queries
+    ((2, 1, 3), True, False, 2, 1, "grid"),         # one-token blocks over a ring (every page scanned)
+]
+
+
+def _case(q_lens, ring, seed):
+    c = random_paged_case(np.random.default_rng(seed), q_lens=q_lens, ring=ring)   # empty + one-token heads
+    return c, [jnp.asarray(c[k]) for k in ARGS]
+
+
+def _plan_kw(case):
+    _, _, ordered, splits, block_q, schedule = case
+    kw = dict(ordered=ordered, num_splits=splits, block_q=block_q)
+    return kw, schedule
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_then_run_equals_paged_attention_and_twin(case):
+    c, a = _case(case[0], case[1], seed=len(case[0]) * 7 + case[3])
+    kw, _ = _plan_kw(case)
+    sink, window = jnp.asarray(SINK), jnp.asarray(WINDOW)
+    plan = paged_attention_plan(a[3], a[4], a[5], a[6], a[7], sink, window, num_q_heads=a[0].shape[1], **kw)
+    assert isinstance(plan, PagedAttentionPlan) and plan.num_layers is None
+    out, lse = paged_attention_with_plan(plan, a[0], a[1], a[2], a[3], a[4], scale=0.25)
+    out1, lse1 = paged_attention(*a, sink, window, scale=0.25, implementation="pallas", **kw)
+    out2, lse2 = paged_attention(*a, sink, window, scale=0.25, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out1))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+    out, lse, lse2 = np.asarray(out), np.asarray(lse), np.asarray(lse2)
+    assert np.array_equal(np.isinf(lse), np.isinf(lse2))
+    fin = np.isfinite(lse2)
+    np.testing.assert_allclose(lse[fin], lse2[fin], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out, np.asarray(out2), atol=1e-4, rtol=2e-5)
+
+
+def _layers(c, num_layers=3):
+    """Per-layer tables over one pool: layer l keeps a prefix of each head's pages (shorter lengths)."""
+    p = c["slot_pos"].shape[1]
+    pts, lens = [], []
+    for layer in range(num_layers):
+        ln = np.maximum(c["lengths"] - 5 * layer, 0).astype(np.int32)
+        ln[0, 1] = min(c["lengths"][0, 1], 1)                             # keep the one-token head
+        npg = (ln + p - 1) // p
+        pt = np.where(np.arange(c["page_table"].shape[-1]) < npg[..., None], c["page_table"], -1)
+        pts.append(pt.astype(np.int32))
+        lens.append(ln)
+    sink = np.array([[0, 2], [3, 0], [1, 1]], np.int32)[:num_layers]       # global / local mixes per layer
+    window = np.array([[0, 5], [7, 0], [4, 9]], np.int32)[:num_layers]
+    return np.stack(pts), np.stack(lens), sink, window
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]])
+def test_multi_layer_plan_indexes_to_single_layer_plan(case):
+    c, a = _case(case[0], case[1], seed=11)
+    kw, _ = _plan_kw(case)
+    pts, lens, sink, window = _layers(c)
+    hq = a[0].shape[1]
+    multi = paged_attention_plan(a[3], jnp.asarray(pts), jnp.asarray(lens), a[6], a[7], jnp.asarray(sink),
+                                 jnp.asarray(window), num_q_heads=hq, **kw)
+    assert multi.num_layers == 3 and multi.meta.shape[0] == 3
+    for layer in range(3):
+        one = paged_attention_plan(a[3], jnp.asarray(pts[layer]), jnp.asarray(lens[layer]), a[6], a[7],
+                                   jnp.asarray(sink[layer]), jnp.asarray(window[layer]), num_q_heads=hq, **kw)
+        got = multi.layer(layer)
+        for f in dataclasses.fields(PagedAttentionPlan):
+            x, y = getattr(got, f.name), getattr(one, f.name)
+            if isinstance(y, jax.Array):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f.name)
+            else:
+                assert x == y, f.name
+
+
+def test_multi_layer_step_in_one_jit_matches_per_layer_calls():
+    case = CASES[0]
+    c, a = _case(case[0], case[1], seed=5)
+    kw, _ = _plan_kw(case)
+    pts, lens, sink, window = _layers(c)
+    qs = jnp.asarray(np.random.default_rng(1).standard_normal((3, *c["q"].shape)).astype(np.float32))
+
+    @jax.jit
+    def step(qs, k, v, pos, pts, lens, sink, window):
+        plan = paged_attention_plan(pos, pts, lens, a[6], a[7], sink, window, num_q_heads=qs.shape[2], **kw)
+
+        def body(layer, acc):
+            o, _ = paged_attention_with_plan(plan.layer(layer), qs[layer], k, v, pos, pts[layer], scale=0.25)
+            return acc.at[layer].set(o)
+
+        return jax.lax.fori_loop(0, 3, body, jnp.zeros_like(qs))
+
+    got = step(qs, a[1], a[2], a[3], jnp.asarray(pts), jnp.asarray(lens), jnp.asarray(sink),
+               jnp.asarray(window))
+    for layer in range(3):
+        ref, _ = paged_attention(qs[layer], a[1], a[2], a[3], jnp.asarray(pts[layer]),
+                                 jnp.asarray(lens[layer]), a[6], a[7], jnp.asarray(sink[layer]),
+                                 jnp.asarray(window[layer]), scale=0.25, implementation="reference")
+        np.testing.assert_allclose(np.asarray(got[layer]), np.asarray(ref), atol=1e-4, rtol=2e-5)
