@@ -23,7 +23,9 @@ from pallas_kernels.paged_attention.kernel import (
     META_WIDTH,
     merge_splits,
     paged_attention_blocks,
+    paged_attention_compact,
     split_pages,
+    work_list,
 )
 
 
@@ -118,6 +120,9 @@ SPLIT_KEYS = 4096    # keys per split-K program for decode (H200 sweep, docs/ker
 DECODE_LAUNCH = (4, 2)     # (num_warps, num_stages) for block_q == 1
 PREFILL_LAUNCH = (4, 3)
 PREFILL_KEYS = 32    # keys per inner iteration for prefill (block_q 16 -> 64 rows)
+DEFAULT_SCHEDULE = "grid"    # "compact": persistent programs over non-empty items (not yet timed on the GPU)
+COMPACT_PROGRAMS = 4 * 132   # persistent attention programs (H200: 132 SMs)
+COMPACT_MERGE_PROGRAMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,11 @@ class PagedAttentionPlan:
     out_block  [T] int32                    prefill: block of each token; decode: [0] (unused)
     out_row    [T] int32                    prefill: row offset (in tokens) of each token in its block
     pad        [T] bool                     padding tokens (q_seq < 0): out 0, lse -inf
+    work, num_work, merge_units, num_merge  compact schedule only (kernel.work_list; [0]-sized for "grid")
+
+    schedule: "grid" launches every (block, head, split) program (empty splits exit at once) and merges
+    every unit; "compact" launches `num_programs` persistent programs over the non-empty items only, writes
+    single-split units directly and merges only the others (kernel.py).
     """
 
     meta: jax.Array
@@ -143,6 +153,10 @@ class PagedAttentionPlan:
     out_block: jax.Array
     out_row: jax.Array
     pad: jax.Array
+    work: jax.Array
+    num_work: jax.Array
+    merge_units: jax.Array
+    num_merge: jax.Array
     num_q_heads: int
     block_q: int
     rows: int
@@ -151,6 +165,8 @@ class PagedAttentionPlan:
     max_pages: int
     num_warps: int
     num_stages: int
+    schedule: str = "grid"
+    num_programs: int = 0
     num_layers: int | None = None
 
     def layer(self, index) -> PagedAttentionPlan:
@@ -160,18 +176,21 @@ class PagedAttentionPlan:
         return dataclasses.replace(jax.tree.map(lambda x: x[index], self), num_layers=None)
 
 
-_PLAN_DATA = ("meta", "qpos_rows", "row_tok", "out_block", "out_row", "pad")
+_PLAN_DATA = ("meta", "qpos_rows", "row_tok", "out_block", "out_row", "pad", "work", "num_work",
+              "merge_units", "num_merge")
 jax.tree_util.register_dataclass(
     PagedAttentionPlan, data_fields=list(_PLAN_DATA),
     meta_fields=[f.name for f in dataclasses.fields(PagedAttentionPlan) if f.name not in _PLAN_DATA])
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "ordered", "block_q", "num_splits",
-                                             "pages_per_block", "num_warps", "num_stages"))
+                                             "pages_per_block", "num_warps", "num_stages", "schedule",
+                                             "num_programs"))
 def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *, num_q_heads: int,
                          ordered: bool, block_q: int | None = None, num_splits: int | None = None,
                          pages_per_block: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None) -> PagedAttentionPlan:
+                         num_stages: int | None = None, schedule: str | None = None,
+                         num_programs: int | None = None) -> PagedAttentionPlan:
     """Per-step metadata of `paged_attention` (arguments as there; nothing here reads q or K/V values).
 
     One layer: page_table [S, Hkv, MP], lengths [S, Hkv], sink / window [Hkv]. Several layers at once:
@@ -179,7 +198,8 @@ def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, wind
     slot_pos are shared) -> a plan with a leading layer axis; index it with `plan.layer(l)`. The launch
     configuration (block_q, num_splits, pages_per_block) depends only on shapes, so it is shared by all
     layers. slot_pos must already hold this step's positions (the page search reads each page's first
-    stored position).
+    stored position). `schedule` ("grid" | "compact", default DEFAULT_SCHEDULE) and `num_programs` (compact
+    only, default COMPACT_PROGRAMS) pick the launch, see PagedAttentionPlan.
     """
     multi = page_table.ndim == 4
     s, hkv, mp = page_table.shape[-3:]
@@ -191,13 +211,19 @@ def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, wind
     cfg = default_config(t, s, hkv, mp, page_size)
     block_q = cfg[0] if block_q is None else block_q
     launch = DECODE_LAUNCH if block_q == 1 else PREFILL_LAUNCH
+    schedule = DEFAULT_SCHEDULE if schedule is None else schedule
+    if schedule not in ("grid", "compact"):
+        raise ValueError(f"schedule must be 'grid' or 'compact', got {schedule!r}")
     static = dict(num_q_heads=num_q_heads, block_q=block_q, rows=next_pow2(max(16, block_q * g)),
                   num_splits=cfg[1] if num_splits is None else num_splits,
                   pages_per_block=cfg[2] if pages_per_block is None else pages_per_block, max_pages=mp,
                   num_warps=launch[0] if num_warps is None else num_warps,
-                  num_stages=launch[1] if num_stages is None else num_stages)
+                  num_stages=launch[1] if num_stages is None else num_stages, schedule=schedule,
+                  num_programs=(num_programs or COMPACT_PROGRAMS) if schedule == "compact" else 0)
+    pps = split_pages(mp, static["num_splits"], static["pages_per_block"])
     one = functools.partial(_plan_arrays, slot_pos, q_seq=q_seq, q_pos=q_pos, g=g, block_q=block_q,
-                            rows=static["rows"], ordered=ordered)
+                            rows=static["rows"], ordered=ordered, compact=schedule == "compact",
+                            num_splits=static["num_splits"], pps=pps)
     if multi:
         arrays = jax.vmap(lambda pt, ln, sk, wd: one(pt, ln, sink=sk, window=wd))(
             page_table, lengths, sink, window)
@@ -205,7 +231,8 @@ def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, wind
     return PagedAttentionPlan(*one(page_table, lengths, sink=sink, window=window), **static)
 
 
-def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g, block_q, rows, ordered):
+def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g, block_q, rows, ordered,
+                 compact, num_splits, pps):
     """One layer's plan arrays (see PagedAttentionPlan)."""
     t = q_seq.shape[0]
     s, hkv, mp = page_table.shape
@@ -238,7 +265,12 @@ def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g
     meta = jnp.stack([unit, lengths[s_b], nsc, w0, nv, jnp.broadcast_to(sink[None], unit.shape),
                       jnp.broadcast_to(window[None], unit.shape), zeros], axis=-1).astype(jnp.int32)
     assert meta.shape[-1] == META_WIDTH
-    return meta, qpos_rows.astype(jnp.int32), row_tok, out_block, out_row, pad
+    if compact:
+        active = jnp.broadcast_to((n_b > 0)[:, None], unit.shape).reshape(-1)
+        work = work_list(meta.reshape(-1, META_WIDTH), active, num_splits=num_splits, pps=pps)
+    else:
+        work = tuple(jnp.zeros((0,), jnp.int32) for _ in range(4))
+    return (meta, qpos_rows.astype(jnp.int32), row_tok, out_block, out_row, pad, *work)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -266,10 +298,21 @@ def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slo
         q4 = q.reshape(t, hkv, g, d)
         q_rows = q4[t_idx, :, jnp.broadcast_to(row_g[None, :], t_idx.shape), :]   # [NB, R, Hkv, D]
         q_rows = jnp.where((plan.row_tok >= 0)[:, :, None, None], q_rows, 0).transpose(0, 2, 1, 3)
-    o_blk, lse_blk = _run(plan.meta, plan.qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos,
-                          scale=scale, num_splits=plan.num_splits, ppb=plan.pages_per_block,
-                          num_warps=plan.num_warps, num_stages=plan.num_stages,
-                          interpret=resolve_interpret(interpret), out_dtype=q.dtype)
+    if plan.schedule == "compact":
+        nb = plan.meta.shape[0]
+        out, lse = paged_attention_compact(
+            plan.work, plan.num_work, plan.merge_units, plan.num_merge, plan.meta.reshape(nb * hkv, -1),
+            plan.qpos_rows, q_rows.reshape(nb * hkv, rows, d), page_table.reshape(-1).astype(jnp.int32),
+            k_pages, v_pages, slot_pos, scale=float(scale), num_splits=plan.num_splits,
+            pages_per_block=plan.pages_per_block, max_pages=mp, num_programs=plan.num_programs,
+            merge_programs=COMPACT_MERGE_PROGRAMS, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            interpret=resolve_interpret(interpret), out_dtype=q.dtype)
+        o_blk, lse_blk = out.reshape(nb, hkv, rows, d), lse.reshape(nb, hkv, rows)
+    else:
+        o_blk, lse_blk = _run(plan.meta, plan.qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos,
+                              scale=scale, num_splits=plan.num_splits, ppb=plan.pages_per_block,
+                              num_warps=plan.num_warps, num_stages=plan.num_stages,
+                              interpret=resolve_interpret(interpret), out_dtype=q.dtype)
     pad = plan.pad
     if plan.block_q == 1:
         out = o_blk[:, :, :g].reshape(t, hq, d)
@@ -284,14 +327,14 @@ def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slo
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "ordered", "block_q", "num_splits", "pages_per_block",
-                                             "interpret", "num_warps", "num_stages"))
+                                             "interpret", "num_warps", "num_stages", "schedule"))
 def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
                            scale, ordered=False, block_q=None, num_splits=None, pages_per_block=None,
-                           interpret=False, num_warps=None, num_stages=None):
+                           interpret=False, num_warps=None, num_stages=None, schedule=None):
     plan = paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, window,
                                 num_q_heads=q.shape[1], ordered=ordered, block_q=block_q,
                                 num_splits=num_splits, pages_per_block=pages_per_block, num_warps=num_warps,
-                                num_stages=num_stages)
+                                num_stages=num_stages, schedule=schedule)
     return paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos, page_table, scale=scale,
                                      interpret=interpret)
 

@@ -15,6 +15,11 @@ not be pipelined).
 Split-K: a split with no pages (k > 0 and k * pps >= nv) returns at once and writes nothing; split 0
 always writes (0 / -inf for a unit that sees nothing). `merge_splits` then merges, per unit, only its
 `max(1, cdiv(nv, pps))` written splits, so local heads (1 split) cost one copy and global heads many.
+
+Compact schedule (`paged_attention_compact`, plan schedule="compact"): instead of the full
+(block, head, split) grid, a fixed number of persistent programs walk the plan's list of non-empty
+(unit, split) items; single-split units write the final output directly and only multi-split units are
+merged (in place). Same `_attend`, same merge arithmetic, so the same bits as the grid schedule.
 """
 
 from __future__ import annotations
@@ -32,17 +37,11 @@ META_WIDTH = 8
 _NEG = -1e30  # finite mask value: keeps m - m_new free of inf - inf when a block is fully masked
 
 
-def _attend(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *, v_lo, v_hi,
+def _attend(q, qpos, pt_ref, k_ref, v_ref, pos_ref, *, unit, length, nsc, w0, sink, window, v_lo, v_hi,
             scale: float, page_size: int, ppb: int, max_pages: int):
-    unit = meta_ref[0]
-    length = meta_ref[1]
-    nsc = meta_ref[2]
-    w0 = meta_ref[3]
-    sink = meta_ref[5]
-    window = meta_ref[6]
+    """Attention of rows q [R, D] (positions qpos [R]) over virtual pages [v_lo, v_hi) of `unit`.
 
-    q = q_ref[...]                      # [R, D] storage dtype
-    qpos = qpos_ref[...]                # [R] int32, -1 = padding row
+    Returns (out [R, D] float32 normalised, lse [R] float32); rows that see nothing give 0 / -inf."""
     rows, head_dim = q.shape
     bk = ppb * page_size
     tf32 = False if q.dtype == jnp.float32 else None     # fp32 pools (parity runs): exact fp32 products
@@ -81,19 +80,28 @@ def _attend(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
     o, m, lsum = lax.fori_loop(0, n_it, body, (o0, m0, l0))
     seen = lsum > 0
     denom = jnp.where(seen, lsum, 1.0)
-    o_ref[...] = jnp.where(seen[:, None], o / denom[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
+    return jnp.where(seen[:, None], o / denom[:, None], 0.0), jnp.where(seen, m + jnp.log(denom), -jnp.inf)
+
+
+def _meta_scalars(meta_ref, *idx):
+    """unit, length, nsc, w0, nv, sink, window of one (block, head) row of meta (scalar loads)."""
+    return [meta_ref[(*idx, i)] for i in range(7)]
 
 
 def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *,
             scale: float, page_size: int, ppb: int, pps: int, max_pages: int, num_splits: int):
     split = pl.program_id(2)
-    nv = meta_ref[4]
+    unit, length, nsc, w0, nv, sink, window = _meta_scalars(meta_ref)
     v_lo = split * pps
     v_hi = jnp.minimum(v_lo + pps, nv)
-    attend = functools.partial(_attend, meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref,
-                               lse_ref, v_lo=v_lo, v_hi=v_hi, scale=scale, page_size=page_size, ppb=ppb,
-                               max_pages=max_pages)
+
+    def attend():
+        o, lse = _attend(q_ref[...], qpos_ref[...], pt_ref, k_ref, v_ref, pos_ref, unit=unit, length=length,
+                         nsc=nsc, w0=w0, sink=sink, window=window, v_lo=v_lo, v_hi=v_hi, scale=scale,
+                         page_size=page_size, ppb=ppb, max_pages=max_pages)
+        o_ref[...] = o.astype(o_ref.dtype)
+        lse_ref[...] = lse
+
     if num_splits == 1:
         attend()
     else:
@@ -147,27 +155,33 @@ def split_pages(max_pages: int, num_splits: int, ppb: int) -> int:
     return pl.cdiv(pl.cdiv(max_pages, num_splits), ppb) * ppb
 
 
-def _merge_kernel(meta_ref, o_ref, l_ref, out_ref, lse_ref, *, pps: int):
-    nsplit = jnp.maximum(pl.cdiv(meta_ref[4], pps), 1)
+def _merge_unit(nsplit, load_l, load_o, rows: int, d: int):
+    """Exact LSE merge of splits k < nsplit: load_l(k) -> lse [R], load_o(k) -> out [R, D]."""
 
     def body(k, carry):
         m, tot, acc = carry
-        lk = l_ref[k]                                                 # [R]
+        lk = load_l(k)                                                # [R]
         ok = lk > -jnp.inf
         lkf = jnp.where(ok, lk, _NEG)
         m_new = jnp.maximum(m, lkf)
         a = jnp.exp(m - m_new)
         w = jnp.where(ok, jnp.exp(lkf - m_new), 0.0)
-        return m_new, tot * a + w, acc * a[:, None] + w[:, None] * o_ref[k].astype(jnp.float32)
+        return m_new, tot * a + w, acc * a[:, None] + w[:, None] * load_o(k).astype(jnp.float32)
 
-    rows, d = out_ref.shape
     m0 = jnp.full((rows,), _NEG, jnp.float32)
     m, tot, acc = lax.fori_loop(0, nsplit, body, (m0, jnp.zeros((rows,), jnp.float32),
                                                   jnp.zeros((rows, d), jnp.float32)))
     seen = tot > 0
     denom = jnp.where(seen, tot, 1.0)
-    out_ref[...] = jnp.where(seen[:, None], acc / denom[:, None], 0.0).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
+    return jnp.where(seen[:, None], acc / denom[:, None], 0.0), jnp.where(seen, m + jnp.log(denom), -jnp.inf)
+
+
+def _merge_kernel(meta_ref, o_ref, l_ref, out_ref, lse_ref, *, pps: int):
+    nsplit = jnp.maximum(pl.cdiv(meta_ref[4], pps), 1)
+    rows, d = out_ref.shape
+    out, lse = _merge_unit(nsplit, lambda k: l_ref[k], lambda k: o_ref[k], rows, d)
+    out_ref[...] = out.astype(out_ref.dtype)
+    lse_ref[...] = lse
 
 
 def merge_splits(meta, o_part, l_part, *, pps: int, out_dtype, interpret: bool = False):
@@ -187,3 +201,152 @@ def merge_splits(meta, o_part, l_part, *, pps: int, out_dtype, interpret: bool =
         interpret=interpret,
         name="jaxkv_paged_attention_merge",
     )(meta, o_part, l_part)
+
+
+# ---------------------------------------------------------------- compact (work-list) schedule
+# The grid schedule launches every (block, head, split) program, and a head-class step leaves most of them
+# empty (local heads need one split, global heads all of them; a layer without global heads needs one split
+# per unit). The compact schedule launches a fixed number of persistent programs that walk a work list of
+# the non-empty (unit, split) items built by the plan (api.py): program p takes items p, p + P, p + 2P, ...
+# (the list puts full splits first, so round robin balances). A unit whose pages fit one split writes its
+# final output directly; only units with several splits are merged, by a second persistent call over the
+# list of those units that updates the output in place (input_output_aliases).
+
+
+def work_list(meta, active, *, num_splits: int, pps: int):
+    """Non-empty (unit, split) items of the compact schedule, full splits first.
+
+    meta [U, META_WIDTH], active [U] bool (unit has queries). Returns work [U * K] int32 (item = u * K + k;
+    the first num_work entries are valid), num_work [1], merge_units [U] int32 (units with > 1 split, first
+    num_merge entries valid), num_merge [1]."""
+    u_n = meta.shape[0]
+    nv = meta[:, 4]
+    nsplit = jnp.maximum(pl.cdiv(nv, pps), 1)
+    c = jnp.arange(u_n * num_splits, dtype=jnp.int32)
+    u, k = c // num_splits, c % num_splits
+    pages = jnp.clip(nv[u] - k * pps, 0, pps)
+    valid = active[u] & (k < nsplit[u])
+    heavy = valid & (pages >= pps)
+    light = valid & ~heavy
+    n_heavy = jnp.sum(heavy, dtype=jnp.int32)
+    slot = jnp.where(heavy, jnp.cumsum(heavy, dtype=jnp.int32) - 1,
+                     n_heavy + jnp.cumsum(light, dtype=jnp.int32) - 1)
+    work = jnp.zeros_like(c).at[jnp.where(valid, slot, u_n * num_splits)].set(c, mode="drop")
+    multi = active & (nsplit > 1)
+    units = jnp.arange(u_n, dtype=jnp.int32)
+    mslot = jnp.where(multi, jnp.cumsum(multi, dtype=jnp.int32) - 1, u_n)
+    merge_units = jnp.zeros_like(units).at[mslot].set(units, mode="drop")
+    return (work, jnp.sum(valid, dtype=jnp.int32)[None], merge_units,
+            jnp.sum(multi, dtype=jnp.int32)[None])
+
+
+def _compact_kernel(work_ref, nwork_ref, meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, *out_refs,
+                    scale: float, page_size: int, ppb: int, pps: int, max_pages: int, num_splits: int,
+                    num_programs: int, hkv: int):
+    out_ref, lse_ref = out_refs[:2]
+    p = pl.program_id(0)
+    count = pl.cdiv(jnp.maximum(nwork_ref[0] - p, 0), num_programs)
+
+    def item(j, carry):
+        w = work_ref[p + j * num_programs]
+        u = w // num_splits
+        k = w % num_splits
+        unit, length, nsc, w0, nv, sink, window = _meta_scalars(meta_ref, u)
+        v_lo = k * pps
+        o, lse = _attend(q_ref[u], qpos_ref[u // hkv], pt_ref, k_ref, v_ref, pos_ref, unit=unit,
+                         length=length, nsc=nsc, w0=w0, sink=sink, window=window, v_lo=v_lo,
+                         v_hi=jnp.minimum(v_lo + pps, nv), scale=scale, page_size=page_size, ppb=ppb,
+                         max_pages=max_pages)
+
+        def final():
+            out_ref[u] = o.astype(out_ref.dtype)
+            lse_ref[u] = lse
+
+        if num_splits == 1:
+            final()
+        else:
+            op_ref, lp_ref = out_refs[2:]
+
+            def partial_():
+                op_ref[k, u] = o
+                lp_ref[k, u] = lse
+
+            single = nv <= pps
+            pl.when(single)(final)
+            pl.when(jnp.logical_not(single))(partial_)
+        return carry
+
+    lax.fori_loop(0, count, item, 0)
+
+
+def _compact_merge_kernel(mu_ref, nm_ref, meta_ref, o_ref, l_ref, out_in_ref, lse_in_ref, out_ref, lse_ref, *,
+                          pps: int, num_programs: int):
+    del out_in_ref, lse_in_ref                          # aliased to out_ref / lse_ref: updated in place
+    p = pl.program_id(0)
+    count = pl.cdiv(jnp.maximum(nm_ref[0] - p, 0), num_programs)
+    _, rows, d = out_ref.shape
+
+    def item(j, carry):
+        u = mu_ref[p + j * num_programs]
+        nsplit = jnp.maximum(pl.cdiv(meta_ref[u, 4], pps), 1)
+        out, lse = _merge_unit(nsplit, lambda k: l_ref[k, u], lambda k: o_ref[k, u], rows, d)
+        out_ref[u] = out.astype(out_ref.dtype)
+        lse_ref[u] = lse
+        return carry
+
+    lax.fori_loop(0, count, item, 0)
+
+
+def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_rows, q_rows, page_table_flat,
+                            k_pages, v_pages, slot_pos, *, scale: float, num_splits: int,
+                            pages_per_block: int, max_pages: int, num_programs: int, merge_programs: int,
+                            num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+                            out_dtype=jnp.float32):
+    """Compact schedule: meta [U, 8], qpos_rows [NB, R], q_rows [U, R, D] (U = NB * Hkv, unit-major) and the
+    work list of `work_list` -> (out [U, R, D] out_dtype, lse [U, R] float32). Inactive units (no queries)
+    are not computed (their rows are left as they are: the caller masks padding tokens)."""
+    u_n, rows, d = q_rows.shape
+    nb = qpos_rows.shape[0]
+    hkv = u_n // nb
+    n, page_size = slot_pos.shape
+    ppb = pages_per_block
+    pps = split_pages(max_pages, num_splits, ppb)
+    num_programs = max(1, min(num_programs, u_n * num_splits))
+    k_flat = k_pages.reshape(n * page_size, d)
+    v_flat = v_pages.reshape(n * page_size, d)
+    pos_flat = slot_pos.reshape(n * page_size)
+    full = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))
+    ins = (work, num_work, meta, qpos_rows, q_rows, page_table_flat, k_flat, v_flat, pos_flat)
+    out_shape = [jax.ShapeDtypeStruct((u_n, rows, d), out_dtype),
+                 jax.ShapeDtypeStruct((u_n, rows), jnp.float32)]
+    if num_splits > 1:
+        out_shape += [jax.ShapeDtypeStruct((num_splits, u_n, rows, d), jnp.float32),
+                      jax.ShapeDtypeStruct((num_splits, u_n, rows), jnp.float32)]
+    kernel = functools.partial(_compact_kernel, scale=scale, page_size=page_size, ppb=ppb, pps=pps,
+                               max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv)
+    res = pl.pallas_call(
+        kernel,
+        grid=(num_programs,),
+        in_specs=[full(x.shape) for x in ins],
+        out_specs=[full(o.shape) for o in out_shape],
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxkv_ragged_paged_attention_compact",
+    )(*ins)
+    if num_splits == 1:
+        return res[0], res[1]
+    out, lse, o_part, l_part = res
+    merge_programs = max(1, min(merge_programs, u_n))
+    mins = (merge_units, num_merge, meta, o_part, l_part, out, lse)
+    return pl.pallas_call(
+        functools.partial(_compact_merge_kernel, pps=pps, num_programs=merge_programs),
+        grid=(merge_programs,),
+        in_specs=[full(x.shape) for x in mins],
+        out_specs=[full(out.shape), full(lse.shape)],
+        out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxkv_paged_attention_compact_merge",
+    )(*mins)
