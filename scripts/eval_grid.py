@@ -40,6 +40,8 @@ def run_cell(task: str, context: int, method: str, args) -> dict:
     print(f"[{cell['wall_s']:6.1f}s] {task:8s} {method:8s} {context:6d} "
           f"{'accuracy=%.3f' % cell['accuracy'] if 'accuracy' in cell else 'FAILED rc=%d' % proc.returncode}",
           flush=True)
+    if proc.returncode != 0:
+        print("    " + "\n    ".join(proc.stderr.strip().splitlines()[-6:]), flush=True)
     return cell
 
 

@@ -21,6 +21,10 @@ def test_match_all_and_chain():
     assert metrics.match_all("6343130", ["634313"]) == 0.0  # whole words only
     assert metrics.chain_accuracy("a b x d", ["a", "b", "c", "d"]) == 0.75
     assert metrics.score("all", "x", ["x"]) == 1.0
+    # list answers: only the first len(answers) words count, in any order, punctuation ignored
+    assert metrics.match_list("q , p , r", ["p", "q", "r"]) == 1.0
+    assert metrics.match_list("q , x , y , p , r", ["p", "q", "r"]) == pytest.approx(1 / 3)
+    assert metrics.score("list", "x y", ["y"]) == 0.0
     with pytest.raises(ValueError):
         metrics.score("bleu", "a", ["a"])
 

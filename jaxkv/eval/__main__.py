@@ -78,7 +78,7 @@ def run(args) -> dict:
     tok = model.tokenizer
     instances = load_instances(args)
     method = get_method(args.method, model)
-    reference = get_method("full", model) if args.method != "full" else None
+    reference = get_method("full", model) if method.compare_to_full and args.method != "full" else None
     stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
     rows = []
     for i, inst in enumerate(tqdm(instances, desc=f"{args.task}/{args.method}", file=sys.stderr)):

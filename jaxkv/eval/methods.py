@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from collections.abc import Callable
 from functools import partial
 
@@ -64,6 +65,7 @@ class Method:
     """Interface: `run(pieces, max_new_tokens, stop_ids) -> MethodOutput`."""
 
     name = "base"
+    compare_to_full = True   # the harness also runs `full` for first-token logit agreement
 
     def __init__(self, model):
         self.model = model
@@ -148,3 +150,22 @@ class FullRecompute(Method):
             tok = int(jnp.argmax(logits))
         return MethodOutput(out, first, ttft, metrics.kv_bytes(cfg, n + len(out), dtype.itemsize), loaded,
                             metrics.prefill_flops(cfg, n))
+
+
+@register_method("random_copy")
+class RandomCopy(Method):
+    """Chance level: copy tokens drawn at random positions of the segments (frequency-weighted, so frequent
+    words are as likely as they are common), as many as the budget allows. No model runs; the tasks'
+    "clearly above chance" bar is measured with it through the same scoring as every other method."""
+
+    name = "random_copy"
+    compare_to_full = False
+
+    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
+        pool = np.asarray([t for s in pieces.segments for t in s] or pieces.ids, np.int64)
+        rng = np.random.default_rng(zlib.crc32(np.asarray(pieces.ids, np.int32).tobytes()))
+        out = [int(t) for t in rng.choice(pool, size=max_new_tokens) if int(t) not in stop_ids]
+        first = np.full(self.model.config.vocab_size, -1e9, np.float32)
+        ids, counts = np.unique(pool, return_counts=True)
+        first[ids] = np.log(counts / counts.sum())
+        return MethodOutput(out, first, 0.0, 0, 0, {"attention": 0.0, "ffn": 0.0})

@@ -40,7 +40,7 @@ class Instance:
     suffix: str
     target: str
     answers: tuple[str, ...]
-    metric: str  # "all" (fraction of answers found), "chain" (per-step agreement)
+    metric: str  # "all" (fraction of answers found), "list" (... among the first len(answers) words), "chain"
     meta: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -202,7 +202,7 @@ def cwe(rng: random.Random, context: int, num_segments: int | None = None, num_c
     for i, w in enumerate(order):
         tgt += [w] + ([","] if i < num_common - 1 else [])
     return Instance("cwe", prefix, tuple(segs), " ".join(q) + " " + ASSISTANT_OPEN, " ".join(tgt),
-                    tuple(order), "all", {"freq": freq})
+                    tuple(order), "list", {"freq": freq})
 
 
 def fwe(rng: random.Random, context: int, num_segments: int | None = None, alpha: float = 1.3) -> Instance:
@@ -221,7 +221,7 @@ def fwe(rng: random.Random, context: int, num_segments: int | None = None, alpha
     segs = [_join(words[s * budget : (s + 1) * budget]) for s in range(ns)]
     tgt = [top[0], ",", top[1], ",", top[2]]
     return Instance("fwe", prefix, tuple(segs), " ".join(q) + " " + ASSISTANT_OPEN, " ".join(tgt),
-                    tuple(top), "all", {})
+                    tuple(top), "list", {})
 
 
 def qa(rng: random.Random, context: int, num_segments: int | None = None) -> Instance:
