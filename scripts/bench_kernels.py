@@ -27,12 +27,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pallas_kernels.attention_scores.api import attention_scores  # noqa: E402
 from pallas_kernels.lse_merge.api import lse_merge  # noqa: E402
-from pallas_kernels.paged_attention.api import paged_attention  # noqa: E402
+from pallas_kernels.paged_attention.api import (  # noqa: E402
+    paged_attention,
+    paged_attention_pallas,
+    paged_attention_plan,
+    paged_attention_with_plan,
+)
 from pallas_kernels.rewrite.api import rewrite  # noqa: E402
 from pallas_kernels.rope_shift.api import rope_inv_freq, rope_shift  # noqa: E402
 
 ROWS: list[tuple] = []      # (row, jaxkv, anchor, ratio, target, met)
 HEADER_NOTES: list[str] = []   # lines printed above the table (machine copy ceiling, ...)
+PAGED_ANCHOR_FALLBACK: list[str] = []   # "ctx/page" where cuDNN paged failed and the dense anchor stood in
 
 
 def log(*a):
@@ -123,9 +129,11 @@ def best_splits(make, inputs, args, alts=()):
 
 
 def row(name, ours, anchor, ratio, target=None):
-    met = "" if target is None else ("yes" if ratio >= target else "**no**")   # nan ratio -> no
-    ROWS.append((name, ours, anchor, f"{ratio:.2f}x", "" if target is None else f">= {target}x", met))
-    log(f"ROW | {name} | {ours} | {anchor} | {ratio:.2f}x | {target} | {met}")
+    ok = ratio is not None and math.isfinite(ratio)
+    met = "" if target is None else ("yes" if ok and ratio >= target else "**no**")
+    rs = f"{ratio:.2f}x" if ok else "n/a"
+    ROWS.append((name, ours, anchor, rs, "" if target is None else f">= {target}x", met))
+    log(f"ROW | {name} | {ours} | {anchor} | {rs} | {target} | {met}")
 
 
 # ---------------------------------------------------------------- data
@@ -208,7 +216,20 @@ def check(args):
     err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
               for a, b in zip(r, o, strict=True))
     res.append(("rewrite", err, 0.0, err == 0.0))
-    log("\nCHECK (rel err = ||pallas - twin|| / ||twin||)")
+    try:
+        from pallas_kernels.head_class_prefill import api as hcp
+
+        if hasattr(hcp, "check_gpu"):
+            got = hcp.check_gpu(**({"t": 256} if args.small else {}))
+            for impl, v in (got.items() if isinstance(got, dict) else [("all", got)]):
+                ok = bool(v[-1]) if isinstance(v, (tuple, list)) else bool(v)
+                errs = v[:-1] if isinstance(v, (tuple, list)) else ()
+                res.append((f"head_class_prefill.check_gpu {impl}", *(list(errs) + [0.0, 0.0])[:2], ok))
+        else:
+            log("head_class_prefill.check_gpu missing: not checked")
+    except Exception as e:  # noqa: BLE001 - the module is optional here
+        log(f"head_class_prefill check unavailable: {repr(e)[:300]}")
+    log("\nCHECK (rel err = ||pallas - twin|| / ||twin||; check_gpu rows: max|out err|, max|lse err|)")
     for name, rel, lerr, ok in res:
         log(f"CHECK {'PASS' if ok else 'FAIL'} {name}: rel={rel:.2e} lse_maxabs={lerr:.2e}")
     return all(r[-1] for r in res)
@@ -259,9 +280,13 @@ def bench_uniform_decode(ctx, page, b, args):
     except Exception as e:  # noqa: BLE001 - no cuDNN (CPU --small): the dense anchor stands in, logged
         log(f"cuDNN paged unavailable ({repr(e)[:120]}); anchor = dense attention")
         t_cudnn = t_dense
+        PAGED_ANCHOR_FALLBACK.append(f"{ctx}/{page}")
     del kd, vd, kc, vc
     # deprecated Pallas-Triton paged attention (floor): pages [Hkv, N, page, D]
+    t_floor = float("nan")
     try:
+        if not (args.floor and on_gpu()):
+            raise RuntimeError("not run (--floor, GPU only)")
         from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
         kf = jax.random.normal(key, (hkv, b * mp, page, d), jnp.bfloat16)
@@ -269,21 +294,22 @@ def bench_uniform_decode(ctx, page, b, args):
         bt = ptc.reshape(b, mp)
         splits = 16 if mp % 16 == 0 else 1
         flo = jax.jit(lambda q, k, v, bt: pallas_paged.paged_attention(q, k, v, bt, kvl, k_splits=splits))
-        t_floor = timeit(flo, q, kf, vf, bt, iters=args.iters, alts=[(q2, kf, vf, bt)]) if on_gpu() \
-            else float("nan")
+        t_floor = timeit(flo, q, kf, vf, bt, iters=args.iters, alts=[(q2, kf, vf, bt)])
         del kf, vf
     except Exception as e:  # noqa: BLE001 - the floor is best effort
-        log("pallas floor failed:", repr(e)[:200])
-        t_floor = float("nan")
+        log("pallas floor:", repr(e)[:200])
     gbs = lambda t: nbytes / t / 1e6
     name = f"decode B={b} ctx={fmt_ctx(ctx)} page={page}"
     log(f"{name}: ours {t_ours:.3f} ms ({gbs(t_ours):.0f} GB/s) "
         f"cudnn_paged {t_cudnn:.3f} ({gbs(t_cudnn):.0f}) "
         f"cudnn_dense {t_dense:.3f} ({gbs(t_dense):.0f}) pallas_floor {t_floor:.3f} ({gbs(t_floor):.0f})")
-    row(f"{name}: vs cuDNN paged (GB/s)", f"{gbs(t_ours):.0f}", f"{gbs(t_cudnn):.0f}", t_cudnn / t_ours, 0.9)
+    fb = " [cuDNN paged failed: dense anchor]" if f"{ctx}/{page}" in PAGED_ANCHOR_FALLBACK else ""
+    row(f"{name}: vs cuDNN paged{fb} (GB/s)", f"{gbs(t_ours):.0f}", f"{gbs(t_cudnn):.0f}", t_cudnn / t_ours,
+        0.9)
     row(f"{name}: vs cuDNN dense (GB/s)", f"{gbs(t_ours):.0f}", f"{gbs(t_dense):.0f}", t_dense / t_ours)
-    row(f"{name}: vs Pallas-Triton paged floor (GB/s)", f"{gbs(t_ours):.0f}", f"{gbs(t_floor):.0f}",
-        t_floor / t_ours)
+    if args.floor:
+        row(f"{name}: vs Pallas-Triton paged floor (GB/s)", f"{gbs(t_ours):.0f}", f"{gbs(t_floor):.0f}",
+            t_floor / t_ours)
     return t_cudnn
 
 
@@ -298,21 +324,130 @@ def head_class_arrays(hkv):
     return sink, window
 
 
+def _interp():
+    return not on_gpu()      # --small on CPU: Pallas interpret mode
+
+
 def bench_headclass_decode(ctx, page, b, t_cudnn, args):
+    """One layer, 1 of 8 KV heads global. jaxkv "plan amortised": the plan is built once outside the timed
+    region (the engine builds it once per step for all layers), timed = q pad + kernel + merge + output.
+    "per call": paged_attention_pallas with the plan built inside. Returns the best (schedule, splits)."""
     hq, hkv, d = args.hq, args.hkv, args.d
     kp, vp, pos, pt, lens = uniform_pool(jax.random.key(11), b, hkv, ctx, page, d)
     q, q_seq, q_pos = decode_queries(jax.random.key(7), b, hq, d, ctx)
     q2 = jax.random.normal(jax.random.key(17), q.shape, q.dtype)
     sink, window = head_class_arrays(hkv)
-    t, ns = best_splits(lambda ns: jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention(
-        q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
-        ordered=True, num_splits=ns)[0]), (q, kp, vp, pos, pt, lens), args,
-        alts=[(q2, kp, vp, pos, pt, lens)])
-    target = 6 if ctx == 32768 else (15 if ctx == 131072 else None)
+    run = jax.jit(lambda plan, q, kp, vp, pos, pt: paged_attention_with_plan(plan, q, kp, vp, pos, pt,
+                                                                             scale=0.088)[0])
+    res = {}
+    for sched in args.schedules:
+        for ns in args.splits:
+            try:
+                plan = jax.jit(lambda pos, pt, lens, ns=ns, sched=sched: paged_attention_plan(
+                    pos, pt, lens, q_seq, q_pos, sink, window, num_q_heads=hq, ordered=True, num_splits=ns,
+                    schedule=sched))(pos, pt, lens)
+                res[(sched, ns)] = timeit(run, plan, q, kp, vp, pos, pt, iters=args.iters,
+                                          alts=[(plan, q2, kp, vp, pos, pt)])
+            except Exception as e:  # noqa: BLE001 - one config failing must not lose the row
+                log(f"  head-class {sched} splits={ns} failed: {repr(e)[:300]}")
+    log(f"  head-class plan-amortised sweep (ms): {res}")
+    if not res:
+        raise RuntimeError("every head-class config failed")
+    sched, ns = min(res, key=res.get)
+    t = res[(sched, ns)]
+    t_call = float("nan")
+    try:
+        call = jax.jit(lambda q, kp, vp, pos, pt, lens: paged_attention_pallas(
+            q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, ordered=True, num_splits=ns,
+            schedule=sched, interpret=_interp())[0])
+        t_call = timeit(call, q, kp, vp, pos, pt, lens, iters=args.iters, alts=[(q2, kp, vp, pos, pt, lens)])
+    except Exception as e:  # noqa: BLE001
+        log(f"  head-class per-call failed: {repr(e)[:300]}")
+    target = TARGETS_HC.get(ctx)
     ceil = hkv / (1 + (hkv - 1) * 320 / ctx)
-    row(f"head-class decode B={b} ctx={fmt_ctx(ctx)} page={page} "
-        f"(ms; splits={ns}; bytes ceiling {ceil:.1f}x)",
+    name = f"head-class decode B={b} ctx={fmt_ctx(ctx)} page={page}"
+    row(f"{name}, plan amortised (ms; {sched}, splits={ns}; bytes ceiling {ceil:.1f}x)",
         f"{t:.3f}", f"{t_cudnn:.3f}", t_cudnn / t, target)
+    row(f"{name}, per call incl. plan (ms; same config)", f"{t_call:.3f}", f"{t_cudnn:.3f}", t_cudnn / t_call)
+    return [(sched, ns)] + [(s_, ns) for s_ in args.schedules if s_ != sched]
+
+
+TARGETS_HC = {32768: 6, 131072: 15}
+
+
+def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64, window=256):
+    """One pool for `layers` layers: global heads (layer, head) in `global_heads` store the whole context,
+    the others only their sink + window slots (positions [0, sink) and [ctx - window, ctx), ordered), as an
+    evicting engine would. Returns pool arrays, page_table [L, B, Hkv, MP], lengths [L, B, Hkv], sink and
+    window [L, Hkv]."""
+    mp = ctx // page
+    loc_pos = np.concatenate([np.arange(sink), np.arange(ctx - window, ctx)]).astype(np.int32)
+    loc_pages = -(-len(loc_pos) // page)
+    loc_pos = np.pad(loc_pos, (0, loc_pages * page - len(loc_pos)), constant_values=-1)
+    loc_pos = loc_pos.reshape(loc_pages, page)
+    glob_pos = np.arange(ctx, dtype=np.int32).reshape(mp, page)
+    is_glob = np.zeros((layers, hkv), bool)
+    for lh in global_heads:
+        is_glob[lh] = True
+    n_units = np.where(is_glob, mp, loc_pages).sum() * b
+    perm = np.random.default_rng(0).permutation(n_units).astype(np.int32)
+    pt = -np.ones((layers, b, hkv, mp), np.int32)
+    slot_pos = np.empty((n_units, page), np.int32)
+    nxt = 0
+    for lyr in range(layers):
+        for h in range(hkv):
+            pos_u = glob_pos if is_glob[lyr, h] else loc_pos
+            npg = len(pos_u)
+            for s_ in range(b):
+                ids = perm[nxt:nxt + npg]
+                nxt += npg
+                pt[lyr, s_, h, :npg] = ids
+                slot_pos[ids] = pos_u
+    lens = np.where(is_glob, ctx, sink + window)[:, None, :].repeat(b, axis=1).astype(np.int32)
+    sink_l = np.where(is_glob, 0, sink).astype(np.int32)
+    window_l = np.where(is_glob, 0, window).astype(np.int32)
+    k1, k2 = jax.random.split(key)
+    kp = jax.random.normal(k1, (n_units, page, d), jnp.bfloat16)
+    vp = jax.random.normal(k2, (n_units, page, d), jnp.bfloat16)
+    return (kp, vp, jnp.asarray(slot_pos), jnp.asarray(pt), jnp.asarray(lens), jnp.asarray(sink_l),
+            jnp.asarray(window_l), int(is_glob.sum()))
+
+
+def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args):
+    """Whole decode step of a 10-layer x 8-KV-head model with 10% of KV heads global (head 0 of layers 0-7;
+    layers 8-9 all local), the rest sink 64 + window 256: one multi-layer plan + 10 per-layer kernel calls
+    in one jit. Anchor: dense cuDNN paged attention of one layer at this context, timed once (the uniform
+    decode row) x 10."""
+    layers, hq, hkv, d = 10, args.hq, args.hkv, args.d
+    kp, vp, pos, pt, lens, sink_l, window_l, n_glob = headclass_step_pool(
+        jax.random.key(21), layers, b, hkv, ctx, page, d, [(lyr, 0) for lyr in range(8)])
+    q_seq = jnp.arange(b, dtype=jnp.int32)
+    q_pos = jnp.full((b,), ctx - 1, jnp.int32)
+    qs = jax.random.normal(jax.random.key(22), (layers, b, hq, d), jnp.bfloat16)
+    qs2 = jax.random.normal(jax.random.key(23), (layers, b, hq, d), jnp.bfloat16)
+    res = {}
+    for sched, ns in cfgs:
+        def step(qs, kp, vp, pos, pt, lens, sched=sched, ns=ns):
+            plan = paged_attention_plan(pos, pt, lens, q_seq, q_pos, sink_l, window_l, num_q_heads=hq,
+                                        ordered=True, num_splits=ns, schedule=sched)
+            return jnp.stack([paged_attention_with_plan(plan.layer(lyr), qs[lyr], kp, vp, pos, pt[lyr],
+                                                        scale=0.088)[0] for lyr in range(layers)])
+        try:
+            res[(sched, ns)] = timeit(jax.jit(step), qs, kp, vp, pos, pt, lens, iters=args.iters,
+                                      alts=[(qs2, kp, vp, pos, pt, lens)])
+        except Exception as e:  # noqa: BLE001
+            log(f"  head-class step {sched} splits={ns} failed: {repr(e)[:300]}")
+    log(f"  head-class step sweep (ms): {res}")
+    if not res:
+        raise RuntimeError("every head-class step config failed")
+    sched, ns = min(res, key=res.get)
+    t = res[(sched, ns)]
+    units = layers * hkv
+    ceil = units * ctx / (n_glob * ctx + (units - n_glob) * 320)
+    row(f"head-class step B={b} ctx={fmt_ctx(ctx)} page={page}: 10 layers x 8 KV heads, {n_glob} of {units} "
+        f"global; multi-layer plan + 10 kernel calls vs 10 x dense cuDNN paged (1 timed x 10) "
+        f"(ms; {sched}, splits={ns}; bytes ceiling {ceil:.1f}x)",
+        f"{t:.3f}", f"{10 * t_cudnn:.3f}", 10 * t_cudnn / t, TARGETS_HC.get(ctx))
 
 
 def bench_headclass_prefill(ctx, args):
@@ -325,7 +460,7 @@ def bench_headclass_prefill(ctx, args):
     sink, window = head_class_arrays(hkv)
     it = max(3, args.iters // 2)
     res = {}
-    for bq in (16, 32):
+    for bq in args.prefill_block_q:
         ours = jax.jit(lambda q, kp, vp, pos, pt, lens, bq=bq: paged_attention(
             q, kp, vp, pos, pt, lens, q_seq, q_pos, sink, window, scale=0.088, implementation="pallas",
             ordered=True, block_q=bq, num_splits=1)[0])
@@ -333,15 +468,57 @@ def bench_headclass_prefill(ctx, args):
             res[bq] = timeit(ours, q, kp, vp, pos, pt, lens, iters=it, alts=[(q2, kp, vp, pos, pt, lens)])
         except Exception as e:  # noqa: BLE001
             log(f"prefill block_q={bq} failed: {repr(e)[:300]}")
-    del kp, vp
+    del kp, vp, pos, pt
     kd = jax.random.normal(jax.random.key(1), (1, ctx, hkv, d), jnp.bfloat16)
     vd = jax.random.normal(jax.random.key(2), (1, ctx, hkv, d), jnp.bfloat16)
     dense = jax.jit(lambda q, k, v: dpa(q, k, v, scale=0.088, is_causal=True))
     t_d = timeit(dense, q[None], kd, vd, iters=it, alts=[(q2[None], kd, vd)])
-    bq, t = min(res.items(), key=lambda kv: kv[1])
-    log(f"prefill {ctx}: ours {res} ms, cudnn dense causal {t_d:.3f} ms")
     target = 5 if ctx == 32768 else None
-    row(f"head-class prefill T={fmt_ctx(ctx)} (ms, block_q={bq})", f"{t:.3f}", f"{t_d:.3f}", t_d / t, target)
+    log(f"prefill {ctx}: ours {res} ms, cudnn dense causal {t_d:.3f} ms")
+    if res:
+        bq, t = min(res.items(), key=lambda kv: kv[1])
+        row(f"head-class prefill T={fmt_ctx(ctx)}, paged kernel over pages (ms, block_q={bq})", f"{t:.3f}",
+            f"{t_d:.3f}", t_d / t)
+    # pallas_kernels.head_class_prefill: fresh prompt, contiguous K/V, global heads by `global_impl`
+    sk = tuple(int(x) for x in np.asarray(sink))
+    wd = tuple(int(x) for x in np.asarray(window))
+    k3, v3 = kd[0], vd[0]
+    hc = {}
+    try:
+        from pallas_kernels.head_class_prefill.api import head_class_prefill
+    except Exception as e:  # noqa: BLE001 - module missing or broken: rows say so
+        log(f"head_class_prefill unavailable: {repr(e)[:300]}")
+        head_class_prefill = None
+    for impl in ("mosaic", "cudnn", "pallas"):
+        name = f"head-class prefill T={fmt_ctx(ctx)}, head_class_prefill global_impl={impl} (ms)"
+        if head_class_prefill is None:
+            row(name, "unavailable", f"{t_d:.3f}", None)
+            continue
+        try:
+            fn = jax.jit(lambda q, k, v, impl=impl: head_class_prefill(
+                q, k, v, sk, wd, scale=0.088, global_impl=impl, interpret=_interp())[0])
+            hc[impl] = timeit(fn, q, k3, v3, iters=it, alts=[(q2, k3, v3)])
+            row(name, f"{hc[impl]:.3f}", f"{t_d:.3f}", t_d / hc[impl])
+        except Exception as e:  # noqa: BLE001
+            log(f"head_class_prefill {impl} failed: {repr(e)[:400]}")
+            row(name, "unavailable", f"{t_d:.3f}", None)
+    if hc:
+        impl, t = min(hc.items(), key=lambda kv: kv[1])
+        row(f"head-class prefill T={fmt_ctx(ctx)}, best head_class_prefill ({impl}) vs cuDNN flash causal, "
+            "all heads (ms)", f"{t:.3f}", f"{t_d:.3f}", t_d / t, target)
+
+
+def bench_copy_ceiling(args):
+    """The machine's plain copy bandwidth: x + 1 over one big bf16 array (read + write counted)."""
+    n = args.copy_bytes // 2
+    x = jax.random.normal(jax.random.key(30), (n,), jnp.bfloat16)
+    x2 = jax.random.normal(jax.random.key(31), (n,), jnp.bfloat16)
+    t = timeit(jax.jit(lambda x: x + 1), x, iters=max(3, args.iters // 5), alts=[(x2,)])
+    moved = 2 * n * 2
+    note = (f"Device copy ceiling: `x + 1` over a {n * 2 / 2**30:.2f} GiB bf16 array, read + write counted: "
+            f"{moved / t / 1e6:.0f} GB/s ({t:.3f} ms).")
+    log(note)
+    HEADER_NOTES.append(note)
 
 
 def bench_rope(args):
@@ -355,10 +532,11 @@ def bench_rope(args):
     dst = src + m
     dl = jax.random.randint(ks[0], (m,), -5000, 5000)
     inv = jnp.asarray(rope_inv_freq(d, 500000.0))
-    moved = 2 * m * page * (2 * d * 2 + 4)              # read + write of K, V, pos per pair
+    # bytes, both sides: read + write of the moved pages' K, V and positions
+    moved = 2 * m * page * (2 * d * 2 + 4)
     res = {}
     for style in ("neox", "gptj"):
-        for block in (2, 4, 8):
+        for block in args.rope_blocks:
             step = lambda st, style=style, block=block: rope_shift(*st, src, dst, dl, inv, style=style,
                                                                     implementation="pallas", block=block)
             try:
@@ -371,16 +549,20 @@ def bench_rope(args):
                 v = jax.random.normal(ks[1], (n, page, d), jnp.bfloat16)
                 pos = jax.random.randint(ks[2], (n, page), 0, 100000)
     del k, v, pos
-    buf = jax.random.normal(ks[0], (moved // 4,), jnp.bfloat16)      # same bytes, read + write
-    cp = jax.jit(lambda x: x + 1)
-    t_cp = timeit(cp, buf, iters=args.iters)
-    log(f"rope: {res} ms; device copy {t_cp:.3f} ms ({moved / t_cp / 1e6:.0f} GB/s)")
+    # anchor: an in-place (donated) x + 1 over arrays holding exactly the moved pages' K, V and positions
+    kc = jax.random.normal(ks[0], (m, page, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[1], (m, page, d), jnp.bfloat16)
+    pc = jax.random.randint(ks[2], (m, page), 0, 100000)
+    cp = jax.jit(lambda k, v, p: (k + 1, v + 1, p + 1), donate_argnums=(0, 1, 2))
+    t_cp, _ = timeit_state(lambda st: cp(*st), (kc, vc, pc), iters=args.iters)
+    log(f"rope: {res} ms; in-place copy of the same pages {t_cp:.3f} ms ({moved / t_cp / 1e6:.0f} GB/s)")
     for style in ("neox", "gptj"):
         cand = {b: t for (s, b), t in res.items() if s == style}
         if cand:
             b, t = min(cand.items(), key=lambda kv: kv[1])
-            row(f"RoPE shift + copy {style}, {m} pages of 16 (GB/s, block={b})", f"{moved / t / 1e6:.0f}",
-                f"{moved / t_cp / 1e6:.0f}", t_cp / t, 0.7)
+            row(f"RoPE shift + copy {style}, {m} pages of 16 vs in-place x + 1 of the same K/V/pos bytes "
+                f"(GB/s read + write, block={b})", f"{moved / t / 1e6:.0f}", f"{moved / t_cp / 1e6:.0f}",
+                t_cp / t, 0.7)
 
 
 def bench_rewrite(args):
@@ -565,13 +747,28 @@ def main():
     ap.add_argument("--timing", choices=("device", "host"), default="device",
                     help="device: back-to-back async calls, one block (default); host: per-call host clock")
     ap.add_argument("--rounds", type=int, default=None, help="device timing: median of this many rounds")
-    ap.add_argument("--only", default="decode,headclass,prefill,rope,rewrite")
+    ap.add_argument("--only", default="decode,headclass,step,prefill,rope,rewrite")
     ap.add_argument("--rewrite-layers", type=int, default=4, help="36 needs ~97 GB; default scaled to 4")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--splits", default="auto,8,32",
                     help="split-K values swept for decode (auto = heuristic)")
+    ap.add_argument("--schedules", default="grid,compact",
+                    help="paged-attention launch schedules swept for the head-class decode rows")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the deprecated Pallas-Triton paged attention (jax.experimental ops)")
+    ap.add_argument("--rope-blocks", default="2,4", help="rope_shift pages per program swept")
+    ap.add_argument("--prefill-block-q", default="16", help="block_q swept for the paged prefill row")
+    ap.add_argument("--step-all-contexts", action="store_true",
+                    help="whole-step head-class rows at every context (default: the target contexts)")
+    ap.add_argument("--deadline-min", type=float, default=0.0,
+                    help="skip the remaining benchmark groups once this many minutes have passed since start "
+                         "(0 = none); the table is written either way")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     args.splits = [None if x == "auto" else int(x) for x in args.splits.split(",")]
+    args.schedules = args.schedules.split(",")
+    args.rope_blocks = [int(x) for x in args.rope_blocks.split(",")]
+    args.prefill_block_q = [int(x) for x in args.prefill_block_q.split(",")]
     if args.iters is None:
         args.iters = 3 if args.small else 50
     TIMING["method"] = args.timing
@@ -581,12 +778,17 @@ def main():
         contexts, prefill_ctx = [1024], [256]
         args.rope_pages, args.rewrite_seqs, args.rewrite_len = 64, 2, (256, 32)
         args.rewrite_layers = min(args.rewrite_layers, 2)
+        args.copy_bytes = 1 << 22
+        pages = (16,)
         batch = lambda ctx: 2
     else:
         args.hq, args.hkv, args.d = 32, 8, 128
-        contexts = [8192] if args.quick else [8192, 32768, 131072]
-        prefill_ctx = [c for c in contexts if c <= 32768]
+        # contexts with targets first, so a --deadline cuts the least important rows
+        contexts = [8192] if args.quick else [32768, 131072, 8192]
+        prefill_ctx = [c for c in (32768, 8192) if c in contexts]
         args.rope_pages, args.rewrite_seqs, args.rewrite_len = 65536, 32, (20480, 2048)
+        args.copy_bytes = 2 << 30
+        pages = (16, 64)
         batch = lambda ctx: 32 if ctx <= 32768 else 8
     command = "python scripts/bench_kernels.py " + " ".join(sys.argv[1:])
     log("devices:", jax.devices(), "jax", jax.__version__)
@@ -600,32 +802,61 @@ def main():
             check_ok = "crashed (see log)"
     if args.engine:
         try:
-            engine_check()
+            ok = engine_check()
+            HEADER_NOTES.append(f"Engine check (tiny Mistral, Pallas vs twin greedy tokens): "
+                                f"{'PASS' if ok else 'FAIL'}.")
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+            HEADER_NOTES.append("Engine check: crashed (see log).")
     if args.profile:
         profile(args)
         return
     only = set(args.only.split(","))
+    skipped = []
+
+    def group(name, fn, *fargs):
+        """Run fn(*fargs); past --deadline-min it is skipped (and listed above the table)."""
+        el = (time.perf_counter() - t_start) / 60
+        if args.deadline_min and el > args.deadline_min:
+            log(f"SKIP {name}: deadline ({el:.1f} > {args.deadline_min} min)")
+            skipped.append(name)
+            return None
+        t0 = time.perf_counter()
+        try:
+            return fn(*fargs)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            return None
+        finally:
+            now = time.perf_counter()
+            log(f"[{name}: {now - t0:.0f} s; {(now - t_start) / 60:.1f} min total]")
+
     for ctx in contexts:
         b = batch(ctx)
-        for page in (16, 64):
-            try:
-                t_c = bench_uniform_decode(ctx, page, b, args) if "decode" in only else None
-                if "headclass" in only and t_c is not None:
-                    bench_headclass_decode(ctx, page, b, t_c, args)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-    prefill = lambda: [bench_headclass_prefill(c, args) for c in prefill_ctx]
-    for name, fn in [("prefill", prefill),
-                     ("rope", lambda: bench_rope(args)), ("rewrite", lambda: bench_rewrite(args))]:
-        if name in only:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
+        for page in pages:
+            tag = f"ctx={fmt_ctx(ctx)} page={page}"
+            t_c = group(f"uniform decode {tag}", bench_uniform_decode, ctx, page, b, args) \
+                if "decode" in only else None
+            if t_c is None:
+                continue
+            cfgs = group(f"head-class decode {tag}", bench_headclass_decode, ctx, page, b, t_c, args) \
+                if "headclass" in only else None
+            if "step" in only and (ctx in TARGETS_HC or args.small or args.step_all_contexts):
+                cfgs = cfgs or [(s_, None) for s_ in args.schedules]
+                group(f"head-class step {tag}", bench_headclass_step, ctx, page, b, t_c, cfgs, args)
+    if "rope" in only:
+        group("copy ceiling", bench_copy_ceiling, args)
+        group("rope", bench_rope, args)
+    if "prefill" in only:
+        for c in prefill_ctx:
+            group(f"prefill T={fmt_ctx(c)}", bench_headclass_prefill, c, args)
+    if "rewrite" in only:
+        group("rewrite", bench_rewrite, args)
+    if skipped:
+        HEADER_NOTES.append(f"Skipped at the --deadline-min {args.deadline_min}: {', '.join(skipped)}.")
     text = write_table(args, command, check_ok)
     log("\n" + text)
+    log(f"total {(time.perf_counter() - t_start) / 60:.1f} min")
 
 
 if __name__ == "__main__":
