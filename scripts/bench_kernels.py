@@ -502,6 +502,36 @@ def bench_headclass_prefill(ctx, args):
         except Exception as e:  # noqa: BLE001
             log(f"head_class_prefill {impl} failed: {repr(e)[:400]}")
             row(name, "unavailable", f"{t_d:.3f}", None)
+    # local heads' tile sweep (block_q x pages_per_block of 16 keys) with the dense global impls
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.prefill_local_tiles.split(",") if t]
+    for impl in [i for i in ("cudnn", "mosaic") if i in hc]:
+        for bq, ppb in tiles:
+            try:
+                fn = jax.jit(lambda q, k, v, impl=impl, bq=bq, ppb=ppb: head_class_prefill(
+                    q, k, v, sk, wd, scale=0.088, global_impl=impl, interpret=_interp(),
+                    local_block_q=bq, local_pages_per_block=ppb)[0])
+                key = f"{impl}, local tiles {bq}x{ppb}"
+                hc[key] = timeit(fn, q, k3, v3, iters=it, alts=[(q2, k3, v3)])
+                log(f"  prefill {ctx} {key}: {hc[key]:.3f} ms")
+            except Exception as e:  # noqa: BLE001
+                log(f"head_class_prefill {impl} tiles {bq}x{ppb} failed: {repr(e)[:300]}")
+    if head_class_prefill is not None and hc:
+        # where the time goes: the global heads alone (dense impl) and the local heads alone (paged kernel)
+        glob = [h for h, w in enumerate(wd) if w == 0]
+        loc = [h for h, w in enumerate(wd) if w > 0]
+        g = hq // hkv
+        qg = jnp.concatenate([q[:, h * g:(h + 1) * g] for h in glob], axis=1)
+        ql = jnp.concatenate([q[:, h * g:(h + 1) * g] for h in loc], axis=1)
+        parts = {"global heads only (cudnn)": (qg, k3[:, glob], v3[:, glob], (0,) * len(glob), (0,) * len(glob)),
+                 "local heads only (paged kernel)": (ql, k3[:, loc], v3[:, loc], tuple(sk[h] for h in loc),
+                                                     tuple(wd[h] for h in loc))}
+        for name, (qq, kk, vv, s_, w_) in parts.items():
+            try:
+                fn = jax.jit(lambda q, k, v, s_=s_, w_=w_: head_class_prefill(
+                    q, k, v, s_, w_, scale=0.088, global_impl="cudnn", interpret=_interp())[0])
+                log(f"  prefill {ctx} breakdown, {name}: {timeit(fn, qq, kk, vv, iters=it):.3f} ms")
+            except Exception as e:  # noqa: BLE001
+                log(f"breakdown {name} failed: {repr(e)[:300]}")
     if hc:
         impl, t = min(hc.items(), key=lambda kv: kv[1])
         row(f"head-class prefill T={fmt_ctx(ctx)}, best head_class_prefill ({impl}) vs cuDNN flash causal, "
@@ -758,6 +788,8 @@ def main():
                     help="also time the deprecated Pallas-Triton paged attention (jax.experimental ops)")
     ap.add_argument("--rope-blocks", default="2,4", help="rope_shift pages per program swept")
     ap.add_argument("--prefill-block-q", default="16", help="block_q swept for the paged prefill row")
+    ap.add_argument("--prefill-local-tiles", default="",
+                    help="local heads' block_q x pages_per_block swept for head_class_prefill, e.g. 32x2,64x4")
     ap.add_argument("--step-all-contexts", action="store_true",
                     help="whole-step head-class rows at every context (default: the target contexts)")
     ap.add_argument("--deadline-min", type=float, default=0.0,
