@@ -515,6 +515,16 @@ def bench_headclass_prefill(ctx, args):
                 log(f"  prefill {ctx} {key}: {hc[key]:.3f} ms")
             except Exception as e:  # noqa: BLE001
                 log(f"head_class_prefill {impl} tiles {bq}x{ppb} failed: {repr(e)[:300]}")
+    # local heads through cuDNN's sliding window + the sink keys by LSE merge (local_impl="cudnn")
+    for impl in [i for i in ("cudnn", "mosaic") if i in hc]:
+        try:
+            fn = jax.jit(lambda q, k, v, impl=impl: head_class_prefill(
+                q, k, v, sk, wd, scale=0.088, global_impl=impl, local_impl="cudnn")[0])
+            key = f"{impl}, local cudnn window + sink"
+            hc[key] = timeit(fn, q, k3, v3, iters=it, alts=[(q2, k3, v3)])
+            log(f"  prefill {ctx} {key}: {hc[key]:.3f} ms")
+        except Exception as e:  # noqa: BLE001
+            log(f"head_class_prefill {impl} + local cudnn failed: {repr(e)[:400]}")
     if head_class_prefill is not None and hc:
         # where the time goes: the global heads alone (dense impl) and the local heads alone (paged kernel)
         glob = [h for h, w in enumerate(wd) if w == 0]
@@ -524,11 +534,14 @@ def bench_headclass_prefill(ctx, args):
         ql = jnp.concatenate([q[:, h * g:(h + 1) * g] for h in loc], axis=1)
         parts = {"global heads only (cudnn)": (qg, k3[:, glob], v3[:, glob], (0,) * len(glob), (0,) * len(glob)),
                  "local heads only (paged kernel)": (ql, k3[:, loc], v3[:, loc], tuple(sk[h] for h in loc),
-                                                     tuple(wd[h] for h in loc))}
+                                                     tuple(wd[h] for h in loc)),
+                 "local heads only (cudnn window + sink)": (ql, k3[:, loc], v3[:, loc],
+                                                            tuple(sk[h] for h in loc), tuple(wd[h] for h in loc))}
         for name, (qq, kk, vv, s_, w_) in parts.items():
             try:
-                fn = jax.jit(lambda q, k, v, s_=s_, w_=w_: head_class_prefill(
-                    q, k, v, s_, w_, scale=0.088, global_impl="cudnn", interpret=_interp())[0])
+                li = "cudnn" if "cudnn window" in name else "pallas" if "paged" in name else None
+                fn = jax.jit(lambda q, k, v, s_=s_, w_=w_, li=li: head_class_prefill(
+                    q, k, v, s_, w_, scale=0.088, global_impl="cudnn", local_impl=li, interpret=_interp())[0])
                 log(f"  prefill {ctx} breakdown, {name}: {timeit(fn, qq, kk, vv, iters=it):.3f} ms")
             except Exception as e:  # noqa: BLE001
                 log(f"breakdown {name} failed: {repr(e)[:300]}")
@@ -584,8 +597,16 @@ def bench_rope(args):
     vc = jax.random.normal(ks[1], (m, page, d), jnp.bfloat16)
     pc = jax.random.randint(ks[2], (m, page), 0, 100000)
     cp = jax.jit(lambda k, v, p: (k + 1, v + 1, p + 1), donate_argnums=(0, 1, 2))
-    t_cp, _ = timeit_state(lambda st: cp(*st), (kc, vc, pc), iters=args.iters)
+    t_cp, (kc, vc, pc) = timeit_state(lambda st: cp(*st), (kc, vc, pc), iters=args.iters)
     log(f"rope: {res} ms; in-place copy of the same pages {t_cp:.3f} ms ({moved / t_cp / 1e6:.0f} GB/s)")
+    # second anchor: a device memcpy of the same bytes (jit outputs must be fresh buffers: XLA copies)
+    mc = jax.jit(lambda k, v, p: (jnp.copy(k), jnp.copy(v), jnp.copy(p)))
+    try:
+        t_mc = timeit(mc, kc, vc, pc, iters=args.iters)
+        log(f"rope anchor: device copy (jnp.copy, new buffers) {t_mc:.3f} ms ({moved / t_mc / 1e6:.0f} GB/s)")
+    except Exception as e:  # noqa: BLE001
+        t_mc = None
+        log(f"memcpy anchor failed: {repr(e)[:300]}")
     for style in ("neox", "gptj"):
         cand = {b: t for (s, b), t in res.items() if s == style}
         if cand:
@@ -593,6 +614,10 @@ def bench_rope(args):
             row(f"RoPE shift + copy {style}, {m} pages of 16 vs in-place x + 1 of the same K/V/pos bytes "
                 f"(GB/s read + write, block={b})", f"{moved / t / 1e6:.0f}", f"{moved / t_cp / 1e6:.0f}",
                 t_cp / t, 0.7)
+            if t_mc:
+                row(f"RoPE shift + copy {style}, {m} pages of 16 vs device copy (jnp.copy into new buffers) of "
+                    f"the same bytes (GB/s read + write, block={b})", f"{moved / t / 1e6:.0f}",
+                    f"{moved / t_mc / 1e6:.0f}", t_mc / t, 0.7)
 
 
 def bench_rewrite(args):
@@ -786,7 +811,7 @@ def main():
                     help="paged-attention launch schedules swept for the head-class decode rows")
     ap.add_argument("--floor", action="store_true",
                     help="also time the deprecated Pallas-Triton paged attention (jax.experimental ops)")
-    ap.add_argument("--rope-blocks", default="2,4", help="rope_shift pages per program swept")
+    ap.add_argument("--rope-blocks", default="1,2,4", help="rope_shift pages per program swept")
     ap.add_argument("--prefill-block-q", default="16", help="block_q swept for the paged prefill row")
     ap.add_argument("--prefill-local-tiles", default="",
                     help="local heads' block_q x pages_per_block swept for head_class_prefill, e.g. 32x2,64x4")

@@ -33,7 +33,7 @@ from pallas_kernels.head_class_prefill import dense
 from pallas_kernels.head_class_prefill.reference import head_class_prefill as _twin
 
 GLOBAL_IMPLS = ("mosaic", "cudnn", "pallas", "reference")
-LOCAL_IMPLS = ("pallas", "reference")
+LOCAL_IMPLS = ("cudnn", "pallas", "reference")
 PAGE_SIZE = 16          # page size of the contiguous K/V viewed as pages (paged-kernel paths)
 LOCAL_TILES = (32, 2)   # local heads' (block_q, pages_per_block); H200 sweep in docs/kernels.md section 6
 
@@ -80,9 +80,25 @@ def _run_class(kind: str, impl: str, q, k, v, sink, window, *, scale, interpret,
                       num_splits=1 if kind == "local" else None, block_q=bq, pages_per_block=ppb)
     if impl == "mosaic":
         return dense.mosaic_causal(q, k, v, scale=scale)
+    if impl == "cudnn" and kind == "local":
+        return _by_config(dense.cudnn_local, q, k, v, sink, window, scale=scale)
     if impl == "cudnn":
         return dense.cudnn_causal(q, k, v, scale=scale)
     raise AssertionError(impl)
+
+
+def _by_config(fn, q, k, v, sink, window, *, scale):
+    """Run `fn(q, k, v, sink=, window=)` once per run of heads sharing one (sink, window); concat by head."""
+    g = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for (sk, wd), start, n in _runs(list(zip(sink, window))):
+        o, l_ = fn(q[:, start * g:(start + n) * g], k[:, start:start + n], v[:, start:start + n], sink=sk,
+                   window=wd, scale=scale)
+        outs.append(o)
+        lses.append(l_)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
 def _runs(flags):
@@ -263,13 +279,15 @@ def check_gpu(t: int = 4096, *, seed: int = 0, verbose: bool = True):
     v = jax.random.normal(kv, (t, hkv, d), jnp.float32).astype(jnp.bfloat16)
     ref_out, ref_lse = jax.jit(functools.partial(_twin, sink=sink, window=window, scale=scale))(q, k, v)
     ref_out = ref_out.astype(jnp.float32)
-    impls = GLOBAL_IMPLS if jax.default_backend() == "gpu" else ("pallas", "reference")
+    impls = (GLOBAL_IMPLS + ("cudnn+cudnn", "mosaic+cudnn") if jax.default_backend() == "gpu"
+             else ("pallas", "reference"))
     fn = jax.jit(head_class_prefill, static_argnames=("sink", "window", "scale", "global_impl", "local_impl",
                                                       "interpret"))
     res = {}
     for impl in impls:
         try:
-            out, lse = fn(q, k, v, sink, window, scale=scale, global_impl=impl)
+            gi, li = (impl.split("+") + [None])[:2]
+            out, lse = fn(q, k, v, sink, window, scale=scale, global_impl=gi, local_impl=li)
             out = out.astype(jnp.float32)
             e_out = float(jnp.max(jnp.abs(out - ref_out)))
             rel = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))

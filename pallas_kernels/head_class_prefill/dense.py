@@ -123,3 +123,53 @@ def cudnn_causal(q, k, v, *, scale: float):
             return out[0].astype(q.dtype), stats[0].T.astype(jnp.float32)   # [1, H, T] -> [T, H]
     out = jax.nn.dot_product_attention(qs, ks, vs, scale=float(scale), is_causal=True, implementation="cudnn")
     return out[0].astype(q.dtype), causal_lse(qs[0], ks[0], scale=float(scale))
+
+
+def sink_part(q, k, v, *, sink: int, window: int, scale: float):
+    """Attention of every query to the sink keys [0, sink) that lie *before* its window (k <= p - window):
+    the part of a local head that a sliding-window kernel does not see -> (out [T, H, D] f32, lse [T, H]).
+    Queries with no such key get out 0, lse -inf. Dense over `sink` keys: T x H x sink scores."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    ns = min(sink, t)
+    ks, vs = k[:ns], v[:ns]
+    qg = q.reshape(t, hkv, g, d)
+    s = jnp.einsum("thgd,khd->thgk", qg, ks, preferred_element_type=jnp.float32) * scale
+    p = jnp.arange(t, dtype=jnp.int32)[:, None, None, None]
+    kk = jnp.arange(ns, dtype=jnp.int32)[None, None, None, :]
+    s = jnp.where(kk <= p - window, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)                                   # -inf where nothing is visible
+    w = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    out = jnp.einsum("thgk,khd->thgd", w.astype(v.dtype), vs, preferred_element_type=jnp.float32)
+    return out.reshape(t, hq, d), lse.reshape(t, hq)
+
+
+def merge2(o1, l1, o2, l2):
+    """Exact merge of two partial attentions over disjoint key sets (o f32 [T, H, D], lse [T, H])."""
+    m = jnp.maximum(l1, l2)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w1, w2 = jnp.exp(l1 - m), jnp.exp(l2 - m)
+    tot = w1 + w2
+    out = (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(tot > 0, tot, 1.0)[..., None]
+    return out, jnp.where(tot > 0, m + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+
+
+def cudnn_local(q, k, v, *, sink: int, window: int, scale: float):
+    """Local heads (one shared sink + window) through cuDNN's causal sliding window (keys (p - window, p]:
+    `sliding_window_length = window`, jax's `local_window_size=(window - 1, 0)`) with its fp32 softmax
+    stats, plus the sink keys before the window by `sink_part`, merged exactly by LSE."""
+    _require_gpu("local_impl='cudnn'")
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as _cudnn_sdpa
+
+    dt = q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+    qs, ks, vs = (x.astype(dt)[None] for x in (q, k, v))
+    out, stats = _cudnn_sdpa(qs, ks, vs, scale=float(scale), mask_type=MaskType.CAUSAL, qkv_layout="BTNH",
+                             sliding_window_length=int(window), return_residual=True)
+    o_w, l_w = out[0].astype(jnp.float32), stats[0].T.astype(jnp.float32)
+    if sink == 0:
+        return o_w.astype(q.dtype), l_w
+    o_s, l_s = sink_part(qs[0], ks[0], vs[0], sink=sink, window=window, scale=scale)
+    o, l_ = merge2(o_w, l_w, o_s, l_s)
+    return o.astype(q.dtype), l_

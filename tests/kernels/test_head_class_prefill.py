@@ -164,7 +164,9 @@ def test_fallback_skips_what_does_not_compile(monkeypatch):
     assert "NotImplementedError" in seen[("global", "mosaic")]
     assert "NotImplementedError" in seen[("global", "cudnn")]
     assert seen[("global", "pallas")] is None and seen[("local", "pallas")] is None
-    assert set(seen) == {("global", "mosaic"), ("global", "cudnn"), ("global", "pallas"), ("local", "pallas")}
+    assert "NotImplementedError" in seen[("local", "cudnn")]
+    assert set(seen) == {("global", "mosaic"), ("global", "cudnn"), ("global", "pallas"), ("local", "cudnn"),
+                         ("local", "pallas")}
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -219,3 +221,21 @@ def test_gpu_global_impls_ragged(impl, t):
     out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
     assert np.linalg.norm(out - ref_out) <= 2e-2 * np.linalg.norm(ref_out)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-2)
+
+
+@pytest.mark.parametrize("t, sink, window", [(300, 4, 32), (50, 8, 64), (200, 0, 16)])
+def test_window_plus_sink_decomposition(t, sink, window):
+    """local_impl='cudnn' = sliding window (keys (p - window, p]) + sink keys before the window, merged by
+    LSE; the window part comes from cuDNN on the GPU, here from the twin with sink 0 -- the sink part and
+    the merge are the code under test."""
+    from pallas_kernels.head_class_prefill import dense
+
+    q, k, v = _inputs(7, t, 2, 2, 16, np.float32)
+    o_w, l_w = twin(q, k, v, (0, 0), (window, window), scale=SCALE)
+    o_s, l_s = dense.sink_part(q, k, v, sink=sink, window=window, scale=SCALE)
+    out, lse = dense.merge2(o_w, l_w, o_s, l_s)
+    ref_out, ref_lse = twin(q, k, v, (sink, sink), (window, window), scale=SCALE)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5, rtol=1e-5)
+    if sink and t > window + sink:   # the sink really contributes for queries past the window
+        assert float(jnp.max(jnp.abs(o_w[window + sink:] - ref_out[window + sink:]))) > 1e-3
