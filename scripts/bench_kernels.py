@@ -515,6 +515,20 @@ def bench_headclass_prefill(ctx, args):
                 log(f"  prefill {ctx} {key}: {hc[key]:.3f} ms")
             except Exception as e:  # noqa: BLE001
                 log(f"head_class_prefill {impl} tiles {bq}x{ppb} failed: {repr(e)[:300]}")
+    # local heads' launch sweep: (block_q x pages) x (num_warps x num_stages), global through cuDNN
+    launches = [tuple(int(x) for x in t.split("x")) for t in args.prefill_local_launch.split(",") if t]
+    for (bq, ppb), (nw, ns) in [(tl, ln) for tl in (tiles or [(32, 2)]) for ln in launches]:
+        if "cudnn" not in hc:
+            break
+        try:
+            fn = jax.jit(lambda q, k, v, bq=bq, ppb=ppb, nw=nw, ns=ns: head_class_prefill(
+                q, k, v, sk, wd, scale=0.088, global_impl="cudnn", local_block_q=bq, local_pages_per_block=ppb,
+                local_launch=(nw, ns))[0])
+            key = f"cudnn, local tiles {bq}x{ppb} warps {nw} stages {ns}"
+            hc[key] = timeit(fn, q, k3, v3, iters=it, alts=[(q2, k3, v3)])
+            log(f"  prefill {ctx} {key}: {hc[key]:.3f} ms")
+        except Exception as e:  # noqa: BLE001
+            log(f"head_class_prefill local launch {bq}x{ppb} {nw}x{ns} failed: {repr(e)[:300]}")
     # local heads through cuDNN's sliding window + the sink keys by LSE merge (local_impl="cudnn")
     for impl in [i for i in ("cudnn", "mosaic") if i in hc]:
         try:
@@ -813,6 +827,8 @@ def main():
                     help="also time the deprecated Pallas-Triton paged attention (jax.experimental ops)")
     ap.add_argument("--rope-blocks", default="1,2,4", help="rope_shift pages per program swept")
     ap.add_argument("--prefill-block-q", default="16", help="block_q swept for the paged prefill row")
+    ap.add_argument("--prefill-local-launch", default="",
+                    help="local heads' num_warps x num_stages swept (with each --prefill-local-tiles), e.g. 8x3")
     ap.add_argument("--prefill-local-tiles", default="",
                     help="local heads' block_q x pages_per_block swept for head_class_prefill, e.g. 32x2,64x4")
     ap.add_argument("--step-all-contexts", action="store_true",

@@ -36,12 +36,13 @@ GLOBAL_IMPLS = ("mosaic", "cudnn", "pallas", "reference")
 LOCAL_IMPLS = ("cudnn", "pallas", "reference")
 PAGE_SIZE = 16          # page size of the contiguous K/V viewed as pages (paged-kernel paths)
 LOCAL_TILES = (32, 2)   # local heads' (block_q, pages_per_block); H200 sweep in docs/kernels.md section 6
+LOCAL_LAUNCH = (8, 3)   # local heads' (num_warps, num_stages) for those 128-row tiles (same sweep)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 def _paged(q, k, v, sink, window, *, scale, interpret, num_splits, block_q=None, pages_per_block=None,
-           active=None):
+           active=None, launch=(None, None)):
     """The paged kernel over one sequence's contiguous K/V: head h's pages are [h*npg, (h+1)*npg).
 
     `active` (static bools per KV head, default all): inactive heads get length 0, so the kernel skips them
@@ -66,7 +67,8 @@ def _paged(q, k, v, sink, window, *, scale, interpret, num_splits, block_q=None,
     return paged_attention(q, pages(k), pages(v), slot_pos, page_table, lengths, q_seq, q_pos,
                            jnp.asarray(sink, jnp.int32), jnp.asarray(window, jnp.int32), scale=scale,
                            implementation="pallas", interpret=interpret, ordered=True, num_splits=num_splits,
-                           block_q=block_q, pages_per_block=pages_per_block)
+                           block_q=block_q, pages_per_block=pages_per_block, num_warps=launch[0],
+                           num_stages=launch[1])
 
 
 def _run_class(kind: str, impl: str, q, k, v, sink, window, *, scale, interpret, local_tiles=(None, None)):
@@ -205,7 +207,7 @@ def _validate(q, k, v, sink, window, global_impl, local_impl):
 
 
 def head_class_prefill(q, k, v, sink, window, *, scale, global_impl=None, local_impl=None, interpret=None,
-                       local_block_q=None, local_pages_per_block=None):
+                       local_block_q=None, local_pages_per_block=None, local_launch=None):
     """Causal prefill of one fresh sequence with per-KV-head classes -> (out [T, Hq, D], lse [T, Hq] f32).
 
     q [T, Hq, D], k/v [T, Hkv, D] at positions 0..T-1. sink, window: static tuples of Python ints, one per
@@ -213,7 +215,8 @@ def head_class_prefill(q, k, v, sink, window, *, scale, global_impl=None, local_
     (k > p - window or k < sink). lse is the natural-log log-sum-exp of the scaled scores. Jit with
     `static_argnames=("sink", "window", "scale", "global_impl", "local_impl", "interpret")`.
     `local_block_q` / `local_pages_per_block` (static) tile the local heads' paged kernel (queries per block,
-    pages of PAGE_SIZE keys per inner step); None = LOCAL_TILES.
+    pages of PAGE_SIZE keys per inner step); None = LOCAL_TILES. `local_launch` = (num_warps, num_stages) of
+    that kernel (None = the paged kernel's prefill default).
     """
     sink, window = _validate(q, k, v, sink, window, global_impl, local_impl)
     t, hq, d = q.shape
@@ -238,7 +241,8 @@ def head_class_prefill(q, k, v, sink, window, *, scale, global_impl=None, local_
             # class reads q and writes out in place, no head gathers / concatenations (~0.25 ms at 32K).
             results["all"] = _paged(q, k, v, sink, window, scale=scale, interpret=interp, num_splits=1,
                                     block_q=tiles[0], pages_per_block=tiles[1],
-                                    active=tuple(not gl for gl in is_global))
+                                    active=tuple(not gl for gl in is_global),
+                                    launch=tuple(local_launch) if local_launch else LOCAL_LAUNCH)
             continue
         results[kind] = _run_class(kind, chosen, qs, ks, vs, sk, wd, scale=scale, interpret=interp,
                                    local_tiles=tiles)

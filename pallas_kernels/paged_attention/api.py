@@ -365,7 +365,8 @@ def _reference(*args, **kwargs):
 def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
                     scale, implementation: str | None = None, interpret: bool | None = None,
                     ordered: bool = False, block_q: int | None = None, num_splits: int | None = None,
-                    pages_per_block: int | None = None):
+                    pages_per_block: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None):
     """Ragged per-(sequence, KV head) paged attention -> (out [T, Hq, D], lse [T, Hq] float32).
 
     Arguments as in docs/architecture.md. `ordered=True` promises that each head's slots are stored in
@@ -377,7 +378,8 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
     impls = {
         "pallas": lambda: paged_attention_pallas(
             *args, scale=scale, ordered=ordered, block_q=block_q, num_splits=num_splits,
-            pages_per_block=pages_per_block, interpret=resolve_interpret(interpret)),
+            pages_per_block=pages_per_block, interpret=resolve_interpret(interpret), num_warps=num_warps,
+            num_stages=num_stages),
         "reference": lambda: _reference(*args, scale=scale),
     }
     return dispatch("paged_attention", implementation, impls)
