@@ -84,3 +84,22 @@ def test_registry():
             get_method("nope", None)
     finally:
         METHODS.pop("_test_dummy")
+
+
+def test_random_copy_baseline_is_chance_and_copies_context(toy_model, tmp_path):
+    """The chance-level method copies segment tokens only, runs no model and reports no agreement."""
+    from jaxkv.eval.__main__ import main
+
+    out = tmp_path / "c.json"
+    assert main(["--task", "cwe", "--method", "random_copy", "--context", "512", "--num", "3",
+                 "--model", str(toy_model), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    assert s["kv_bytes_held"] == 0 and s["prefill_flops_attention"] == 0
+    assert s["logit_cosine"] != s["logit_cosine"]          # NaN: nothing to agree with
+    from jaxkv.eval.tasks import make_instances
+
+    for inst, row in zip(make_instances("cwe", 512, 3, seed=0), res["instances"]):
+        words = set(" ".join(inst.segments).split())
+        assert row["prediction"].split() and set(row["prediction"].split()) <= words
+    assert res["accuracy"] < 0.5     # 5 common words among ~300 distinct ones: far from solved
