@@ -42,11 +42,8 @@ LOCAL_LAUNCH = (8, 3)   # local heads' (num_warps, num_stages) for those 128-row
 # ----------------------------------------------------------------------------------------------- helpers
 
 def _paged(q, k, v, sink, window, *, scale, interpret, num_splits, block_q=None, pages_per_block=None,
-           active=None, launch=(None, None)):
-    """The paged kernel over one sequence's contiguous K/V: head h's pages are [h*npg, (h+1)*npg).
-
-    `active` (static bools per KV head, default all): inactive heads get length 0, so the kernel skips them
-    (out 0, lse -inf) -- lets the local pass take the full q / out without per-class head gathers."""
+           launch=(None, None)):
+    """The paged kernel over one sequence's contiguous K/V: head h's pages are [h*npg, (h+1)*npg)."""
     from pallas_kernels.paged_attention.api import paged_attention
 
     t, _, d = q.shape
@@ -61,7 +58,7 @@ def _paged(q, k, v, sink, window, *, scale, interpret, num_splits, block_q=None,
     pos = jnp.arange(tp, dtype=jnp.int32)
     slot_pos = jnp.tile(jnp.where(pos < t, pos, -1).reshape(npg, p), (hk, 1))
     page_table = jnp.arange(hk * npg, dtype=jnp.int32).reshape(1, hk, npg)
-    lengths = jnp.asarray([[t if a else 0 for a in (active or (True,) * hk)]], jnp.int32)
+    lengths = jnp.full((1, hk), t, jnp.int32)
     q_seq = jnp.zeros((t,), jnp.int32)
     q_pos = jnp.arange(t, dtype=jnp.int32)
     return paged_attention(q, pages(k), pages(v), slot_pos, page_table, lengths, q_seq, q_pos,
@@ -71,15 +68,18 @@ def _paged(q, k, v, sink, window, *, scale, interpret, num_splits, block_q=None,
                            num_stages=launch[1])
 
 
-def _run_class(kind: str, impl: str, q, k, v, sink, window, *, scale, interpret, local_tiles=(None, None)):
-    """One head class on its own head subset -> (out, lse)."""
+def _run_class(kind: str, impl: str, q, k, v, sink, window, *, scale, interpret,
+               local_kernel=(None, None, None, None)):
+    """One head class on its own head subset -> (out, lse). `local_kernel` = the local heads' paged-kernel
+    (block_q, pages_per_block, num_warps, num_stages)."""
     if impl == "reference":
         return _twin(q, k, v, sink, window, scale=scale)
     if impl == "pallas":
         # local heads: sink + window fit one split; global heads: the kernel's split-K default
-        bq, ppb = local_tiles if kind == "local" else (None, None)
+        bq, ppb, nw, ns = local_kernel if kind == "local" else (None,) * 4
         return _paged(q, k, v, sink, window, scale=scale, interpret=interpret,
-                      num_splits=1 if kind == "local" else None, block_q=bq, pages_per_block=ppb)
+                      num_splits=1 if kind == "local" else None, block_q=bq, pages_per_block=ppb,
+                      launch=(nw, ns))
     if impl == "mosaic":
         return dense.mosaic_causal(q, k, v, scale=scale)
     if impl == "cudnn" and kind == "local":
@@ -227,6 +227,8 @@ def head_class_prefill(q, k, v, sink, window, *, scale, global_impl=None, local_
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
     is_global = [w == 0 for w in window]
+    local_kernel = (local_block_q or LOCAL_TILES[0], local_pages_per_block or LOCAL_TILES[1],
+                    *(local_launch or LOCAL_LAUNCH))
     results = {}
     for kind, impl in (("global", global_impl), ("local", local_impl)):
         heads = [h for h in range(hkv) if is_global[h] == (kind == "global")]
@@ -235,26 +237,8 @@ def head_class_prefill(q, k, v, sink, window, *, scale, global_impl=None, local_
         qs, ks, vs = _heads(q, heads, g), _heads(k, heads, 1), _heads(v, heads, 1)
         sk, wd = tuple(sink[h] for h in heads), tuple(window[h] for h in heads)
         chosen = _choose(kind, impl, qs, ks, sk, wd, scale, interp)
-        tiles = (local_block_q or LOCAL_TILES[0], local_pages_per_block or LOCAL_TILES[1])
-        if kind == "local" and chosen == "pallas" and len(heads) < hkv:
-            # One pass over all heads with the global heads' lengths 0 (skipped in the kernel): the local
-            # class reads q and writes out in place, no head gathers / concatenations (~0.25 ms at 32K).
-            results["all"] = _paged(q, k, v, sink, window, scale=scale, interpret=interp, num_splits=1,
-                                    block_q=tiles[0], pages_per_block=tiles[1],
-                                    active=tuple(not gl for gl in is_global),
-                                    launch=tuple(local_launch) if local_launch else LOCAL_LAUNCH)
-            continue
         results[kind] = _run_class(kind, chosen, qs, ks, vs, sk, wd, scale=scale, interpret=interp,
-                                   local_tiles=tiles)
-    if "all" in results:
-        out, lse = results["all"]
-        seen = 0
-        for glob, start, n in _runs(is_global):
-            if glob:
-                out = out.at[:, start * g:(start + n) * g].set(results["global"][0][:, seen * g:(seen + n) * g])
-                lse = lse.at[:, start * g:(start + n) * g].set(results["global"][1][:, seen * g:(seen + n) * g])
-                seen += n
-        return out, lse
+                                   local_kernel=local_kernel)
     if len(results) == 1:
         return next(iter(results.values()))
     outs, lses, seen = [], [], {"global": 0, "local": 0}

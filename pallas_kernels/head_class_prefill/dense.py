@@ -145,20 +145,10 @@ def sink_part(q, k, v, *, sink: int, window: int, scale: float):
     return out.reshape(t, hq, d), lse.reshape(t, hq)
 
 
-def merge2(o1, l1, o2, l2):
-    """Exact merge of two partial attentions over disjoint key sets (o f32 [T, H, D], lse [T, H])."""
-    m = jnp.maximum(l1, l2)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w1, w2 = jnp.exp(l1 - m), jnp.exp(l2 - m)
-    tot = w1 + w2
-    out = (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(tot > 0, tot, 1.0)[..., None]
-    return out, jnp.where(tot > 0, m + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
-
-
 def cudnn_local(q, k, v, *, sink: int, window: int, scale: float):
     """Local heads (one shared sink + window) through cuDNN's causal sliding window (keys (p - window, p]:
     `sliding_window_length = window`, jax's `local_window_size=(window - 1, 0)`) with its fp32 softmax
-    stats, plus the sink keys before the window by `sink_part`, merged exactly by LSE."""
+    stats, plus the sink keys before the window by `sink_part`, merged exactly by `lse_merge`."""
     _require_gpu("local_impl='cudnn'")
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as _cudnn_sdpa
@@ -170,6 +160,7 @@ def cudnn_local(q, k, v, *, sink: int, window: int, scale: float):
     o_w, l_w = out[0].astype(jnp.float32), stats[0].T.astype(jnp.float32)
     if sink == 0:
         return o_w.astype(q.dtype), l_w
+    from pallas_kernels.lse_merge.api import lse_merge
+
     o_s, l_s = sink_part(qs[0], ks[0], vs[0], sink=sink, window=window, scale=scale)
-    o, l_ = merge2(o_w, l_w, o_s, l_s)
-    return o.astype(q.dtype), l_
+    return lse_merge(jnp.stack([o_w, o_s]), jnp.stack([l_w, l_s]), out_dtype=q.dtype)

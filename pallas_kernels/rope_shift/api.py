@@ -19,7 +19,7 @@ def rope_shift(k_pages, v_pages, slot_pos, src_pages, dst_pages, deltas, inv_fre
     The Pallas path donates the three pool arrays (in-place update). Fallback order: Pallas on GPU, twin.
     `block` = pages per program; None = DEFAULT_BLOCK[style] (H200 sweep, docs/benchmarks.md).
     """
-    block = DEFAULT_BLOCK[style] if block is None and style in DEFAULT_BLOCK else (block or 4)
+    block = block or DEFAULT_BLOCK.get(style, 4)
     args = (k_pages, v_pages, slot_pos, src_pages, dst_pages, deltas, inv_freq)
     impls = {
         "pallas": lambda: rope_shift_pallas(*args, style=style, block=block,
