@@ -176,6 +176,31 @@ class HeadPageTables:
             page_table_out[row, :, :, :mp] = seq.table[:, :, :mp]
             lengths_out[row] = self._stored(seq.written)
 
+    def compact(self, seq_id, counts) -> int:
+        """After a policy compacted heads in place: heads whose stored length exceeds ``counts [L, H]`` now
+        hold exactly ``counts`` slots (their first ones); the pages past that are released. Local (ring)
+        heads are never compacted. Returns the number of pages freed."""
+        seq = self._get(seq_id)
+        counts = np.asarray(counts, np.int64)
+        if counts.shape != (self.num_layers, self.num_kv_heads):
+            raise ValueError(f"compact: counts must be [{self.num_layers}, {self.num_kv_heads}] "
+                             f"(got {counts.shape})")
+        stored = self._stored(seq.written)
+        shrink = ~self.local & (counts < stored)
+        if (counts < 0).any():
+            raise ValueError("compact: counts must be >= 0")
+        if not shrink.any():
+            return 0
+        keep = np.where(shrink, -(-counts // self.page_size), seq.npages)
+        j = np.arange(seq.table.shape[2])
+        drop = (j >= keep[..., None]) & (j < seq.npages[..., None])
+        freed = seq.table[drop]
+        self.allocator.decref(freed)
+        seq.table[drop] = -1
+        seq.npages = keep
+        seq.written = np.where(shrink, counts, seq.written)
+        return int(freed.size)
+
     def release(self, seq_id) -> None:
         """Drops the sequence and one reference to each of its pages (no-op for an unknown id)."""
         seq = self._seqs.pop(seq_id, None)

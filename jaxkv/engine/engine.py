@@ -20,10 +20,12 @@ from jaxkv.cache.head_classes import HeadClassMap, all_global, load_or_default
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.cache.tables import HeadPageTables
 from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.request import Request, RequestOutput, Status
 from jaxkv.engine.runner import ModelRunner, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
+from jaxkv.policies import CompressPolicy, get_policy
 from jaxkv.sampling import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -48,7 +50,8 @@ class Engine:
                  max_model_len: int | None = None, max_step_tokens: int = 512,
                  head_classes: HeadClassMap | str | os.PathLike | None = None,
                  enable_prefix_caching: bool = True, kv_dtype=None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
+                 kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens)]:
@@ -69,14 +72,17 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
                                      window, max_step_tokens)
-        # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md).
-        sharable = enable_prefix_caching and bool((window == 0).all())
+        self.kv_policy = _resolve_policy(kv_policy, kv_budget)
+        # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md), and
+        # a compression policy rewrites pages in place, so it turns sharing off too.
+        sharable = enable_prefix_caching and bool((window == 0).all()) and self.kv_policy is None
         self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
         self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
                                    max_step_tokens=max_step_tokens)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
                                   kv_dtype=kv_dtype, attn_impl=attn_impl)
         self.page_size = page_size
+        self.compressor = Compressor(self)
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
@@ -88,7 +94,10 @@ class Engine:
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, sampling: SamplingParams | None = None, request_id: str | None = None,
-                    extra_key: str | None = None) -> str:
+                    extra_key: str | None = None, kv_policy: CompressPolicy | str | None = None,
+                    kv_budget: float | None = None) -> str:
+        """Queues a request. `kv_policy` / `kv_budget` override the engine's compression policy for it
+        (a policy object, or a name from jaxkv.policies.POLICIES with an optional budget)."""
         sampling = sampling or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
@@ -108,8 +117,10 @@ class Engine:
                              f"({self.allocator.num_pages}); raise num_pages or lower max_tokens")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if self.tokenizer else None
+        policy = self.kv_policy if kv_policy is None and kv_budget is None else _resolve_policy(
+            kv_policy if kv_policy is not None else self.kv_policy, kv_budget)
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
-                      stream=stream)
+                      stream=stream, kv_policy=policy)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -134,7 +145,8 @@ class Engine:
             req = chunk.request
             sampled = chunk.samples
             req.num_computed += chunk.num_tokens
-            if self.prefix is not None and chunk.start < len(req.prompt_ids) <= req.num_computed:
+            if (self.prefix is not None and req.kv_policy is None
+                    and chunk.start < len(req.prompt_ids) <= req.num_computed):
                 self._cache_prefix(req)  # the prompt just finished prefilling
             if not sampled:
                 continue
@@ -145,6 +157,7 @@ class Engine:
             if req.finished:
                 self.scheduler.remove(req)
                 self._requests.pop(req.request_id, None)
+        self.compressor.after_step([c.request for c in chunks])
         return outputs
 
     def _build_batch(self, chunks: list[Chunk]) -> StepBatch:
@@ -219,6 +232,19 @@ class Engine:
             prefix_cache_query_tokens=self.prefix.query_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
             num_preemptions=self.scheduler.num_preemptions)
+
+
+def _resolve_policy(policy, budget) -> CompressPolicy | None:
+    """A policy object, a registered name (with an optional budget), or None (full cache)."""
+    if policy is None:
+        if budget is not None:
+            raise ValueError("kv_budget needs a kv_policy")
+        return None
+    if isinstance(policy, str):
+        return get_policy(policy, **({} if budget is None else {"budget": budget}))
+    if not isinstance(policy, CompressPolicy):
+        raise ValueError(f"kv_policy must be a policy name or a CompressPolicy (got {type(policy).__name__})")
+    return policy if budget is None else dataclasses.replace(policy, budget=budget)
 
 
 def _resolve_head_classes(head_classes, model) -> HeadClassMap:

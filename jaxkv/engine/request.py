@@ -48,6 +48,9 @@ class Request:
     finish_reason: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    kv_policy: object | None = None  # a jaxkv.policies CompressPolicy, or None for the full cache
+    kv_compressed_at: int | None = None  # output tokens at the last compression (None = not yet)
+    kv_compressed_epoch: int = 0  # num_preemptions at the last compression (a preemption recomputes all)
 
     @property
     def all_ids(self) -> list[int]:

@@ -71,7 +71,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.num_computed == 0 and self.prefix is not None:
+            if req.num_computed == 0 and self.prefix is not None and req.kv_policy is None:
                 self._adopt_prefix(req)
             n = min(req.num_pending, budget)
             if not self._make_room(self.tables.pages_needed(req.request_id, n), protect=None):
