@@ -1,0 +1,250 @@
+"""Compression policies through the engine: every method against one dense oracle, plus the selection rules.
+
+The oracle does not trust the policies' own selection: it reads back, per (layer, KV head), which original
+positions the engine's pages hold after compaction and re-runs the model densely with exactly that key set
+visible to the generated tokens. Greedy tokens must match, so the rewrite, the host page bookkeeping and
+decoding over ragged per-head lengths are all checked for every method at once.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache.head_classes import HeadClass, HeadClassMap
+from jaxkv.engine.engine import Engine
+from jaxkv.models import llama
+from jaxkv.policies import POLICIES, SelectContext, get_policy, select
+from jaxkv.policies.compress.hardkv import solve_temperature, topp_count
+from jaxkv.sampling import SamplingParams
+from tests.hf_tiny import make_tiny_checkpoint
+
+NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("policies")))
+
+
+def prompts_for(model, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
+
+
+def kept_positions(eng, rid):
+    """[L][H] -> sorted original positions the head's pages hold now."""
+    pos = np.asarray(eng.runner.pool.pos)
+    lengths = eng.tables.lengths(rid)
+    out = []
+    for layer, row in enumerate(eng.tables.page_lists(rid)):
+        heads = []
+        for h, pages in enumerate(row):
+            p = pos[pages].reshape(-1)[:lengths[layer, h]]
+            heads.append(np.sort(p[p >= 0]))
+        out.append(heads)
+    return out
+
+
+def run_capturing(eng, prompts):
+    """Runs to completion; captures each request's kept positions right after its first compression."""
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    tokens = {i: [] for i in ids}
+    kept = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+        for i in ids:
+            req = eng._requests.get(i)
+            if i not in kept and req is not None and req.kv_compressed_at is not None:
+                kept[i] = kept_positions(eng, i)
+    return [tokens[i] for i in ids], [kept.get(i) for i in ids]
+
+
+def dense_greedy_with_keep(model, prompt, n, kept):
+    """Greedy tokens when queries of generated tokens see only `kept[l][h]` among the prompt's keys."""
+    cfg, params = model.config, model.params
+    L, H, G = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    p = len(prompt)
+    ids = list(prompt)
+    for _ in range(n):
+        t = len(ids)
+        keep = np.ones((L, H, t), bool)
+        for layer in range(L):
+            for h in range(H):
+                keep[layer, h, :p] = False
+                keep[layer, h, kept[layer][h]] = True
+        qpos = np.arange(t)
+        causal = qpos[None, :] <= qpos[:, None]  # [Tq, Tk]
+
+        def attend(layer, q, k, v, state):
+            drop = (~keep[layer])[:, None, :] & (qpos[None, :, None] >= p)  # [H, Tq, Tk]
+            mask = jnp.asarray(causal[None] & ~drop)
+            qg = q[0].reshape(t, H, G, -1)
+            s = jnp.einsum("qhgd,khd->hgqk", qg, k[0]) * cfg.head_dim ** -0.5
+            s = jnp.where(mask[:, None], s, -jnp.inf)
+            o = jnp.einsum("hgqk,khd->qhgd", jax.nn.softmax(s, axis=-1), v[0])
+            return o.reshape(1, t, H * G, -1), state
+
+        hidden, _ = llama.forward(params, cfg, jnp.asarray([ids]), jnp.arange(t)[None], attend, None)
+        ids.append(int(jnp.argmax(llama.lm_head(params, cfg, hidden[0, -1]))))
+    return ids[p:]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_through_engine_equals_dense_oracle(model, name):
+    prompts = prompts_for(model, [150, 97])
+    pol = get_policy(name, budget=48, window=16, **({"sink": 4} if name != "streaming_llm" else {}))
+    eng = Engine(model, page_size=8, max_step_tokens=64, max_num_seqs=2, kv_policy=pol, attn_impl="reference")
+    tokens, kept = run_capturing(eng, prompts)
+    assert eng.compressor.num_compressions >= 1 and eng.compressor.pages_freed > 0
+    for prompt, toks, k in zip(prompts, tokens, kept):
+        counts = np.array([[len(x) for x in row] for row in k])
+        assert counts.max() < len(prompt), "nothing was dropped"
+        assert dense_greedy_with_keep(model, prompt, NEW, k) == toks
+        # Sinks and the recent window are always there.
+        for row in k:
+            for heads in row:
+                assert set(range(pol.sink)) <= set(heads.tolist())
+                recent = len(prompt) - pol.recent_tokens(pol.target_tokens(len(prompt)))
+                assert set(range(recent, len(prompt))) <= set(heads.tolist())
+    assert eng.allocator.num_free == eng.allocator.num_pages  # every page back
+
+
+def test_streaming_llm_keeps_sinks_and_the_newest(model):
+    prompt = prompts_for(model, [120])[0]
+    eng = Engine(model, page_size=8, max_step_tokens=64, kv_policy="streaming_llm", kv_budget=40,
+                 attn_impl="reference")
+    _, (kept,) = run_capturing(eng, [prompt])
+    want = list(range(4)) + list(range(120 - 36, 120))
+    assert all(row[h].tolist() == want for row in kept for h in range(len(row)))
+
+
+def test_budget_above_prompt_changes_nothing(model):
+    prompts = prompts_for(model, [60, 33], seed=1)
+    base = jaxkv.generate(model, prompts, GREEDY, page_size=8, attn_impl="reference")
+    eng = Engine(model, page_size=8, kv_policy="snapkv", kv_budget=4096, attn_impl="reference")
+    tokens, _ = run_capturing(eng, prompts)
+    assert tokens == [o.token_ids for o in base]
+    assert eng.compressor.pages_freed == 0
+
+
+def test_hardkv_counts_differ_per_head_within_caps(model):
+    prompt = prompts_for(model, [200], seed=2)[0]
+    eng = Engine(model, page_size=8, max_step_tokens=64, kv_policy=get_policy("hardkv", budget=128, p=0.5),
+                 attn_impl="reference")
+    _, (kept,) = run_capturing(eng, [prompt])
+    counts = np.array([[len(h) for h in row] for row in kept])
+    assert counts.min() >= 64 and counts.max() <= 128  # lower = 0.5 x budget, upper = budget
+    assert len(np.unique(counts)) > 1  # truly head-variable
+
+
+def test_decode_interval_bounds_the_cache_during_long_generation(model):
+    prompt = prompts_for(model, [40], seed=3)[0]
+    pol = get_policy("hardkv", budget=48, window=8, decode_interval=16)
+    eng = Engine(model, page_size=8, max_step_tokens=64, kv_policy=pol, attn_impl="reference")
+    rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+    peak = 0
+    while eng.has_unfinished():
+        eng.step()
+        if rid in eng.tables:
+            peak = max(peak, int(eng.tables.lengths(rid).max()))
+    assert eng.compressor.num_compressions >= 5
+    assert peak <= 48 + 16  # the budget plus one interval of new tokens
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_local_heads_stay_rings_under_a_policy(model):
+    cfg = model.config
+    local = HeadClass.local(4, 16)
+    classes = tuple(tuple(local if h == 0 else HeadClass.global_() for h in range(cfg.num_kv_heads))
+                    for _ in range(cfg.num_layers))
+    hc = HeadClassMap(cfg.num_layers, cfg.num_kv_heads, classes)
+    prompt = prompts_for(model, [130], seed=4)[0]
+    eng = Engine(model, page_size=8, max_step_tokens=32, head_classes=hc, kv_policy="snapkv", kv_budget=80,
+                 attn_impl="reference")
+    _, (kept,) = run_capturing(eng, [prompt])
+    for row in kept:
+        ring = row[0].tolist()
+        assert set(range(4)) <= set(ring) and set(range(130 - 15, 130)) <= set(ring)
+        assert all(len(h) <= 80 for h in row[1:])  # global heads compressed to the budget
+
+
+def test_per_request_policy_override(model):
+    prompts = prompts_for(model, [90, 90], seed=5)
+    eng = Engine(model, page_size=8, attn_impl="reference")  # prefix caching on, no engine policy
+    eng.add_request(prompts[0], GREEDY, kv_policy="snapkv", kv_budget=40)
+    eng.add_request(prompts[1], GREEDY)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.compressor.num_compressions == 1 and eng.compressor.pages_freed > 0
+
+
+def test_select_rule_forced_then_best_ascending():
+    S, L, H, N = 1, 1, 2, 16
+    pos = jnp.broadcast_to(jnp.arange(N), (S, L, H, N)).astype(jnp.int32)
+    scores = jnp.stack([jnp.arange(N)[::-1], jnp.arange(N)], 0)[None, None].astype(jnp.float32)
+    ctx = SelectContext(lengths=jnp.full((S, L, H), N, jnp.int32), positions=pos, target=jnp.array([6]),
+                        recent_from=jnp.array([14]), compressible=jnp.ones((L, H), bool),
+                        lower=jnp.zeros((L, H), jnp.int32), upper=jnp.zeros((L, H), jnp.int32))
+    keep = select(scores, jnp.full((S, L, H), 6), ctx, sink=2, kmax=8)
+    got = [keep.idx[0, 0, h, :int(keep.count[0, 0, h])].tolist() for h in range(H)]
+    assert got[0] == [0, 1, 2, 3, 14, 15]  # sinks, best two (low positions score high), recent
+    assert got[1] == [0, 1, 12, 13, 14, 15]
+    # Fewer than the forced slots is impossible; more than the length is clipped; kmax caps.
+    keep = select(scores, jnp.full((S, L, H), 1), ctx, sink=2, kmax=8)
+    assert keep.count.tolist() == [[[4, 4]]]
+
+
+def test_pyramid_schedule_averages_to_the_budget():
+    pol = get_policy("pyramidkv", budget=128, window=16)
+    L, H, N = 8, 2, 512
+    ctx = SelectContext(lengths=jnp.full((1, L, H), N), positions=jnp.zeros((1, L, H, N), jnp.int32),
+                        target=jnp.array([128]), recent_from=jnp.array([N]),
+                        compressible=jnp.ones((L, H), bool), lower=jnp.zeros((L, H), jnp.int32),
+                        upper=jnp.zeros((L, H), jnp.int32))
+    c = np.asarray(pol.counts(jnp.zeros((1, L, H, N)), ctx))[0, :, 0]
+    assert (np.diff(c) <= 0).all() and c[0] > 128 > c[-1]
+    assert abs(c.mean() - 128) <= 8
+
+
+def test_adakv_shares_the_layer_budget_across_heads():
+    pol = get_policy("adakv", budget=40, window=8, sink=0, alpha=0.25)
+    L, H, N = 1, 4, 64
+    rng = np.random.default_rng(0)
+    scores = rng.random((1, L, H, N)).astype(np.float32)
+    scores[0, 0, 0] += 10  # head 0 is "concentrated": all its scores beat the others'
+    pos = np.broadcast_to(np.arange(N), (1, L, H, N)).astype(np.int32)
+    ctx = SelectContext(lengths=jnp.full((1, L, H), N), positions=jnp.asarray(pos), target=jnp.array([40]),
+                        recent_from=jnp.array([N - 8]), compressible=jnp.ones((L, H), bool),
+                        lower=jnp.zeros((L, H), jnp.int32), upper=jnp.zeros((L, H), jnp.int32))
+    c = np.asarray(pol.counts(jnp.asarray(scores), ctx))[0, 0]
+    assert c.sum() == H * 40 or abs(int(c.sum()) - H * 40) <= H  # the layer's total is kept
+    assert c[0] > 40 and c[1:].min() >= 8 + int(0.25 * 32)  # head 0 gets more; floors hold
+
+
+def test_hardkv_temperature_hits_the_target_mass():
+    rng = np.random.default_rng(0)
+    g = jnp.asarray(-np.sort(-rng.normal(size=(3, 4, 200)) * 3, axis=-1).astype(np.float32))  # [H, W, N]
+    n_star = jnp.full((3, 4), 20)
+    t = solve_temperature(g, n_star, jnp.ones((3, 4), bool), 0.9)
+    pr = jax.nn.softmax(g / t[:, None, None], axis=-1)
+    mass = np.asarray(jnp.sum(pr[..., :20], axis=-1)).mean(-1)
+    assert np.allclose(mass, 0.9, atol=0.01)
+    assert np.asarray(topp_count(jnp.array([[0.5, 0.3, 0.1, 0.1]]), 0.8)).tolist() == [2]
+
+
+def test_bad_policy_input_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="unknown KV policy"):
+        Engine(model, kv_policy="nope")
+    with pytest.raises(ValueError, match="budget"):
+        get_policy("snapkv", budget=-1)
+    with pytest.raises(ValueError, match="no field"):
+        get_policy("snapkv", temperature=3)
+    with pytest.raises(ValueError, match="kv_budget needs a kv_policy"):
+        Engine(model, kv_budget=0.5)
+    assert dataclasses.replace(get_policy("hardkv"), budget=0.5).budget == 0.5
