@@ -71,6 +71,14 @@ def dense_greedy_with_keep(model, prompt, n, kept):
     L, H, G = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     p = len(prompt)
     ids = list(prompt)
+    def attend(layer, q, k, v, masks):
+        t = q.shape[1]
+        qg = q[0].reshape(t, H, G, -1)
+        s = jnp.einsum("qhgd,khd->hgqk", qg, k[0]) * cfg.head_dim ** -0.5
+        s = jnp.where(masks[layer][:, None], s, -jnp.inf)
+        o = jnp.einsum("hgqk,khd->qhgd", jax.nn.softmax(s, axis=-1), v[0])
+        return o.reshape(1, t, H * G, -1), masks
+
     for _ in range(n):
         t = len(ids)
         keep = np.ones((L, H, t), bool)
@@ -80,17 +88,9 @@ def dense_greedy_with_keep(model, prompt, n, kept):
                 keep[layer, h, kept[layer][h]] = True
         qpos = np.arange(t)
         causal = qpos[None, :] <= qpos[:, None]  # [Tq, Tk]
-
-        def attend(layer, q, k, v, state):
-            drop = (~keep[layer])[:, None, :] & (qpos[None, :, None] >= p)  # [H, Tq, Tk]
-            mask = jnp.asarray(causal[None] & ~drop)
-            qg = q[0].reshape(t, H, G, -1)
-            s = jnp.einsum("qhgd,khd->hgqk", qg, k[0]) * cfg.head_dim ** -0.5
-            s = jnp.where(mask[:, None], s, -jnp.inf)
-            o = jnp.einsum("hgqk,khd->qhgd", jax.nn.softmax(s, axis=-1), v[0])
-            return o.reshape(1, t, H * G, -1), state
-
-        hidden, _ = llama.forward(params, cfg, jnp.asarray([ids]), jnp.arange(t)[None], attend, None)
+        drop = (~keep)[:, :, None, :] & (qpos[None, None, :, None] >= p)  # [L, H, Tq, Tk]
+        masks = jnp.asarray(causal[None, None] & ~drop)
+        hidden, _ = llama.forward(params, cfg, jnp.asarray([ids]), jnp.arange(t)[None], attend, masks)
         ids.append(int(jnp.argmax(llama.lm_head(params, cfg, hidden[0, -1]))))
     return ids[p:]
 
