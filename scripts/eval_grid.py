@@ -2,6 +2,11 @@
 
     python scripts/eval_grid.py --tasks mq_niah,vt,cwe,fwe,qa,chat,chain --contexts 2048,8192 \
         --methods full --num 12 --seed 101 --jobs 4 --out-dir /tmp/grid
+    python scripts/eval_grid.py --tasks mq_niah,vt --contexts 8192 --methods full,snapkv,hardkv \
+        --budgets 0.5,0.25,0.125,0.0625 --out-dir /tmp/grid    # KV policies at each budget + a plot
+
+A method written ``name@budget`` runs ``--method name --budget budget``; ``--budgets`` expands every KV
+policy method in ``--methods`` into one cell per budget and draws accuracy vs budget per task.
 
 Each cell is its own ``jaxkv.eval`` process (so a cell's failure is contained and every cell leaves its
 JSON in ``--out-dir``); ``--jobs`` run at once. On a GPU the processes share the card, so preallocation
@@ -23,8 +28,11 @@ from pathlib import Path
 
 def run_cell(task: str, context: int, method: str, args) -> dict:
     out = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.json"
-    cmd = [sys.executable, "-m", "jaxkv.eval", "--task", task, "--method", method, "--context", str(context),
+    name, _, budget = method.partition("@")
+    cmd = [sys.executable, "-m", "jaxkv.eval", "--task", task, "--method", name, "--context", str(context),
            "--num", str(args.num), "--seed", str(args.seed), "--out", str(out), "--dtype", args.dtype]
+    if budget:
+        cmd += ["--budget", budget]
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -59,6 +67,34 @@ def table(cells: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def plot(cells: list[dict], path: Path) -> None:
+    """Accuracy vs KV budget, one panel per (task, context), one line per method; full as a flat line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(c["task"], c["context"]) for c in cells})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    for ax, (task, ctx) in zip(axes[0], panels):
+        mine = [c for c in cells if c["task"] == task and c["context"] == ctx and "accuracy" in c]
+        for name in sorted({c["method"].partition("@")[0] for c in mine if "@" in c["method"]}):
+            pts = sorted((float(c["method"].partition("@")[2]), c["accuracy"]) for c in mine
+                         if c["method"].partition("@")[0] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        for c in mine:
+            if "@" not in c["method"]:
+                ax.axhline(c["accuracy"], ls="--", lw=1, color="k", label=c["method"])
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{task} @ {ctx}")
+        ax.set_xlabel("KV budget (fraction of prompt)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.02, 1.02)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="mq_niah,vt,cwe,fwe,qa,chat,chain")
@@ -70,10 +106,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out-dir", default="eval_grid")
+    ap.add_argument("--budgets", help="comma-separated budgets of the KV policy methods (fractions, tokens)")
     args = ap.parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    grid = list(itertools.product(args.tasks.split(","), [int(c) for c in args.contexts.split(",")],
-                                  args.methods.split(",")))
+    methods = args.methods.split(",")
+    if args.budgets:
+        from jaxkv.policies import POLICIES
+
+        methods = [f"{m}@{b}" if m in POLICIES else m for m in methods
+                   for b in (args.budgets.split(",") if m in POLICIES else [None])]
+    grid = list(itertools.product(args.tasks.split(","), [int(c) for c in args.contexts.split(",")], methods))
     # Longest cells first so the pool does not end on one straggler.
     order = sorted(grid, key=lambda g: -g[1])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -82,6 +124,8 @@ def main(argv=None) -> int:
     md = table(cells, args)
     (Path(args.out_dir) / "table.md").write_text(md + "\n")
     (Path(args.out_dir) / "cells.json").write_text(json.dumps(cells, indent=1))
+    if any("@" in m for m in methods):
+        plot(cells, Path(args.out_dir) / "accuracy_vs_budget.png")
     print(md)
     return 0 if all(c["rc"] == 0 for c in cells) else 1
 

@@ -103,3 +103,32 @@ def test_random_copy_baseline_is_chance_and_copies_context(toy_model, tmp_path):
         words = set(" ".join(inst.segments).split())
         assert row["prediction"].split() and set(row["prediction"].split()) <= words
     assert res["accuracy"] < 0.5     # 5 common words among ~300 distinct ones: far from solved
+
+
+def test_engine_method_equals_full_and_policies_run_through_it(toy_model, tmp_path):
+    """The serving engine is the eval's path for every KV method: with no policy it equals `full`."""
+    import jaxkv
+    from jaxkv.eval.__main__ import main
+    from jaxkv.eval.methods import PromptPieces, get_method
+    from jaxkv.eval.tasks import make_instances
+
+    model = jaxkv.load(toy_model)
+    enc = lambda s: model.tokenizer.encode(s, add_special_tokens=False)
+    full, engine = get_method("full", model), get_method("engine", model)
+    for inst in make_instances("vt", 512, 2, seed=3):
+        pieces = PromptPieces(enc(inst.prefix), [enc(s) for s in inst.segments], enc(inst.suffix))
+        assert engine.run(pieces, 12, ()).token_ids == full.run(pieces, 12, ()).token_ids
+    with pytest.raises(ValueError, match="takes no budget"):
+        get_method("engine", model, budget=0.5)
+    out = tmp_path / "s.json"
+    assert main(["--task", "vt", "--method", "snapkv", "--budget", "0.25", "--policy-arg", "window=16",
+                 "--context", "512", "--num", "2", "--model", str(toy_model), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["policy"]["budget"] == 0.25 and res["policy"]["window"] == 16
+    assert 0 < res["summary"]["kv_bytes_held"]
+
+
+def test_policy_flags_need_a_policy_method():
+    r = subprocess.run([sys.executable, "-m", "jaxkv.eval", "--task", "vt", "--method", "full", "--budget", "0.5"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "apply to the KV policy methods" in r.stderr

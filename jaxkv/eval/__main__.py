@@ -9,6 +9,7 @@ first-token logit agreement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", help="Hugging Face model directory (default: the embedded model)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0 = from the reference answers")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--budget", type=float, help="KV policy methods: fraction of the prompt (<= 1) or tokens "
+                    "per head (> 1)")
+    ap.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="KV policy methods: another policy field, e.g. --policy-arg window=32")
     args = ap.parse_args(argv)
     loader = args.task.split(":", 1)[0] if ":" in args.task else None
     if loader is None and args.task not in TASKS:
@@ -48,6 +53,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--num must be >= 1, got {args.num}")
     if args.max_new_tokens < 0:
         ap.error("--max-new-tokens must be >= 0")
+    from jaxkv.policies import POLICIES
+
+    args.policy_fields = {}
+    if (args.budget is not None or args.policy_arg) and args.method not in POLICIES:
+        ap.error(f"--budget / --policy-arg apply to the KV policy methods {sorted(POLICIES)}, "
+                 f"not {args.method!r}")
+    for item in args.policy_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--policy-arg {item!r} is not KEY=VALUE")
+        try:
+            args.policy_fields[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args.policy_fields[key] = value  # a bare string such as pooling=max
+    if args.budget is not None:
+        if not args.budget > 0:
+            ap.error(f"--budget must be > 0, got {args.budget}")
+        args.policy_fields["budget"] = args.budget
     model_dir = Path(args.model) if args.model else DEFAULT_MODEL
     if not (model_dir / "config.json").is_file():
         ap.error(f"--model {str(model_dir)!r} is not a model directory (no config.json)")
@@ -77,7 +100,7 @@ def run(args) -> dict:
     model = jaxkv.load(args.model_dir, dtype=args.dtype)
     tok = model.tokenizer
     instances = load_instances(args)
-    method = get_method(args.method, model)
+    method = get_method(args.method, model, **getattr(args, "policy_fields", {}))
     reference = get_method("full", model) if method.compare_to_full and args.method != "full" else None
     stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
     rows = []
@@ -107,6 +130,7 @@ def run(args) -> dict:
     # TTFT of the first instance includes compilation; the median is the steady-state figure.
     summary["ttft_s_median"] = float(np.median([r["ttft_s"] for r in rows]))
     return {"task": args.task, "method": args.method, "context": args.context, "num": args.num,
+            "policy": dataclasses.asdict(method.policy) if getattr(method, "policy", None) else None,
             "seed": args.seed, "model": str(args.model_dir), "model_id": model.model_id,
             "accuracy": summary["score"], "summary": summary, "instances": rows}
 

@@ -152,6 +152,91 @@ class FullRecompute(Method):
                             metrics.prefill_flops(cfg, n))
 
 
+class EngineMethod(Method):
+    """The paged engine that serves (`jaxkv.engine`): full cache, or a KV compression policy.
+
+    With no policy it must equal `full` token for token (the eval's check that the serving path is the
+    oracle's). First-token logits are not returned by the engine, so only top-1 agreement is reported for
+    it (its first token against `full`'s argmax); prefill-time policies compress after the first token.
+    """
+
+    name = "engine"
+    policy_name: str | None = None
+    head_classes = "global"  # "global": the policy owns every head; "model": the model's head_classes.json
+
+    def __init__(self, model, budget: float | None = None, **policy_fields):
+        super().__init__(model)
+        from jaxkv.policies import get_policy
+
+        if self.policy_name is None and (budget is not None or policy_fields):
+            raise ValueError(f"method {self.name!r} takes no budget; pick a KV policy method")
+        fields = dict(policy_fields) | ({} if budget is None else {"budget": budget})
+        self.policy = get_policy(self.policy_name, **fields) if self.policy_name else None
+        self._engine = None
+
+    def _engine_for(self, total: int):
+        from jaxkv.cache.head_classes import all_global
+        from jaxkv.engine.engine import Engine
+
+        cfg = self.model.config
+        hc = all_global(cfg.num_layers, cfg.num_kv_heads) if self.head_classes == "global" else None
+        if self._engine is None or self._engine.max_model_len < total:
+            self._engine = Engine(self.model, max_num_seqs=1, max_model_len=_bucket(total), head_classes=hc,
+                                  enable_prefix_caching=False, kv_policy=self.policy)
+        return self._engine
+
+    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
+        from jaxkv.sampling import SamplingParams
+
+        cfg = self.model.config
+        ids = pieces.ids
+        eng = self._engine_for(len(ids) + max_new_tokens + 1)
+        itemsize = eng.runner.pool.k.dtype.itemsize
+        page_bytes = eng.page_size * 2 * cfg.head_dim * itemsize
+        sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids),
+                            ignore_eos=True)
+        free0 = eng.allocator.num_free
+        t0 = time.perf_counter()
+        rid = eng.add_request(ids, sp)
+        out, ttft, peak_pages, loaded_slots = [], None, 0, 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.extend(o.new_token_ids)
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+            if rid in eng.tables and ttft is not None:  # held while decoding (after any prefill compression)
+                peak_pages = max(peak_pages, free0 - eng.allocator.num_free)
+                loaded_slots += int(eng.tables.lengths(rid).sum())
+        if out and out[-1] in stop_ids:
+            out = out[:-1]
+        first = np.full(cfg.vocab_size, np.nan, np.float32)
+        first_id = out[0] if out else (list(stop_ids) or [0])[0]
+        first[first_id] = 0.0  # only the argmax is known; see the class docstring
+        return MethodOutput(out, first, ttft or 0.0, peak_pages * page_bytes,
+                            loaded_slots * cfg.head_dim * 2 * itemsize, metrics.prefill_flops(cfg, len(ids)))
+
+
+register_method("engine")(EngineMethod)
+
+
+@register_method("duo")
+class DuoHeadClasses(EngineMethod):
+    """DuoAttention-style head classes from our profiler (`head_classes.json` beside the model): retrieval
+    heads keep the full cache, streaming heads sink + window, no other policy."""
+
+    name = "duo"
+    head_classes = "model"
+
+
+def _register_policy_methods():
+    from jaxkv.policies import POLICIES
+
+    for name in POLICIES:
+        register_method(name)(type(f"Engine_{name}", (EngineMethod,), {"name": name, "policy_name": name}))
+
+
+_register_policy_methods()
+
+
 @register_method("random_copy")
 class RandomCopy(Method):
     """Chance level: copy tokens drawn at random positions of the segments (frequency-weighted, so frequent

@@ -102,6 +102,9 @@ def score(metric: str, prediction: str, answers) -> float:
 def logit_agreement(logits: np.ndarray, reference: np.ndarray, k: int = 10) -> dict[str, float]:
     """Cosine similarity, top-1 agreement and top-k overlap of two first-token logit vectors [V]."""
     a, b = np.asarray(logits, np.float64).ravel(), np.asarray(reference, np.float64).ravel()
+    if np.isnan(a).any():  # only the argmax is known (the engine methods): top-1 agreement alone
+        return {"logit_cosine": float("nan"), "top1_agree": float(np.nanargmax(a) == np.argmax(b)),
+                f"top{k}_overlap": float("nan")}
     cos = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
     top_a, top_b = np.argsort(-a)[:k], np.argsort(-b)[:k]
     return {"logit_cosine": cos, "top1_agree": float(top_a[0] == top_b[0]),
