@@ -248,3 +248,25 @@ def test_bad_policy_input_is_a_clear_error(model):
     with pytest.raises(ValueError, match="kv_budget needs a kv_policy"):
         Engine(model, kv_budget=0.5)
     assert dataclasses.replace(get_policy("hardkv"), budget=0.5).budget == 0.5
+
+
+def test_hardkv_calibration_file_round_trips_and_rejects_other_models(model, tmp_path):
+    from jaxkv.policies.compress.hardkv import HardKV, load_calibration, save_calibration
+
+    cfg = model.config
+    temps = np.linspace(0.2, 2.0, cfg.num_layers * cfg.num_kv_heads).reshape(cfg.num_layers, cfg.num_kv_heads)
+    path = tmp_path / "hardkv_calibration.json"
+    save_calibration(path, model, HardKV(), temps)
+    pol = load_calibration(path, model)
+    np.testing.assert_allclose(np.array(pol.calibration), temps, rtol=1e-5)
+    other = dataclasses.replace(model, model_id="someone-else")
+    with pytest.raises(ValueError, match="fitted on model"):
+        load_calibration(path, other)
+    with pytest.raises(ValueError, match="transform"):
+        load_calibration(path, model, HardKV(transform="vanilla"))
+    # A calibrated policy runs through the engine and still keeps within its caps.
+    prompt = prompts_for(model, [150], seed=6)[0]
+    eng = Engine(model, page_size=8, max_step_tokens=64, kv_policy=dataclasses.replace(pol, budget=64),
+                 attn_impl="reference")
+    _, (kept,) = run_capturing(eng, [prompt])
+    assert max(len(h) for row in kept for h in row) <= 64

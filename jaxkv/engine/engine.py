@@ -72,7 +72,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
                                      window, max_step_tokens)
-        self.kv_policy = _resolve_policy(kv_policy, kv_budget)
+        self.kv_policy = _resolve_policy(kv_policy, kv_budget, model)
         # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md), and
         # a compression policy rewrites pages in place, so it turns sharing off too.
         sharable = enable_prefix_caching and bool((window == 0).all()) and self.kv_policy is None
@@ -118,7 +118,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if self.tokenizer else None
         policy = self.kv_policy if kv_policy is None and kv_budget is None else _resolve_policy(
-            kv_policy if kv_policy is not None else self.kv_policy, kv_budget)
+            kv_policy if kv_policy is not None else self.kv_policy, kv_budget, self.model)
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
                       stream=stream, kv_policy=policy)
         self._requests[request_id] = req
@@ -234,17 +234,19 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions)
 
 
-def _resolve_policy(policy, budget) -> CompressPolicy | None:
+def _resolve_policy(policy, budget, model) -> CompressPolicy | None:
     """A policy object, a registered name (with an optional budget), or None (full cache)."""
     if policy is None:
         if budget is not None:
             raise ValueError("kv_budget needs a kv_policy")
         return None
     if isinstance(policy, str):
-        return get_policy(policy, **({} if budget is None else {"budget": budget}))
-    if not isinstance(policy, CompressPolicy):
+        policy = get_policy(policy, **({} if budget is None else {"budget": budget}))
+    elif not isinstance(policy, CompressPolicy):
         raise ValueError(f"kv_policy must be a policy name or a CompressPolicy (got {type(policy).__name__})")
-    return policy if budget is None else dataclasses.replace(policy, budget=budget)
+    elif budget is not None:
+        policy = dataclasses.replace(policy, budget=budget)
+    return policy.bind(model)
 
 
 def _resolve_head_classes(head_classes, model) -> HeadClassMap:

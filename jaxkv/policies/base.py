@@ -110,6 +110,10 @@ class CompressPolicy:
         n = self.budget * prompt_len if self.budget <= 1 else self.budget
         return max(int(round(n)), self.sink + self.window)
 
+    def bind(self, model) -> CompressPolicy:
+        """The policy as used with `model` (e.g. with offline calibration found beside it); default: self."""
+        return self
+
     def recent_tokens(self, target: int) -> int:
         """Newest tokens kept unconditionally (the observation window by default)."""
         return self.window

@@ -20,9 +20,12 @@ Per (sequence, KV head) and layer, following ../shared/references/hardkv.md §3.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.policies.base import NEG, CompressPolicy, Observation, SelectContext, forced_mask, pool1d
 from jaxkv.policies.registry import register
@@ -77,6 +80,7 @@ class HardKV(CompressPolicy):
     transform: str = "snapkv"  # "snapkv" (max-pool 7 on logits) or "vanilla"
     kernel: int = 7
     calibration: tuple | None = None  # ((T per KV head) per layer) from a calibration file, or None
+    use_calibration_file: bool = True  # False: always solve T online, even with a file beside the model
 
     def __post_init__(self):
         super().__post_init__()
@@ -93,18 +97,24 @@ class HardKV(CompressPolicy):
         pooled = pool1d(jnp.where(z > NEG / 2, z, -jnp.inf), self.kernel, "max")
         return jnp.where(z > NEG / 2, pooled, NEG)
 
+    def temperatures(self, obs: Observation):
+        """[S, Hkv] temperatures solved on this window (what the calibration script averages)."""
+        z = jnp.max(obs.logits, axis=2)  # [S, H, W, N] GQA max
+        ok = z > NEG / 2
+        row_ok = jnp.any(ok, axis=-1)  # [S, H, W]
+        real = jnp.where(ok, jax.nn.softmax(jnp.where(ok, z, -jnp.inf), axis=-1), 0.0)
+        n_star = topp_count(real, self.p)
+        return solve_temperature(-jnp.sort(-self._g(z), axis=-1), n_star, row_ok, self.p)
+
     def score(self, obs: Observation):
         z = jnp.max(obs.logits, axis=2)  # [S, H, W, N] GQA max
         ok = z > NEG / 2
         row_ok = jnp.any(ok, axis=-1)  # [S, H, W]
-        zt = jnp.where(ok, z, -jnp.inf)
-        real = jnp.where(ok, jax.nn.softmax(zt, axis=-1), 0.0)
-        n_star = topp_count(real, self.p)
         g = self._g(z)
         if self.calibration is not None:
             t = jnp.asarray(self.calibration, jnp.float32)[obs.layer][None, :]  # [1, H]
         else:
-            t = solve_temperature(-jnp.sort(-g, axis=-1), n_star, row_ok, self.p)  # [S, H]
+            t = self.temperatures(obs)  # [S, H]
         pr = jax.nn.softmax(jnp.where(ok, g / t[..., None, None], -jnp.inf), axis=-1)
         pr = jnp.where(ok & row_ok[..., None], pr, 0.0)
         return jnp.sum(pr, axis=2) / jnp.maximum(jnp.sum(row_ok, axis=-1), 1)[..., None]  # [S, H, N]
@@ -120,3 +130,58 @@ class HardKV(CompressPolicy):
 
     def max_count(self, target: int, num_kv_heads: int = 1) -> int:
         return target
+
+    def bind(self, model) -> HardKV:
+        """Uses `hardkv_calibration.json` beside the model when present and none was given."""
+        if self.calibration is not None or not self.use_calibration_file or not getattr(model, "path", None):
+            return self
+        path = os.path.join(model.path, CALIBRATION_FILE)
+        if not os.path.exists(path):
+            return self
+        return load_calibration(path, model, self)
+
+
+CALIBRATION_FILE = "hardkv_calibration.json"
+FORMAT = "jaxkv.hardkv_calibration/v1"
+
+
+def save_calibration(path, model, policy: HardKV, temperatures) -> None:
+    t = np.asarray(temperatures, np.float64)
+    cfg = model.config
+    if t.shape != (cfg.num_layers, cfg.num_kv_heads):
+        raise ValueError(f"temperatures must be [{cfg.num_layers}, {cfg.num_kv_heads}] (got {t.shape})")
+    obj = {"format": FORMAT, "model_id": model.model_id, "num_layers": cfg.num_layers,
+           "num_kv_heads": cfg.num_kv_heads, "transform": policy.transform, "kernel": policy.kernel,
+           "p": policy.p, "window": policy.window, "temperatures": np.round(t, 6).tolist()}
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+
+
+def load_calibration(path, model, policy: HardKV | None = None) -> HardKV:
+    """A HARD-KV policy with the file's temperatures; a clear error for a file made for another model or
+    another transform."""
+    policy = policy or HardKV()
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hardkv calibration {path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"hardkv calibration {path}: format must be {FORMAT!r}")
+    cfg = model.config
+    if (obj.get("num_layers"), obj.get("num_kv_heads")) != (cfg.num_layers, cfg.num_kv_heads):
+        raise ValueError(f"hardkv calibration {path} is for {obj.get('num_layers')} layers x "
+                         f"{obj.get('num_kv_heads')} KV heads; the model has "
+                         f"{cfg.num_layers} x {cfg.num_kv_heads}")
+    if obj.get("model_id") != model.model_id:
+        raise ValueError(f"hardkv calibration {path} was fitted on model {obj.get('model_id')!r}, "
+                         f"not {model.model_id!r}")
+    if obj.get("transform") != policy.transform:
+        raise ValueError(f"hardkv calibration {path} was fitted for transform {obj.get('transform')!r}; "
+                         f"the policy uses {policy.transform!r}")
+    t = np.asarray(obj["temperatures"], np.float64)
+    if t.shape != (cfg.num_layers, cfg.num_kv_heads) or not np.isfinite(t).all() or (t <= 0).any():
+        raise ValueError(f"hardkv calibration {path}: temperatures must be positive, "
+                         f"[{cfg.num_layers}, {cfg.num_kv_heads}]")
+    return dataclasses.replace(policy, calibration=tuple(tuple(float(x) for x in row) for row in t))
