@@ -9,7 +9,9 @@ A method written ``name@budget`` runs ``--method name --budget budget``; ``--bud
 policy method in ``--methods`` into one cell per budget and draws accuracy vs budget per task.
 
 Each cell is its own ``jaxkv.eval`` process (so a cell's failure is contained and every cell leaves its
-JSON in ``--out-dir``); ``--jobs`` run at once. On a GPU the processes share the card, so preallocation
+JSON in ``--out-dir``); ``--jobs`` run at once. ``--shared-workers`` instead runs the cells in ``--jobs``
+long-lived worker processes (cells of one worker share the loaded model and every compiled step, which is
+most of a short cell's time on a GPU); a failing cell is still recorded and the worker goes on. On a GPU the processes share the card, so preallocation
 is switched off. The table is printed last and written to ``--out-dir/table.md``.
 """
 
@@ -51,6 +53,66 @@ def run_cell(task: str, context: int, method: str, args) -> dict:
     if proc.returncode != 0:
         print("    " + "\n    ".join(proc.stderr.strip().splitlines()[-6:]), flush=True)
     return cell
+
+
+def cell_argv(task: str, context: int, method: str, args) -> tuple[list[str], Path]:
+    out = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.json"
+    name, _, budget = method.partition("@")
+    argv = ["--task", task, "--method", name, "--context", str(context), "--num", str(args.num),
+            "--seed", str(args.seed), "--out", str(out), "--dtype", args.dtype]
+    argv += ["--budget", budget] if budget else []
+    argv += ["--model", args.model] if args.model else []
+    return argv, out
+
+
+def worker(cells_file: str) -> int:
+    """Runs the cells listed in `cells_file` in this process (shared model load and compilations)."""
+    import contextlib
+    import io
+    import traceback
+
+    from jaxkv.eval import __main__ as ev
+
+    for spec in json.loads(Path(cells_file).read_text()):
+        t0 = time.time()
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                rc = ev.main(spec["argv"])
+        except Exception:  # recorded; the other cells still run
+            buf.write(traceback.format_exc())
+            rc = 1
+        Path(spec["log"]).write_text(buf.getvalue())
+        print(f"[{time.time() - t0:6.1f}s] {' '.join(spec['argv'][:8])} rc={rc}", flush=True)
+    return 0
+
+
+def run_shared(grid, args) -> dict:
+    """Splits the grid over `--jobs` worker processes; returns cell dicts like run_cell's."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    shards = [grid[i::max(1, args.jobs)] for i in range(max(1, args.jobs))]
+    procs = []
+    for i, shard in enumerate(shards):
+        specs = []
+        for g in shard:
+            argv, out = cell_argv(*g, args)
+            specs.append({"argv": argv, "log": str(out.with_suffix(".log"))})
+        f = Path(args.out_dir) / f"worker{i}.json"
+        f.write_text(json.dumps(specs))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(f)], env=env))
+    for p in procs:
+        p.wait()
+    cells = {}
+    for g in grid:
+        _, out = cell_argv(*g, args)
+        cell = {"task": g[0], "context": g[1], "method": g[2], "wall_s": float("nan"), "rc": 1}
+        if out.is_file():
+            res = json.loads(out.read_text())
+            cell |= res["summary"] | {"accuracy": res["accuracy"], "rc": 0, "wall_s": res.get("wall_s", 0.0)}
+        cells[g] = cell
+    return cells
 
 
 def table(cells: list[dict], args) -> str:
@@ -106,8 +168,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out-dir", default="eval_grid")
+    ap.add_argument("--shared-workers", action="store_true",
+                    help="run cells in --jobs long-lived workers (shared model and compilations)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--budgets", help="comma-separated budgets of the KV policy methods (fractions, tokens)")
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     methods = args.methods.split(",")
     if args.budgets:
@@ -118,8 +185,11 @@ def main(argv=None) -> int:
     grid = list(itertools.product(args.tasks.split(","), [int(c) for c in args.contexts.split(",")], methods))
     # Longest cells first so the pool does not end on one straggler.
     order = sorted(grid, key=lambda g: -g[1])
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        done = dict(zip(order, pool.map(lambda g: run_cell(*g, args), order)))
+    if args.shared_workers:
+        done = run_shared(order, args)
+    else:
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            done = dict(zip(order, pool.map(lambda g: run_cell(*g, args), order)))
     cells = [done[g] for g in grid]
     md = table(cells, args)
     (Path(args.out_dir) / "table.md").write_text(md + "\n")
