@@ -1,3 +1,3 @@
 """Compression methods; importing this package registers them."""
 
-from jaxkv.policies.compress import adakv, h2o, hardkv, pyramidkv, snapkv, streaming_llm  # noqa: F401
+from jaxkv.policies.compress import adakv, h2o, hardkv, pyramidkv, rkv, snapkv, streaming_llm  # noqa: F401
