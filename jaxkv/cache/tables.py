@@ -88,6 +88,13 @@ class HeadPageTables:
         """[L, H] int32 valid storage slots per head."""
         return self._stored(self._get(seq_id).written).astype(np.int32)
 
+    def recent_lengths(self, seq_id, n: int) -> np.ndarray:
+        """[n, L, H] int32: the lengths right after each of the last ``n`` appended tokens (the per-step
+        lengths of a multi-step decode whose ``n`` slots were appended at once)."""
+        written = self._get(seq_id).written
+        back = np.arange(n - 1, -1, -1)[:, None, None]
+        return self._stored(written[None] - back).astype(np.int32)
+
     def page_lists(self, seq_id) -> list[list[np.ndarray]]:
         """``[layer][kv_head]`` -> np.int32 page ids in storage order."""
         seq = self._get(seq_id)

@@ -22,11 +22,13 @@ from jaxkv.cache.tables import HeadPageTables
 from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.request import Request, RequestOutput, Status
-from jaxkv.engine.runner import ModelRunner, StepBatch
+from jaxkv.engine.runner import DecodeBatch, ModelRunner, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
 from jaxkv.sampling import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running request decodes (docs/engine.md)
+FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
 
 
 @dataclasses.dataclass
@@ -43,17 +45,33 @@ class EngineStats:
     num_preemptions: int  # since start
 
 
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache (unless the process already set a directory), so a
+    restarted engine loads its compiled steps from disk. Directory: ``path``, else ``$JAXKV_COMPILATION_CACHE``,
+    else ``~/.cache/jaxkv/xla``; an empty ``$JAXKV_COMPILATION_CACHE`` turns it off. Returns the directory."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = path if path is not None else os.environ.get(
+        "JAXKV_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "xla"))
+    if not path:
+        return None
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    return os.fspath(path)
+
+
 class Engine:
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 8,
                  max_model_len: int | None = None, max_step_tokens: int = 512,
                  head_classes: HeadClassMap | str | os.PathLike | None = None,
                  enable_prefix_caching: bool = True, kv_dtype=None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
+                 decode_steps: int = DEFAULT_DECODE_STEPS):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
-                            ("max_step_tokens", max_step_tokens)]:
+                            ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer (got {value!r})")
+        enable_compilation_cache()
         self.model = model
         self.tokenizer = model.tokenizer
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -77,6 +95,7 @@ class Engine:
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
                                   kv_dtype=kv_dtype, attn_impl=attn_impl)
         self.page_size = page_size
+        self.decode_steps = decode_steps
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
@@ -120,14 +139,25 @@ class Engine:
             self.scheduler.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
+    def precompile(self, progress: bool = True) -> int:
+        """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
+        Call before serving so no request waits on a compile (docs/engine.md)."""
+        from jaxkv.engine.warmup import precompile
+
+        return precompile(self, progress)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
+        """One scheduled device call. A multi-step decode call returns one output per generated token (in
+        order), so streaming stays token by token."""
+        chunks = self.scheduler.schedule(self.decode_steps, room=self._room)
         if not chunks:
             return []
+        if chunks[0].steps:
+            return self._step_decode(chunks)
         tokens, logprobs = self.runner.run(self._build_batch(chunks))
         outputs = []
         for row, chunk in enumerate(chunks):
@@ -147,6 +177,62 @@ class Engine:
                 self._requests.pop(req.request_id, None)
         return outputs
 
+    def _step_decode(self, chunks: list[Chunk]) -> list[RequestOutput]:
+        tokens, logprobs, ran = self.runner.decode(self._build_decode(chunks))
+        outputs = []
+        for k in range(tokens.shape[0]):  # step-major: every request's k-th token before any (k+1)-th
+            for row, chunk in enumerate(chunks):
+                req = chunk.request
+                if req.finished or k >= chunk.num_tokens or not ran[k, row]:
+                    continue
+                req.num_computed += 1
+                tok, lp = int(tokens[k, row]), float(logprobs[k, row])
+                req.output_ids.append(tok)
+                req.output_logprobs.append(lp)
+                self._check_stop(req)
+                outputs.append(self._output(req, [tok], [lp]))
+                if req.finished:  # its pages reserved past this token go back with the rest
+                    self.scheduler.remove(req)
+                    self._requests.pop(req.request_id, None)
+        return outputs
+
+    def _room(self, req: Request) -> int:
+        """Tokens a running request may still produce (max_tokens, max_model_len)."""
+        return min(req.sampling.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
+
+    def _stop_ids(self, req: Request) -> set[int]:
+        sp = req.sampling
+        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
+
+    def _build_decode(self, chunks: list[Chunk]) -> DecodeBatch:
+        cfg = self.model.config
+        L, H, K = cfg.num_layers, cfg.num_kv_heads, self.decode_steps
+        S = bucket_for(len(chunks), self._seq_buckets)
+        seq_ids = [c.request.request_id for c in chunks]
+        P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
+        stops = [sorted(self._stop_ids(c.request)) for c in chunks]
+        M = max(4, 1 << (max(len(x) for x in stops) - 1).bit_length())  # few buckets: 4, 8, 16, ...
+        b = DecodeBatch(
+            tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
+            slots=np.full((K, S, L, H), -1, np.int32), lengths=np.zeros((K, S, L, H), np.int32),
+            active=np.zeros((K, S), bool), page_table=np.full((S, L, H, P), -1, np.int32),
+            stop_ids=np.full((S, M), -1, np.int32), temperature=np.zeros(S, np.float32),
+            top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
+            counters=np.zeros(S, np.int32))
+        for row, c in enumerate(chunks):
+            req, n = c.request, c.num_tokens
+            b.tokens[row] = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+            b.positions[row] = c.start
+            b.slots[:n, row] = c.slots
+            b.lengths[:n, row] = self.tables.recent_lengths(req.request_id, n)
+            b.active[:n, row] = True
+            b.stop_ids[row, :len(stops[row])] = stops[row]
+            sp = req.sampling
+            b.temperature[row], b.top_k[row], b.top_p[row] = sp.temperature, sp.top_k, sp.top_p
+            b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
+        self.tables.fill_step(seq_ids, b.page_table, np.zeros((S, L, H), np.int32))
+        return b
+
     def _build_batch(self, chunks: list[Chunk]) -> StepBatch:
         cfg = self.model.config
         L, H = cfg.num_layers, cfg.num_kv_heads
@@ -163,7 +249,7 @@ class Engine:
         off = 0
         for row, c in enumerate(chunks):
             req, n = c.request, c.num_tokens
-            b.tokens[off:off + n] = req.all_ids[c.start:c.start + n]
+            b.tokens[off:off + n] = _ids(req, c.start, n)
             b.positions[off:off + n] = np.arange(c.start, c.start + n)
             b.q_seq[off:off + n] = row
             b.slots[off:off + n] = c.slots
@@ -173,12 +259,13 @@ class Engine:
             b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
             off += n
         self.tables.fill_step(seq_ids, b.page_table, b.lengths)
+        b.fresh = len(chunks) == 1 and chunks[0].start == 0 and chunks[0].num_tokens >= FRESH_MIN_TOKENS
         return b
 
     # ---- stop logic ---------------------------------------------------------------------------
     def _check_stop(self, req: Request) -> None:
         sp, last = req.sampling, req.output_ids[-1]
-        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
+        stop_ids = self._stop_ids(req)
         out_of_room = len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len
         stream = req.stream
         if last in stop_ids:
@@ -219,6 +306,16 @@ class Engine:
             prefix_cache_query_tokens=self.prefix.query_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
             num_preemptions=self.scheduler.num_preemptions)
+
+
+def _ids(req: Request, start: int, n: int) -> list[int]:
+    """Token ids ``start .. start + n - 1`` of a request without concatenating its whole history."""
+    p = len(req.prompt_ids)
+    if start + n <= p:
+        return req.prompt_ids[start:start + n]
+    if start >= p:
+        return req.output_ids[start - p:start - p + n]
+    return req.prompt_ids[start:] + req.output_ids[:start + n - p]
 
 
 def _resolve_head_classes(head_classes, model) -> HeadClassMap:

@@ -23,6 +23,7 @@ class Chunk:
     start: int  # first token index fed this step (== request.num_computed when scheduled)
     num_tokens: int
     slots: np.ndarray  # [num_tokens, L, Hkv] int32
+    steps: int = 0  # > 0: a multi-step decode chunk, `num_tokens` decode steps reserved ahead
 
     @property
     def samples(self) -> bool:
@@ -55,7 +56,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, decode_steps: int = 1, room=None) -> list[Chunk]:
+        """This step's chunks. With ``decode_steps > 1``, nothing waiting and every running request
+        decoding, each request reserves up to ``decode_steps`` tokens ahead (``room(req)`` caps it: tokens
+        it may still produce) and the chunks are multi-step decode chunks."""
+        if decode_steps > 1 and not self.waiting and self.running and all(
+                r.num_pending == 1 for r in self.running):
+            return self._schedule_decode(decode_steps, room)
         chunks: list[Chunk] = []
         budget = self.max_step_tokens
         for req in list(self.running):
@@ -82,6 +89,17 @@ class Scheduler:
             self.running.append(req)
             chunks.append(Chunk(req, req.num_computed, n, slots))
             budget -= n
+        return chunks
+
+    def _schedule_decode(self, decode_steps: int, room) -> list[Chunk]:
+        chunks = []
+        for req in list(self.running):
+            if req not in self.running:  # preempted while making room for an older request
+                continue
+            n = max(1, min(decode_steps, room(req) if room is not None else decode_steps))
+            slots = self._reserve(req, n)
+            if slots is not None:
+                chunks.append(Chunk(req, req.num_computed, n, slots, steps=n))
         return chunks
 
     def _adopt_prefix(self, req: Request) -> None:
