@@ -58,7 +58,7 @@ def workloads(small: bool) -> list[Workload]:
                 Workload("single", 1, 64, 8, 64), Workload("headclass", 2, 96, 8, 32, "1of8", hf=False),
                 Workload("headclass-allglobal", 2, 96, 8, 32, "global", hf=False)]
     return [Workload("batch", 32, 1024, 256, 8192), Workload("ttft", 1, 8192, 1, 8192),
-            Workload("ttft", 1, 32768, 1, 32768), Workload("single", 1, 8192, 128, 8192),
+            Workload("ttft", 1, 32768, 1, 8192), Workload("single", 1, 8192, 128, 8192),
             Workload("headclass", 16, 16384, 512, 512, "1of8", hf=False),
             Workload("headclass-allglobal", 16, 16384, 512, 512, "global", hf=False)]
 
@@ -198,7 +198,7 @@ def agreement(model_dir: Path, small: bool, device: str) -> tuple[float, int]:
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def bench_shape(shape: str, small: bool, only: set[str] | None, log) -> list[list[str]]:
+def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwargs: dict) -> list[list[str]]:
     import jax
     import torch
     from transformers import LlamaForCausalLM
@@ -229,8 +229,9 @@ def bench_shape(shape: str, small: bool, only: set[str] | None, log) -> list[lis
             prompts = rng.integers(3, cfg.vocab_size, size=(w.batch, w.prompt)).tolist()
             fl = floors(w, cfg, 4 if small else 2)
             tag = f"{w.name} {w.batch}x{w.prompt}->{w.new}"
-            run_jaxkv(model, w, prompts, page_size=page_size, kv_cache_bytes=kv_bytes)  # compiles
-            total, ttft, _ = run_jaxkv(model, w, prompts, page_size=page_size, kv_cache_bytes=kv_bytes)
+            kw = dict(page_size=page_size, kv_cache_bytes=kv_bytes, engine_kwargs=engine_kwargs)
+            run_jaxkv(model, w, prompts, **kw)  # compiles
+            total, ttft, _ = run_jaxkv(model, w, prompts, **kw)
             step = (total - ttft) / max(w.new - 1, 1)
             hf_total = hf_ttft = float("nan")
             if w.hf and hf is not None:
@@ -291,6 +292,7 @@ def main(argv=None) -> list[list[str]]:
                                                "headclass-allglobal,agree)")
     ap.add_argument("--out", default=None, help="markdown file whose 'End to end' section is replaced")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--engine", default="{}", help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
     args = ap.parse_args(argv)
     import jax
 
@@ -302,7 +304,7 @@ def main(argv=None) -> list[list[str]]:
 
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, args.small, only, log)
+        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine))
     dev = jax.devices()[0]
     cmd = "python scripts/bench_e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                              else sys.argv[1:]))

@@ -23,8 +23,8 @@ def prompts_for(model, lengths, seed=0):
 
 
 def run(model, prompts, samplings, **kw):
-    engine = Engine(model, page_size=4, max_model_len=64, max_num_seqs=4, max_step_tokens=16,
-                    enable_prefix_caching=False, **kw)
+    kw = {"page_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_step_tokens": 16, **kw}
+    engine = Engine(model, enable_prefix_caching=False, **kw)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, samplings)]
     got = {i: [] for i in ids}
     per_step = []
@@ -75,3 +75,25 @@ def test_no_new_compilation_after_precompile(llama):
     while engine.has_unfinished():
         engine.step()
     assert num_compilations() == compiled
+
+
+def test_fresh_long_prompt_prefills_alone_through_head_class_prefill(tmp_path):
+    # Mistral's window heads are rings sized by max_step_tokens=8; prompts of 30-40 tokens prefill in one
+    # step from their own K/V (the ring keeps only the last writers), then decode from the pages: same
+    # tokens as chunked prefill through the jnp twin.
+    model = jaxkv.load(make_tiny_checkpoint("mistral", tmp_path))
+    prompts = prompts_for(model, [30, 41], seed=6)
+    sp = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 2
+    kw = dict(max_step_tokens=8, decode_steps=4)
+    fresh = Engine(model, page_size=4, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False,
+                   attn_impl="pallas", **kw)
+    assert fresh.scheduler.max_fresh_tokens == 64
+    ids = [fresh.add_request(p, s) for p, s in zip(prompts, sp)]
+    chunks = fresh.scheduler.schedule()
+    assert len(chunks) == 1 and chunks[0].fresh and chunks[0].num_tokens == 30
+    for rid in ids:
+        fresh.abort(rid)
+    assert fresh.allocator.num_free == fresh.allocator.num_pages
+    got = jaxkv.generate(model, prompts, sp, engine=fresh)
+    ref, _, _ = run(model, prompts, sp, attn_impl="reference", **kw)
+    assert [o.token_ids for o in got] == ref

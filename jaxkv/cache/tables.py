@@ -120,11 +120,14 @@ class HeadPageTables:
         return {str(k): int(per_head[kinds == k].sum()) for k in np.unique(kinds)}
 
     # ---- mutation -----------------------------------------------------------------------------
-    def append(self, seq_id, positions) -> np.ndarray:
+    def append(self, seq_id, positions, through_pool: bool = True) -> np.ndarray:
         """Reserves slots for new tokens of ``seq_id`` (created if unknown).
 
         ``positions`` is np.int32[n], strictly increasing and after the sequence's last position.
         Returns flat slot ids np.int32[n, L, H]. Raises OutOfPages without changing anything.
+        ``through_pool=False``: the step attends over its own new K/V rather than the pool (a fresh prompt
+        through head_class_prefill), so ``n`` may exceed ``max_step_tokens``; a local head's token whose
+        ring slot a later token of the same append takes gets slot -1 (never written).
         """
         positions = np.asarray(positions)
         if positions.ndim != 1:
@@ -134,7 +137,7 @@ class HeadPageTables:
         if new:
             seq = _Seq(self.num_layers, self.num_kv_heads, 0)
         n = positions.shape[0]
-        if n > self.max_step_tokens and self.local.any():
+        if through_pool and n > self.max_step_tokens and self.local.any():
             raise ValueError(f"append: {n} tokens in one step exceed max_step_tokens={self.max_step_tokens}, "
                              "which sizes the local heads' rings")
         if n and (positions[0] <= seq.last_pos or (np.diff(positions) <= 0).any()):
@@ -159,6 +162,9 @@ class HeadPageTables:
         sidx = np.where(self.local & (idx >= self.sink), ring, idx)
         page = np.take_along_axis(seq.table, (sidx // self.page_size).transpose(1, 2, 0), axis=2)
         slots = page.transpose(2, 0, 1) * self.page_size + sidx % self.page_size
+        if not through_pool:  # the last writer of each ring slot wins; earlier ones are skipped
+            overwritten = self.local & (idx >= self.sink) & (idx + self._ring < seq.written[None] + n)
+            slots = np.where(overwritten, -1, slots)
         seq.written = seq.written + n
         if n:
             seq.last_pos = int(positions[-1])

@@ -65,7 +65,7 @@ class Engine:
                  head_classes: HeadClassMap | str | os.PathLike | None = None,
                  enable_prefix_caching: bool = True, kv_dtype=None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
-                 decode_steps: int = DEFAULT_DECODE_STEPS):
+                 decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -90,16 +90,22 @@ class Engine:
         # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md).
         sharable = enable_prefix_caching and bool((window == 0).all())
         self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
-        self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
-                                   max_step_tokens=max_step_tokens)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
                                   kv_dtype=kv_dtype, attn_impl=attn_impl)
+        # A fresh prompt longer than a step prefills alone through head_class_prefill (with the Pallas
+        # kernels); its local heads keep only what their ring holds, so rings stay sized by max_step_tokens.
+        fresh = (max_prefill_tokens or self.max_model_len) if self.runner.use_plan else 0
+        self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
+                                   max_step_tokens=max_step_tokens, max_fresh_tokens=fresh)
         self.page_size = page_size
         self.decode_steps = decode_steps
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
         self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head))
+        top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
+        self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
+                                    if b > top) if self.scheduler.max_fresh_tokens > top else ()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(0)
@@ -237,7 +243,7 @@ class Engine:
         cfg = self.model.config
         L, H = cfg.num_layers, cfg.num_kv_heads
         S = bucket_for(len(chunks), self._seq_buckets)
-        T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets)
+        T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets + self._fresh_buckets)
         seq_ids = [c.request.request_id for c in chunks]
         P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
         b = StepBatch(
@@ -259,7 +265,8 @@ class Engine:
             b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
             off += n
         self.tables.fill_step(seq_ids, b.page_table, b.lengths)
-        b.fresh = len(chunks) == 1 and chunks[0].start == 0 and chunks[0].num_tokens >= FRESH_MIN_TOKENS
+        b.fresh = chunks[0].fresh or (self.runner.use_plan and len(chunks) == 1 and chunks[0].start == 0
+                                      and chunks[0].num_tokens >= FRESH_MIN_TOKENS)
         return b
 
     # ---- stop logic ---------------------------------------------------------------------------

@@ -38,6 +38,11 @@ def variants(engine) -> list[tuple]:
                     out.append(("step", s, t, p, greedy, False))
                     if s == 1 and t >= FRESH_MIN_TOKENS and engine.runner.use_plan:
                         out.append(("step", s, t, p, greedy, True))
+        if s == 1:  # fresh prompts longer than a step prefill alone (head_class_prefill)
+            for t in engine._fresh_buckets:
+                for p in pages:
+                    for greedy in (True, False):
+                        out.append(("step", s, t, p, greedy, True))
         if engine.decode_steps > 1:
             for p in pages:
                 for greedy in (True, False):
