@@ -221,6 +221,7 @@ class Engine:
         b = DecodeBatch(
             tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
             slots=np.full((K, S, L, H), -1, np.int32), lengths=np.zeros((K, S, L, H), np.int32),
+            prev_lengths=np.zeros((K, S, L, H), np.int32),
             active=np.zeros((K, S), bool), page_table=np.full((S, L, H, P), -1, np.int32),
             stop_ids=np.full((S, M), -1, np.int32), temperature=np.zeros(S, np.float32),
             top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
@@ -230,7 +231,8 @@ class Engine:
             b.tokens[row] = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
             b.positions[row] = c.start
             b.slots[:n, row] = c.slots
-            b.lengths[:n, row] = self.tables.recent_lengths(req.request_id, n)
+            lens = self.tables.recent_lengths(req.request_id, n + 1)  # before step 0, after steps 0..n-1
+            b.lengths[:n, row], b.prev_lengths[:n, row] = lens[1:], lens[:-1]
             b.active[:n, row] = True
             b.stop_ids[row, :len(stops[row])] = stops[row]
             sp = req.sampling

@@ -57,6 +57,7 @@ class DecodeBatch:
     positions: np.ndarray  # [S] int32, its position; step k feeds position + k
     slots: np.ndarray  # [K, S, L, Hkv] int32, reserved slots of each step, -1 = none
     lengths: np.ndarray  # [K, S, L, Hkv] int32, stored slots after step k's write
+    prev_lengths: np.ndarray  # [K, S, L, Hkv] int32, stored slots before step k's write
     active: np.ndarray  # [K, S] bool, step k of row s was reserved (padding rows: never)
     page_table: np.ndarray  # [S, L, Hkv, P] int32 after the reservation of all K steps
     stop_ids: np.ndarray  # [S, M] int32, tokens that end a row (EOS, stop_token_ids), -1 = none
@@ -107,6 +108,49 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
     return tokens, logprobs, pool
 
 
+def _merge_own(out, lse, q, k, v, scale):
+    """Adds each query's own new key/value to its paged result (out [T, Hq, D], lse [T, Hq]) by the
+    log-sum-exp: exact, since the kernel returns the lse of the same scaled scores (-inf when empty)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qf = q.astype(jnp.float32).reshape(t, hkv, g, d)
+    own = jnp.einsum("thgd,thd->thg", qf, k.astype(jnp.float32)).reshape(t, hq) * scale
+    m = jnp.maximum(lse, own)
+    wp, wo = jnp.exp(lse - m), jnp.exp(own - m)
+    vq = jnp.repeat(v.astype(jnp.float32), g, axis=1)  # [T, Hq, D]: query head qh reads KV head qh // G
+    merged = (wp[..., None] * out.astype(jnp.float32) + wo[..., None] * vq) / (wp + wo)[..., None]
+    return merged.astype(q.dtype)
+
+
+def _forward_deferred(params, pool, b, cfg, greedy: bool):
+    """A decode step (one token per row) that writes every layer's K/V with one scatter after the forward.
+
+    Each layer attends the pool as it was before the step (`prev_lengths`: the new slot is not yet valid)
+    and merges the token's own K/V through the lse; three pool scatters per step instead of three per
+    layer, which the H200 profile showed costing more than the attention itself."""
+    scale = cfg.head_dim ** -0.5
+    pt = b["page_table"]
+    plan = paged_attention_plan(
+        pool.pos, pt.transpose(1, 0, 2, 3), b["prev_lengths"].transpose(1, 0, 2), b["q_seq"], b["positions"],
+        b["sink"], b["window"], num_q_heads=cfg.num_heads, ordered=False)
+
+    def attend(layer, q, k, v, state):
+        pool, ks, vs = state
+        out, lse = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos, pt[:, layer],
+                                             scale=scale)
+        return _merge_own(out, lse, q[0], k[0], v[0], scale)[None], (pool, ks + (k[0],), vs + (v[0],))
+
+    hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,
+                                           (pool, (), ()))
+    n_layers, (t, hkv, d) = len(ks), ks[0].shape
+    pool = write_kv(pool, jnp.stack(ks).reshape(n_layers * t, hkv, d), jnp.stack(vs).reshape(n_layers * t, hkv, d),
+                    jnp.tile(b["positions"], n_layers), b["slots"].transpose(1, 0, 2).reshape(n_layers * t, hkv))
+    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+    tokens, logprobs = _sample(logits, b, greedy)
+    return tokens, logprobs, pool
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads"),
                    donate_argnames=("pool",))
 def _step(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None):
@@ -128,21 +172,24 @@ def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False):
 
     def body(carry, xs):
         pool, tok, done = carry
-        k, slots, lengths, active = xs
+        k, slots, lengths, prev_lengths, active = xs
         live = active & ~done
         b = {"tokens": tok, "positions": d["positions"] + k, "q_seq": jnp.where(live, rows, -1),
              "slots": jnp.where(live[:, None, None], slots, -1), "page_table": d["page_table"],
-             "lengths": lengths, "logits_index": rows, "temperature": d["temperature"], "top_k": d["top_k"],
-             "top_p": d["top_p"], "seeds": d["seeds"], "counters": d["counters"] + k,
-             "sink": d["sink"], "window": d["window"]}
-        tokens, logprobs, pool = _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy)
+             "lengths": lengths, "prev_lengths": prev_lengths, "logits_index": rows,
+             "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
+             "counters": d["counters"] + k, "sink": d["sink"], "window": d["window"]}
+        if use_plan:
+            tokens, logprobs, pool = _forward_deferred(params, pool, b, cfg, greedy)
+        else:
+            tokens, logprobs, pool = _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live)
 
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     carry = (pool, d["tokens"], jnp.zeros((s,), bool))
-    (pool, _, _), (tokens, logprobs, ran) = jax.lax.scan(body, carry, (steps, d["slots"], d["lengths"],
-                                                                       d["active"]))
+    xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
+    (pool, _, _), (tokens, logprobs, ran) = jax.lax.scan(body, carry, xs)
     return tokens, logprobs, ran, pool
 
 

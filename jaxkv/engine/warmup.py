@@ -72,6 +72,7 @@ def precompile(engine, progress: bool = True) -> int:
             engine.runner.decode(DecodeBatch(
                 tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
                 slots=np.full((K, s, L, H), -1, np.int32), lengths=np.zeros((K, s, L, H), np.int32),
+                prev_lengths=np.zeros((K, s, L, H), np.int32),
                 active=np.zeros((K, s), bool), stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common))
     log.info("jaxkv: %d step variants ready in %.1f s", len(todo), time.perf_counter() - t0)
     return len(todo)
