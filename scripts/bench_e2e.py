@@ -98,7 +98,7 @@ def floors(w: Workload, cfg, dtype_bytes: int) -> dict:
     h, inter, L, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim
     hq, hkv, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     layer_params = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inter
-    weights = (L * layer_params + h * vocab) * dtype_bytes  # lm_head read every step; the embed row is a gather
+    weights = (L * layer_params + h * vocab) * dtype_bytes  # lm_head read every step; embed is a gather
     kv_token_head = 2 * d * dtype_bytes  # K + V of one token of one (layer, KV head)
     frac_global = 1.0 / hkv if w.head_classes == "1of8" else 1.0
 
@@ -181,7 +181,8 @@ def agreement(model_dir: Path, small: bool, device: str) -> tuple[float, int]:
     ours = jaxkv.generate(model, prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True),
                           page_size=16, enable_prefix_caching=False, max_num_seqs=1)  # 1: fresh-prompt path
     del model
-    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    hf = hf.to(device)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     with torch.inference_mode():
@@ -245,7 +246,8 @@ def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwar
             gen = w.batch * w.new
             if w.new == 1:
                 rows.append([shape, f"{tag}: time to first token (s)", f"{ttft:.4f}", f"{hf_ttft:.4f}",
-                             f"{hf_ttft / ttft:.2f}x", f"{fl['prefill_s']:.3g}", f"{ttft / fl['prefill_s']:.2f}x"])
+                             f"{hf_ttft / ttft:.2f}x", f"{fl['prefill_s']:.3g}",
+                             f"{ttft / fl['prefill_s']:.2f}x"])
                 continue
             rows.append([shape, f"{tag}: end to end (s; {gen / total:,.0f} tok/s)", f"{total:.3f}",
                          f"{hf_total:.3f}" if w.hf else "—", f"{hf_total / total:.2f}x" if w.hf else "—",
@@ -268,7 +270,8 @@ def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwar
     return rows
 
 
-HEADER = ["model", "row", "jaxkv", "transformers (sdpa)", "speed-up vs transformers", "floor", "jaxkv / floor"]
+HEADER = ["model", "row", "jaxkv", "transformers (sdpa)", "speed-up vs transformers", "floor",
+          "jaxkv / floor"]
 
 
 def write_section(out: Path, title: str, body: str) -> None:
@@ -287,12 +290,14 @@ def write_section(out: Path, title: str, body: str) -> None:
 def main(argv=None) -> list[list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode for tests)")
-    ap.add_argument("--shapes", default="1b", help="comma list of " + ",".join(s for s in SHAPES if s != "small"))
+    ap.add_argument("--shapes", default="1b",
+                    help="comma list of " + ",".join(s for s in SHAPES if s != "small"))
     ap.add_argument("--only", default="", help="comma list of row names (batch,ttft,single,headclass,"
                                                "headclass-allglobal,agree)")
     ap.add_argument("--out", default=None, help="markdown file whose 'End to end' section is replaced")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
-    ap.add_argument("--engine", default="{}", help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
+    ap.add_argument("--engine", default="{}",
+                    help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
     args = ap.parse_args(argv)
     import jax
 
@@ -312,14 +317,15 @@ def main(argv=None) -> list[list[str]]:
     import transformers
     table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     table += ["| " + " | ".join(r) + " |" for r in rows]
-    body = (f"Command: `{cmd}`\n\nDevice: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, Python "
-            f"{platform.python_version()}. Random-weight checkpoints saved by transformers and loaded by "
-            "`jaxkv.load` (bf16; fp32 for the agreement row). Greedy, EOS ignored, prefix caching off, a fresh "
-            "engine per run, the second run timed (the first compiles); transformers: `generate` with sdpa after "
-            "a short warm-up, TTFT = one forward over the prompt. Floors: decode step = (weights + KV the step "
-            f"must read) / {COPY_BW / 1e12:.1f} TB/s; prefill = matmul FLOPs / {MATMUL_RATE / 1e12:.0f} TFLOP/s; "
-            "end to end = prefill + (new - 1) steps. Speed-up > 1 means jaxkv is faster.\n\n"
+    body = (f"Command: `{cmd}`\n\nDevice: {dev.device_kind} ({jax.default_backend()}), "
+            f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"Python {platform.python_version()}. Random-weight checkpoints saved by transformers and loaded "
+            "by `jaxkv.load` (bf16; fp32 for the agreement row). Greedy, EOS ignored, prefix caching off, a "
+            "fresh engine per run, the second run timed (the first compiles); transformers: `generate` with "
+            "sdpa after a short warm-up, TTFT = one forward over the prompt. Floors: decode step = (weights "
+            f"+ KV the step must read) / {COPY_BW / 1e12:.1f} TB/s; prefill = matmul FLOPs / "
+            f"{MATMUL_RATE / 1e12:.0f} TFLOP/s; end to end = prefill + (new - 1) steps. Speed-up > 1 means "
+            "jaxkv is faster.\n\n"
             + "\n".join(table) + "\n")
     print("\n".join(table))
     if args.out:

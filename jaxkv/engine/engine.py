@@ -47,8 +47,9 @@ class EngineStats:
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache (unless the process already set a directory), so a
-    restarted engine loads its compiled steps from disk. Directory: ``path``, else ``$JAXKV_COMPILATION_CACHE``,
-    else ``~/.cache/jaxkv/xla``; an empty ``$JAXKV_COMPILATION_CACHE`` turns it off. Returns the directory."""
+    restarted engine loads its compiled steps from disk. Directory: ``path``, else
+    ``$JAXKV_COMPILATION_CACHE``, else ``~/.cache/jaxkv/xla``; an empty ``$JAXKV_COMPILATION_CACHE``
+    turns it off. Returns the directory."""
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     path = path if path is not None else os.environ.get(

@@ -27,7 +27,11 @@ from jaxkv.cache.pool import init_pool, write_kv
 from jaxkv.models import llama
 from jaxkv.sampling import sample
 from pallas_kernels.head_class_prefill.api import head_class_prefill
-from pallas_kernels.paged_attention.api import paged_attention, paged_attention_plan, paged_attention_with_plan
+from pallas_kernels.paged_attention.api import (
+    paged_attention,
+    paged_attention_plan,
+    paged_attention_with_plan,
+)
 
 
 @dataclasses.dataclass
@@ -144,8 +148,9 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool):
     hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,
                                            (pool, (), ()))
     n_layers, (t, hkv, d) = len(ks), ks[0].shape
-    pool = write_kv(pool, jnp.stack(ks).reshape(n_layers * t, hkv, d), jnp.stack(vs).reshape(n_layers * t, hkv, d),
-                    jnp.tile(b["positions"], n_layers), b["slots"].transpose(1, 0, 2).reshape(n_layers * t, hkv))
+    rows = n_layers * t  # layer-major: row l * T + i is token i of layer l
+    pool = write_kv(pool, jnp.stack(ks).reshape(rows, hkv, d), jnp.stack(vs).reshape(rows, hkv, d),
+                    jnp.tile(b["positions"], n_layers), b["slots"].transpose(1, 0, 2).reshape(rows, hkv))
     logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
     tokens, logprobs = _sample(logits, b, greedy)
     return tokens, logprobs, pool

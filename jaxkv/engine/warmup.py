@@ -56,7 +56,8 @@ def precompile(engine, progress: bool = True) -> int:
     L, H, K = cfg.num_layers, cfg.num_kv_heads, engine.decode_steps
     todo = variants(engine)
     t0 = time.perf_counter()
-    for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling step variants", disable=not progress):
+    bar = tqdm(todo, desc="jaxkv: compiling step variants", disable=not progress)
+    for kind, s, t, p, greedy, fresh in bar:
         temp = np.zeros(s, np.float32)
         if not greedy:
             temp[0] = 1.0
