@@ -61,6 +61,10 @@ class HeadPageTables:
         # [L, H] ring-head capacity in slots (0 for global heads = unbounded).
         self.capacity = np.where(self.local, -(-need // ps) * ps, 0)
         self._ring = np.where(self.local, self.capacity - self.sink, 1)  # ring size (1 keeps % safe)
+        rule = np.stack([self.local, self.sink, self._ring], axis=-1).reshape(L * H, 3)
+        keys, which = np.unique(rule, axis=0, return_inverse=True)
+        self._rule_groups = [(bool(k[0]), int(k[1]), int(k[2]), np.flatnonzero(which.reshape(-1) == g))
+                             for g, k in enumerate(keys)]  # heads sharing one ring rule (static)
         self._seqs: dict[Hashable, _Seq] = {}
 
     # ---- queries ------------------------------------------------------------------------------
@@ -157,18 +161,42 @@ class HeadPageTables:
         seq.table[fresh] = ids  # C order over (layer, head, page) matches allocation order
         seq.npages = target
 
-        idx = seq.written[None] + np.arange(n)[:, None, None]  # [n, L, H] logical storage index
-        ring = self.sink + (idx - self.sink) % self._ring
-        sidx = np.where(self.local & (idx >= self.sink), ring, idx)
-        page = np.take_along_axis(seq.table, (sidx // self.page_size).transpose(1, 2, 0), axis=2)
-        slots = page.transpose(2, 0, 1) * self.page_size + sidx % self.page_size
-        if not through_pool:  # the last writer of each ring slot wins; earlier ones are skipped
-            overwritten = self.local & (idx >= self.sink) & (idx + self._ring < seq.written[None] + n)
-            slots = np.where(overwritten, -1, slots)
+        slots = self._slots(seq, n, through_pool)
         seq.written = seq.written + n
         if n:
             seq.last_pos = int(positions[-1])
-        return slots.astype(np.int32)
+        return slots
+
+    def _slots(self, seq: _Seq, n: int, through_pool: bool) -> np.ndarray:
+        """[n, L, H] int32 slots of the next ``n`` tokens. Heads sharing (written, ring rule) share one 1-D
+        storage-index row, so the work is one gather per group (usually one or two groups), not
+        O(n x L x H) index arithmetic (an 8K-token prompt: ~30 ms -> a few ms)."""
+        L, H, ps = self.num_layers, self.num_kv_heads, self.page_size
+        out = np.empty((n, L * H), np.int32)
+        table = seq.table.reshape(L * H, -1)
+        written_all = seq.written.reshape(-1)
+        j = np.arange(n, dtype=np.int64)
+        for written, local, sink, ring, heads in self._groups(written_all):
+            idx = written + j  # logical storage index of each new token
+            sidx = np.where(idx >= sink, sink + (idx - sink) % ring, idx) if local else idx
+            vals = table[heads][:, sidx // ps] * ps + (sidx % ps).astype(np.int32)  # [heads, n]
+            if local and not through_pool:  # the last writer of each ring slot wins; earlier ones skip
+                vals[:, (idx >= sink) & (idx + ring < written + n)] = -1
+            if heads.size == L * H:
+                out[:] = vals.T
+            else:
+                out[:, heads] = vals.T
+        return out.reshape(n, L, H)
+
+    def _groups(self, written: np.ndarray):
+        """(written, local, sink, ring, flat head ids) of heads that share one storage-index row."""
+        for local, sink, ring, heads in self._rule_groups:
+            w = written[heads]
+            if (w == w[0]).all():  # the usual case: every head of the rule has stored as many tokens
+                yield int(w[0]), local, sink, ring, heads
+            else:
+                for value in np.unique(w):
+                    yield int(value), local, sink, ring, heads[w == value]
 
     def fill_step(self, seq_ids: Sequence, page_table_out: np.ndarray, lengths_out: np.ndarray) -> None:
         """Writes rows ``0..len(seq_ids)-1`` of ``page_table_out [S, L, H, P]`` and ``lengths_out [S, L, H]``;
