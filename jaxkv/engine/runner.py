@@ -6,7 +6,8 @@ request objects. The KV pool is donated into every call. Two entry points:
 * `run(StepBatch)`: one ragged step (prefill chunks and/or single decode tokens), one token per row.
 * `decode(DecodeBatch)`: `K` decode steps in one `lax.scan` (one dispatch, one host sync for K tokens);
   the slots of all K steps were reserved by the host beforehand, and a row stops on the device when it
-  samples a stop token or uses up its reserved steps.
+  samples a stop token or uses up its reserved steps. With the Pallas kernel each step writes the pool
+  once, after all layers (each layer merges its token's own K/V by the lse).
 
 With the Pallas kernel, the paged-attention metadata is one multi-layer plan per step (built before any
 K/V write: the engine's rings are unordered, so the plan never reads slot positions). A step made of one
