@@ -185,3 +185,52 @@ def test_host_modules_never_import_jax():
     code = ("import sys, jaxkv.cache.tables, jaxkv.cache.prefix, jaxkv.cache.head_classes, "
             "jaxkv.cache.allocator; assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_long_append_not_through_pool_keeps_the_last_writer_of_each_ring_slot():
+    # A fresh prompt longer than the ring (attended from its own K/V): the slots a later token of the same
+    # append takes are skipped, and the pages end up exactly as after token-by-token appends.
+    L, H, ps = 1, 2, 4
+    sink, window = np.array([[0, 2]]), np.array([[0, 5]])
+    n = 40
+    fast = HeadPageTables(L, H, ps, PageAllocator(64), sink, window, max_step_tokens=4)
+    slow = HeadPageTables(L, H, ps, PageAllocator(64), sink, window, max_step_tokens=4)
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        fast.append("s", np.arange(n))
+    slots = fast.append("s", np.arange(n), through_pool=False)
+    final_fast, final_slow = {}, {}
+    slow_slots = [slow.append("s", np.array([i]))[0, 0] for i in range(n)]
+
+    def storage(tables, h, slot):  # flat slot -> index in the head's own storage order (page ids differ)
+        return tables.page_lists("s")[0][h].tolist().index(slot // ps) * ps + slot % ps
+
+    for i in range(n):
+        for h in range(H):
+            if slots[i, 0, h] >= 0:
+                final_fast[(h, storage(fast, h, int(slots[i, 0, h])))] = i
+            final_slow[(h, storage(slow, h, int(slow_slots[i][h])))] = i
+    assert final_fast == final_slow  # same storage index -> token map once the append is done
+    assert (slots[:, 0, 0] >= 0).all()  # the global head writes every token
+    assert (slots[:, 0, 1] >= 0).sum() == fast.lengths("s")[0, 1]  # the ring head writes only what it keeps
+    np.testing.assert_array_equal(fast.lengths("s"), slow.lengths("s"))
+
+
+def test_slots_follow_the_ring_rule_per_head_even_when_heads_stored_different_counts():
+    # Heads of one ring rule normally share their stored count; a compaction (per-head storage) breaks
+    # that, and each head must still get storage index written[h] + j under its own rule.
+    L, H, ps = 2, 3, 4
+    sink, window = np.array([[0, 2, 2], [0, 0, 3]]), np.array([[0, 5, 5], [0, 0, 6]])
+    t = HeadPageTables(L, H, ps, PageAllocator(256), sink, window, max_step_tokens=4)
+    t.append("s", np.arange(4))
+    t._get("s").written[0, 1] = 2  # as if head (0, 1) had been compacted to 2 tokens
+    slots = t.append("s", np.arange(4, 8))
+    seq = t._get("s")
+    for layer in range(L):
+        for h in range(H):
+            w = int(seq.written[layer, h]) - 4
+            for j in range(4):
+                i = w + j
+                sk, ring = sink[layer, h], int(t.capacity[layer, h] - sink[layer, h])
+                s = sk + (i - sk) % ring if window[layer, h] and i >= sk else i
+                want = seq.table[layer, h, s // ps] * ps + s % ps
+                assert slots[j, layer, h] == want

@@ -59,7 +59,7 @@ def test_greedy_paged_decoding_equals_dense_argmax(model):
 
 
 def test_no_retrace_in_steady_decode(llama):
-    engine = Engine(llama, page_size=16, max_model_len=64, max_num_seqs=1, max_step_tokens=64)
+    engine = Engine(llama, page_size=16, max_model_len=64, max_num_seqs=1, max_step_tokens=64, decode_steps=1)
     engine.add_request(prompts_for(llama, [40])[0], SamplingParams(temperature=0.0, max_tokens=20,
                                                                     ignore_eos=True))
     engine.step()  # prefill: 40 tokens -> token bucket 64, pages bucket 4

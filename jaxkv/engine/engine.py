@@ -23,12 +23,14 @@ from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.request import Request, RequestOutput, Status
-from jaxkv.engine.runner import ModelRunner, StepBatch
+from jaxkv.engine.runner import DecodeBatch, ModelRunner, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
 from jaxkv.policies import CompressPolicy, get_policy
 from jaxkv.sampling import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running request decodes (docs/engine.md)
+FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
 
 
 @dataclasses.dataclass
@@ -45,18 +47,35 @@ class EngineStats:
     num_preemptions: int  # since start
 
 
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache (unless the process already set a directory), so a
+    restarted engine loads its compiled steps from disk. Directory: ``path``, else
+    ``$JAXKV_COMPILATION_CACHE``, else ``~/.cache/jaxkv/xla``; an empty ``$JAXKV_COMPILATION_CACHE``
+    turns it off. Returns the directory."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = path if path is not None else os.environ.get(
+        "JAXKV_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "xla"))
+    if not path:
+        return None
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    return os.fspath(path)
+
+
 class Engine:
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 8,
                  max_model_len: int | None = None, max_step_tokens: int = 512,
                  head_classes: HeadClassMap | str | os.PathLike | None = None,
                  enable_prefix_caching: bool = True, kv_dtype=None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
+                 decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
-                            ("max_step_tokens", max_step_tokens)]:
+                            ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer (got {value!r})")
+        enable_compilation_cache()
         self.model = model
         self.tokenizer = model.tokenizer
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -77,16 +96,23 @@ class Engine:
         # a compression policy rewrites pages in place, so it turns sharing off too.
         sharable = enable_prefix_caching and bool((window == 0).all()) and self.kv_policy is None
         self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
-        self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
-                                   max_step_tokens=max_step_tokens)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
                                   kv_dtype=kv_dtype, attn_impl=attn_impl)
+        # A fresh prompt longer than a step prefills alone through head_class_prefill (with the Pallas
+        # kernels); its local heads keep only what their ring holds, so rings stay sized by max_step_tokens.
+        fresh = (max_prefill_tokens or self.max_model_len) if self.runner.use_plan else 0
+        self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
+                                   max_step_tokens=max_step_tokens, max_fresh_tokens=fresh)
         self.page_size = page_size
+        self.decode_steps = decode_steps
         self.compressor = Compressor(self)
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
         self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head))
+        top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
+        self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
+                                    if b > top) if self.scheduler.max_fresh_tokens > top else ()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(0)
@@ -131,14 +157,25 @@ class Engine:
             self.scheduler.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
+    def precompile(self, progress: bool = True) -> int:
+        """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
+        Call before serving so no request waits on a compile (docs/engine.md)."""
+        from jaxkv.engine.warmup import precompile
+
+        return precompile(self, progress)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
+        """One scheduled device call. A multi-step decode call returns one output per generated token (in
+        order), so streaming stays token by token."""
+        chunks = self.scheduler.schedule(self.decode_steps, room=self._room)
         if not chunks:
             return []
+        if chunks[0].steps:
+            return self._step_decode(chunks)
         tokens, logprobs = self.runner.run(self._build_batch(chunks))
         outputs = []
         for row, chunk in enumerate(chunks):
@@ -160,11 +197,75 @@ class Engine:
         self.compressor.after_step([c.request for c in chunks])
         return outputs
 
+    def _step_decode(self, chunks: list[Chunk]) -> list[RequestOutput]:
+        tokens, logprobs, ran = self.runner.decode(self._build_decode(chunks))
+        outputs = []
+        for k in range(tokens.shape[0]):  # step-major: every request's k-th token before any (k+1)-th
+            for row, chunk in enumerate(chunks):
+                req = chunk.request
+                if req.finished or k >= chunk.num_tokens or not ran[k, row]:
+                    continue
+                req.num_computed += 1
+                tok, lp = int(tokens[k, row]), float(logprobs[k, row])
+                req.output_ids.append(tok)
+                req.output_logprobs.append(lp)
+                self._check_stop(req)
+                outputs.append(self._output(req, [tok], [lp]))
+                if req.finished:  # its pages reserved past this token go back with the rest
+                    self.scheduler.remove(req)
+                    self._requests.pop(req.request_id, None)
+        self.compressor.after_step([c.request for c in chunks])
+        return outputs
+
+    def _room(self, req: Request) -> int:
+        """Tokens a running request may decode in one call: what it may still produce (max_tokens,
+        max_model_len), and no further than its policy's next compression."""
+        room = min(req.sampling.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
+        pol = req.kv_policy
+        if pol is not None and pol.decode_interval and req.kv_compressed_at is not None:
+            room = min(room, max(1, pol.decode_interval - (len(req.output_ids) - req.kv_compressed_at)))
+        return room
+
+    def _stop_ids(self, req: Request) -> set[int]:
+        sp = req.sampling
+        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
+
+    def _build_decode(self, chunks: list[Chunk]) -> DecodeBatch:
+        cfg = self.model.config
+        L, H, K = cfg.num_layers, cfg.num_kv_heads, self.decode_steps
+        S = bucket_for(len(chunks), self._seq_buckets)
+        seq_ids = [c.request.request_id for c in chunks]
+        P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
+        stops = [sorted(self._stop_ids(c.request)) for c in chunks]
+        M = max(4, 1 << (max(len(x) for x in stops) - 1).bit_length())  # few buckets: 4, 8, 16, ...
+        b = DecodeBatch(
+            tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
+            slots=np.full((K, S, L, H), -1, np.int32), lengths=np.zeros((K, S, L, H), np.int32),
+            prev_lengths=np.zeros((K, S, L, H), np.int32),
+            active=np.zeros((K, S), bool), page_table=np.full((S, L, H, P), -1, np.int32),
+            stop_ids=np.full((S, M), -1, np.int32), temperature=np.zeros(S, np.float32),
+            top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
+            counters=np.zeros(S, np.int32))
+        for row, c in enumerate(chunks):
+            req, n = c.request, c.num_tokens
+            b.tokens[row] = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+            b.positions[row] = c.start
+            b.slots[:n, row] = c.slots
+            lens = self.tables.recent_lengths(req.request_id, n + 1)  # before step 0, after steps 0..n-1
+            b.lengths[:n, row], b.prev_lengths[:n, row] = lens[1:], lens[:-1]
+            b.active[:n, row] = True
+            b.stop_ids[row, :len(stops[row])] = stops[row]
+            sp = req.sampling
+            b.temperature[row], b.top_k[row], b.top_p[row] = sp.temperature, sp.top_k, sp.top_p
+            b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
+        self.tables.fill_step(seq_ids, b.page_table, np.zeros((S, L, H), np.int32))
+        return b
+
     def _build_batch(self, chunks: list[Chunk]) -> StepBatch:
         cfg = self.model.config
         L, H = cfg.num_layers, cfg.num_kv_heads
         S = bucket_for(len(chunks), self._seq_buckets)
-        T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets)
+        T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets + self._fresh_buckets)
         seq_ids = [c.request.request_id for c in chunks]
         P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
         b = StepBatch(
@@ -176,7 +277,7 @@ class Engine:
         off = 0
         for row, c in enumerate(chunks):
             req, n = c.request, c.num_tokens
-            b.tokens[off:off + n] = req.all_ids[c.start:c.start + n]
+            b.tokens[off:off + n] = _ids(req, c.start, n)
             b.positions[off:off + n] = np.arange(c.start, c.start + n)
             b.q_seq[off:off + n] = row
             b.slots[off:off + n] = c.slots
@@ -186,12 +287,14 @@ class Engine:
             b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
             off += n
         self.tables.fill_step(seq_ids, b.page_table, b.lengths)
+        b.fresh = chunks[0].fresh or (self.runner.use_plan and len(chunks) == 1 and chunks[0].start == 0
+                                      and chunks[0].num_tokens >= FRESH_MIN_TOKENS)
         return b
 
     # ---- stop logic ---------------------------------------------------------------------------
     def _check_stop(self, req: Request) -> None:
         sp, last = req.sampling, req.output_ids[-1]
-        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
+        stop_ids = self._stop_ids(req)
         out_of_room = len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len
         stream = req.stream
         if last in stop_ids:
@@ -247,6 +350,16 @@ def _resolve_policy(policy, budget, model) -> CompressPolicy | None:
     elif budget is not None:
         policy = dataclasses.replace(policy, budget=budget)
     return policy.bind(model)
+
+
+def _ids(req: Request, start: int, n: int) -> list[int]:
+    """Token ids ``start .. start + n - 1`` of a request without concatenating its whole history."""
+    p = len(req.prompt_ids)
+    if start + n <= p:
+        return req.prompt_ids[start:start + n]
+    if start >= p:
+        return req.output_ids[start - p:start - p + n]
+    return req.prompt_ids[start:] + req.output_ids[:start + n - p]
 
 
 def _resolve_head_classes(head_classes, model) -> HeadClassMap:

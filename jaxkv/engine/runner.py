@@ -1,7 +1,18 @@
-"""The one module that runs device steps: a jitted forward + sample over the per-head paged cache.
+"""The one module that runs device steps: jitted forward + sample over the per-head paged cache.
 
-The host hands over a `StepBatch` of numpy arrays padded to buckets; the runner pads nothing itself
-and never inspects request objects. The KV pool is donated into every step.
+The host hands over numpy arrays padded to buckets; the runner pads nothing itself and never inspects
+request objects. The KV pool is donated into every call. Two entry points:
+
+* `run(StepBatch)`: one ragged step (prefill chunks and/or single decode tokens), one token per row.
+* `decode(DecodeBatch)`: `K` decode steps in one `lax.scan` (one dispatch, one host sync for K tokens);
+  the slots of all K steps were reserved by the host beforehand, and a row stops on the device when it
+  samples a stop token or uses up its reserved steps. With the Pallas kernel each step writes the pool
+  once, after all layers (each layer merges its token's own K/V by the lse).
+
+With the Pallas kernel, the paged-attention metadata is one multi-layer plan per step (built before any
+K/V write: the engine's rings are unordered, so the plan never reads slot positions). A step made of one
+fresh prompt (positions 0..n-1) attends through `head_class_prefill` instead (global heads dense flash,
+local heads sink + window) and only writes its K/V into the pages.
 """
 
 from __future__ import annotations
@@ -16,7 +27,12 @@ import numpy as np
 from jaxkv.cache.pool import init_pool, write_kv
 from jaxkv.models import llama
 from jaxkv.sampling import sample
-from pallas_kernels.paged_attention.api import paged_attention
+from pallas_kernels.head_class_prefill.api import head_class_prefill
+from pallas_kernels.paged_attention.api import (
+    paged_attention,
+    paged_attention_plan,
+    paged_attention_with_plan,
+)
 
 
 @dataclasses.dataclass
@@ -35,35 +51,158 @@ class StepBatch:
     top_p: np.ndarray  # [S] float32
     seeds: np.ndarray  # [S] uint32
     counters: np.ndarray  # [S] int32, output index being sampled (PRNG stream position)
+    fresh: bool = False  # the step is one fresh prompt at positions 0..n-1 (row 0): head_class_prefill
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl"), donate_argnames=("pool",))
-def _step(params, pool, b, cfg, attn_impl=None):
-    """One ragged step: write K/V and attend per layer, then sample one token per sequence row.
+@dataclasses.dataclass
+class DecodeBatch:
+    """Host-built inputs of K decode steps of S rows (one token per row per step)."""
 
-    Module level (not a closure) so engines over the same model share compilations. `attn_impl` picks the
-    paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin elsewhere).
-    """
+    tokens: np.ndarray  # [S] int32, the token fed at step 0 (the last known token of each row)
+    positions: np.ndarray  # [S] int32, its position; step k feeds position + k
+    slots: np.ndarray  # [K, S, L, Hkv] int32, reserved slots of each step, -1 = none
+    lengths: np.ndarray  # [K, S, L, Hkv] int32, stored slots after step k's write
+    prev_lengths: np.ndarray  # [K, S, L, Hkv] int32, stored slots before step k's write
+    active: np.ndarray  # [K, S] bool, step k of row s was reserved (padding rows: never)
+    page_table: np.ndarray  # [S, L, Hkv, P] int32 after the reservation of all K steps
+    stop_ids: np.ndarray  # [S, M] int32, tokens that end a row (EOS, stop_token_ids), -1 = none
+    temperature: np.ndarray  # [S] float32
+    top_k: np.ndarray  # [S] int32
+    top_p: np.ndarray  # [S] float32
+    seeds: np.ndarray  # [S] uint32
+    counters: np.ndarray  # [S] int32, output index sampled at step 0
+
+
+def _sample(logits, b, greedy: bool):
+    """Greedy batches skip the sort over the vocabulary that top-k / top-p need."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+        return tokens, logprobs
+    return sample(logits, b["temperature"], b["top_k"], b["top_p"], b["seeds"], b["counters"])
+
+
+def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None):
+    """Shared body of a step: per layer write K/V then attend; sample one token per row."""
     scale = cfg.head_dim ** -0.5
+    plan = None
+    if use_plan and fresh_heads is None:
+        plan = paged_attention_plan(
+            pool.pos, b["page_table"].transpose(1, 0, 2, 3), b["lengths"].transpose(1, 0, 2), b["q_seq"],
+            b["positions"], b["sink"], b["window"], num_q_heads=cfg.num_heads, ordered=False)
 
     def attend(layer, q, k, v, pool):
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
-        out, _ = paged_attention(
-            q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
-            b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
-            implementation=attn_impl)
+        if fresh_heads is not None:
+            sink, window = fresh_heads[layer]
+            out, _ = head_class_prefill(q[0], k[0], v[0], sink, window, scale=scale)
+        elif plan is not None:
+            out, _ = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos,
+                                               b["page_table"][:, layer], scale=scale)
+        else:
+            out, _ = paged_attention(
+                q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
+                b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
+                implementation=attn_impl)
         return out[None], pool
 
     hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool)
     logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
-    tokens, logprobs = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"],
-                              b["seeds"], b["counters"])
+    tokens, logprobs = _sample(logits, b, greedy)
     return tokens, logprobs, pool
 
 
+def _merge_own(out, lse, q, k, v, scale):
+    """Adds each query's own new key/value to its paged result (out [T, Hq, D], lse [T, Hq]) by the
+    log-sum-exp: exact, since the kernel returns the lse of the same scaled scores (-inf when empty)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qf = q.astype(jnp.float32).reshape(t, hkv, g, d)
+    own = jnp.einsum("thgd,thd->thg", qf, k.astype(jnp.float32)).reshape(t, hq) * scale
+    m = jnp.maximum(lse, own)
+    wp, wo = jnp.exp(lse - m), jnp.exp(own - m)
+    vq = jnp.repeat(v.astype(jnp.float32), g, axis=1)  # [T, Hq, D]: query head qh reads KV head qh // G
+    merged = (wp[..., None] * out.astype(jnp.float32) + wo[..., None] * vq) / (wp + wo)[..., None]
+    return merged.astype(q.dtype)
+
+
+def _forward_deferred(params, pool, b, cfg, greedy: bool):
+    """A decode step (one token per row) that writes every layer's K/V with one scatter after the forward.
+
+    Each layer attends the pool as it was before the step (`prev_lengths`: the new slot is not yet valid)
+    and merges the token's own K/V through the lse; three pool scatters per step instead of three per
+    layer, which the H200 profile showed costing more than the attention itself."""
+    scale = cfg.head_dim ** -0.5
+    pt = b["page_table"]
+    plan = paged_attention_plan(
+        pool.pos, pt.transpose(1, 0, 2, 3), b["prev_lengths"].transpose(1, 0, 2), b["q_seq"], b["positions"],
+        b["sink"], b["window"], num_q_heads=cfg.num_heads, ordered=False)
+
+    def attend(layer, q, k, v, state):
+        pool, ks, vs = state
+        out, lse = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos, pt[:, layer],
+                                             scale=scale)
+        return _merge_own(out, lse, q[0], k[0], v[0], scale)[None], (pool, ks + (k[0],), vs + (v[0],))
+
+    hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,
+                                           (pool, (), ()))
+    n_layers, (t, hkv, d) = len(ks), ks[0].shape
+    rows = n_layers * t  # layer-major: row l * T + i is token i of layer l
+    pool = write_kv(pool, jnp.stack(ks).reshape(rows, hkv, d), jnp.stack(vs).reshape(rows, hkv, d),
+                    jnp.tile(b["positions"], n_layers), b["slots"].transpose(1, 0, 2).reshape(rows, hkv))
+    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+    tokens, logprobs = _sample(logits, b, greedy)
+    return tokens, logprobs, pool
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads"),
+                   donate_argnames=("pool",))
+def _step(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None):
+    """One ragged step. Module level (not a closure) so engines over the same model share compilations.
+
+    `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin
+    elsewhere); `fresh_heads` (static per-layer (sink, window) tuples) routes a fresh prompt through
+    head_class_prefill.
+    """
+    return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy"),
+                   donate_argnames=("pool",))
+def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False):
+    """K decode steps in one lax.scan; -> tokens [K, S], logprobs [K, S], ran [K, S] bool, pool."""
+    s = d["tokens"].shape[0]
+    rows = jnp.arange(s, dtype=jnp.int32)
+
+    def body(carry, xs):
+        pool, tok, done = carry
+        k, slots, lengths, prev_lengths, active = xs
+        live = active & ~done
+        b = {"tokens": tok, "positions": d["positions"] + k, "q_seq": jnp.where(live, rows, -1),
+             "slots": jnp.where(live[:, None, None], slots, -1), "page_table": d["page_table"],
+             "lengths": lengths, "prev_lengths": prev_lengths, "logits_index": rows,
+             "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
+             "counters": d["counters"] + k, "sink": d["sink"], "window": d["window"]}
+        if use_plan:
+            tokens, logprobs, pool = _forward_deferred(params, pool, b, cfg, greedy)
+        else:
+            tokens, logprobs, pool = _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy)
+        stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
+        return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live)
+
+    steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
+    carry = (pool, d["tokens"], jnp.zeros((s,), bool))
+    xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
+    (pool, _, _), (tokens, logprobs, ran) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, pool
+
+
 def num_compilations() -> int:
-    """Compiled variants of the step so far (one per bucket and model); tests use it to prove no retrace."""
-    return _step._cache_size()
+    """Compiled variants of the device steps so far (one per bucket and model); tests use it to prove no
+    retrace."""
+    return _step._cache_size() + _decode._cache_size()
 
 
 class ModelRunner:
@@ -74,11 +213,27 @@ class ModelRunner:
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
         self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
         self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
+        # Static per-layer head classes for head_class_prefill of fresh prompts.
+        self.fresh_heads = tuple((tuple(int(x) for x in sk), tuple(int(x) for x in wd))
+                                 for sk, wd in zip(np.asarray(sink), np.asarray(window)))
         self.attn_impl = attn_impl
+        # The multi-layer plan is the Pallas kernel's; the jnp twin takes the contract's arguments per layer.
+        self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
+
+    def _kw(self, greedy: bool) -> dict:
+        return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy))
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
-        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # numpy: jit transfers
-        tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads}, cfg=self.cfg,
-                                         attn_impl=self.attn_impl)
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "fresh"}
+        fresh = self.fresh_heads if batch.fresh and self.use_plan else None
+        tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads},
+                                            fresh_heads=fresh, **self._kw(not batch.temperature.any()))
         return np.asarray(tokens), np.asarray(logprobs)
+
+    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Runs K decode steps; returns tokens, logprobs and whether the step ran, each [K, S] (host)."""
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        tokens, logprobs, ran, self.pool = _decode(self.params, self.pool, {**arrays, **self._heads},
+                                                   **self._kw(not batch.temperature.any()))
+        return np.asarray(tokens), np.asarray(logprobs), np.asarray(ran)

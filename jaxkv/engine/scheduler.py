@@ -23,6 +23,8 @@ class Chunk:
     start: int  # first token index fed this step (== request.num_computed when scheduled)
     num_tokens: int
     slots: np.ndarray  # [num_tokens, L, Hkv] int32
+    steps: int = 0  # > 0: a multi-step decode chunk, `num_tokens` decode steps reserved ahead
+    fresh: bool = False  # alone in its step, positions 0..n-1: attends over its own K/V (head_class_prefill)
 
     @property
     def samples(self) -> bool:
@@ -31,12 +33,15 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, tables, allocator, prefix_cache, *, max_num_seqs: int, max_step_tokens: int):
+    def __init__(self, tables, allocator, prefix_cache, *, max_num_seqs: int, max_step_tokens: int,
+                 max_fresh_tokens: int = 0):
         self.tables = tables
         self.allocator = allocator
         self.prefix = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
+        # > 0: a waiting fresh prompt of at most this many tokens prefills alone in one step (prefill first).
+        self.max_fresh_tokens = max_fresh_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
@@ -55,7 +60,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, decode_steps: int = 1, room=None) -> list[Chunk]:
+        """This step's chunks. With ``decode_steps > 1``, nothing waiting and every running request
+        decoding, each request reserves up to ``decode_steps`` tokens ahead (``room(req)`` caps it: tokens
+        it may still produce) and the chunks are multi-step decode chunks."""
+        if decode_steps > 1 and not self.waiting and self.running and all(
+                r.num_pending == 1 for r in self.running):
+            return self._schedule_decode(decode_steps, room)
+        fresh, looked_up = self._schedule_fresh()
+        if fresh:
+            return fresh
         chunks: list[Chunk] = []
         budget = self.max_step_tokens
         for req in list(self.running):
@@ -71,7 +85,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.num_computed == 0 and self.prefix is not None and req.kv_policy is None:
+            if (req.num_computed == 0 and self.prefix is not None and req.kv_policy is None
+                    and req is not looked_up):
                 self._adopt_prefix(req)
             n = min(req.num_pending, budget)
             if not self._make_room(self.tables.pages_needed(req.request_id, n), protect=None):
@@ -82,6 +97,36 @@ class Scheduler:
             self.running.append(req)
             chunks.append(Chunk(req, req.num_computed, n, slots))
             budget -= n
+        return chunks
+
+    def _schedule_fresh(self) -> tuple[list[Chunk], Request | None]:
+        """The head of the queue alone, whole prompt in one step, when it is fresh and longer than an
+        ordinary step (-> chunks, the request whose prefix was looked up here)."""
+        if not (self.max_fresh_tokens and self.waiting and len(self.running) < self.max_num_seqs):
+            return [], None
+        req = self.waiting[0]
+        if req.num_computed == 0 and self.prefix is not None and req.kv_policy is None:
+            self._adopt_prefix(req)
+        n = req.num_pending
+        if req.num_computed or n > self.max_fresh_tokens or n <= self.max_step_tokens:
+            return [], req  # cached prefix, too long, or short enough for an ordinary step
+        if not self._make_room(self.tables.pages_needed(req.request_id, n), protect=None):
+            return [], req
+        slots = self.tables.append(req.request_id, _positions(req, n), through_pool=False)
+        self.waiting.popleft()
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return [Chunk(req, 0, n, slots, fresh=True)], req
+
+    def _schedule_decode(self, decode_steps: int, room) -> list[Chunk]:
+        chunks = []
+        for req in list(self.running):
+            if req not in self.running:  # preempted while making room for an older request
+                continue
+            n = max(1, min(decode_steps, room(req) if room is not None else decode_steps))
+            slots = self._reserve(req, n)
+            if slots is not None:
+                chunks.append(Chunk(req, req.num_computed, n, slots, steps=n))
         return chunks
 
     def _adopt_prefix(self, req: Request) -> None:

@@ -1,0 +1,79 @@
+"""Compile every device-step variant an engine can hit before it serves (no compile stall mid-request).
+
+A variant is one bucket combination: (sequences, tokens, pages, greedy or sampled, fresh prompt) for a
+ragged step and (sequences, pages, greedy or sampled) for a multi-step decode. Each is run once on an
+all-padding batch (every slot -1: nothing is written, the pool comes back unchanged). With the JAX
+persistent compilation cache on (`jaxkv.engine.engine.enable_compilation_cache`), a restart loads them
+from disk instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxkv.engine.runner import DecodeBatch, StepBatch
+
+log = logging.getLogger("jaxkv.engine")
+
+STOP_BUCKET = 4  # stop-id bucket warmed (requests with more than 4 stop ids compile their own variant)
+
+
+def variants(engine) -> list[tuple]:
+    """Every (kind, S, T, P, greedy, fresh) the engine's buckets allow (kind "step" or "decode")."""
+    from jaxkv.engine.engine import FRESH_MIN_TOKENS
+
+    out = []
+    seqs, toks, pages = engine._seq_buckets, engine._token_buckets, engine._page_buckets
+    for i, s in enumerate(seqs):
+        prev = seqs[i - 1] if i else 0
+        for t in toks:
+            if t <= prev:  # a step of more than `prev` sequences has more than `prev` tokens
+                continue
+            for p in pages:
+                for greedy in (True, False):
+                    out.append(("step", s, t, p, greedy, False))
+                    if s == 1 and t >= FRESH_MIN_TOKENS and engine.runner.use_plan:
+                        out.append(("step", s, t, p, greedy, True))
+        if s == 1:  # fresh prompts longer than a step prefill alone (head_class_prefill)
+            for t in engine._fresh_buckets:
+                for p in pages:
+                    for greedy in (True, False):
+                        out.append(("step", s, t, p, greedy, True))
+        if engine.decode_steps > 1:
+            for p in pages:
+                for greedy in (True, False):
+                    out.append(("decode", s, 0, p, greedy, False))
+    return out
+
+
+def precompile(engine, progress: bool = True) -> int:
+    """Compiles (or loads from the persistent cache) every variant; returns how many. Logs one line."""
+    cfg = engine.model.config
+    L, H, K = cfg.num_layers, cfg.num_kv_heads, engine.decode_steps
+    todo = variants(engine)
+    t0 = time.perf_counter()
+    bar = tqdm(todo, desc="jaxkv: compiling step variants", disable=not progress)
+    for kind, s, t, p, greedy, fresh in bar:
+        temp = np.zeros(s, np.float32)
+        if not greedy:
+            temp[0] = 1.0
+        common = dict(page_table=np.full((s, L, H, p), -1, np.int32), temperature=temp,
+                      top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32),
+                      counters=np.zeros(s, np.int32))
+        if kind == "step":
+            engine.runner.run(StepBatch(
+                tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), q_seq=np.full(t, -1, np.int32),
+                slots=np.full((t, L, H), -1, np.int32), lengths=np.zeros((s, L, H), np.int32),
+                logits_index=np.zeros(s, np.int32), fresh=fresh, **common))
+        else:
+            engine.runner.decode(DecodeBatch(
+                tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
+                slots=np.full((K, s, L, H), -1, np.int32), lengths=np.zeros((K, s, L, H), np.int32),
+                prev_lengths=np.zeros((K, s, L, H), np.int32),
+                active=np.zeros((K, s), bool), stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common))
+    log.info("jaxkv: %d step variants ready in %.1f s", len(todo), time.perf_counter() - t0)
+    return len(todo)

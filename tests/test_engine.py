@@ -1,0 +1,99 @@
+"""Engine speed paths: multi-step decode equals single-step decode; no compile after precompile."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.runner import num_compilations
+from jaxkv.sampling import SamplingParams
+from tests.hf_tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-engine")))
+
+
+def prompts_for(model, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
+
+
+def run(model, prompts, samplings, **kw):
+    kw = {"page_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_step_tokens": 16, **kw}
+    engine = Engine(model, enable_prefix_caching=False, **kw)
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, samplings)]
+    got = {i: [] for i in ids}
+    per_step = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        per_step.append(outs)
+        for o in outs:
+            assert len(o.new_token_ids) == 1  # streaming stays token by token
+            got[o.request_id] += o.new_token_ids
+    assert engine.allocator.num_free == engine.allocator.num_pages  # reserved-ahead pages all returned
+    return [got[i] for i in ids], per_step, engine
+
+
+def test_multistep_decode_equals_single_step(llama):
+    prompts = prompts_for(llama, [5, 11, 17])
+    greedy = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=13, seed=5, ignore_eos=True)
+    samplings = [greedy, sampled, dataclasses.replace(greedy, max_tokens=30)]
+    one, _, _ = run(llama, prompts, samplings, decode_steps=1)
+    many, steps, _ = run(llama, prompts, samplings, decode_steps=8)
+    assert many == one
+    assert [len(t) for t in many] == [21, 13, 30]
+    assert max(len(s) for s in steps) > len(prompts)  # some call really produced several tokens per request
+
+
+def test_multistep_stops_on_device_at_a_stop_token(llama):
+    prompt = prompts_for(llama, [9], seed=3)[0]
+    full, _, _ = run(llama, [prompt], [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)],
+                     decode_steps=1)
+    stop_id = full[0][10]
+    first = full[0].index(stop_id)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=(stop_id,))
+    many, _, _ = run(llama, [prompt], [sp], decode_steps=16)
+    assert many[0] == full[0][:first + 1]
+
+
+def test_no_new_compilation_after_precompile(llama):
+    engine = Engine(llama, page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
+    n = engine.precompile(progress=False)
+    assert n > 0
+    compiled = num_compilations()
+    mix = [(prompts_for(llama, [3])[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+           (prompts_for(llama, [30], seed=1)[0], SamplingParams(temperature=0.7, max_tokens=9, seed=1)),
+           (prompts_for(llama, [12], seed=2)[0], SamplingParams(temperature=0.0, top_k=3, max_tokens=5,
+                                                                stop_token_ids=(7, 8)))]
+    for prompt, sp in mix:
+        engine.add_request(prompt, sp)
+    while engine.has_unfinished():
+        engine.step()
+    assert num_compilations() == compiled
+
+
+def test_fresh_long_prompt_prefills_alone_through_head_class_prefill(tmp_path):
+    # Mistral's window heads are rings sized by max_step_tokens=8; prompts of 30-40 tokens prefill in one
+    # step from their own K/V (the ring keeps only the last writers), then decode from the pages: same
+    # tokens as chunked prefill through the jnp twin.
+    model = jaxkv.load(make_tiny_checkpoint("mistral", tmp_path))
+    prompts = prompts_for(model, [30, 41], seed=6)
+    sp = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 2
+    kw = dict(max_step_tokens=8, decode_steps=4)
+    fresh = Engine(model, page_size=4, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False,
+                   attn_impl="pallas", **kw)
+    assert fresh.scheduler.max_fresh_tokens == 64
+    ids = [fresh.add_request(p, s) for p, s in zip(prompts, sp)]
+    chunks = fresh.scheduler.schedule()
+    assert len(chunks) == 1 and chunks[0].fresh and chunks[0].num_tokens == 30
+    for rid in ids:
+        fresh.abort(rid)
+    assert fresh.allocator.num_free == fresh.allocator.num_pages
+    got = jaxkv.generate(model, prompts, sp, engine=fresh)
+    ref, _, _ = run(model, prompts, sp, attn_impl="reference", **kw)
+    assert [o.token_ids for o in got] == ref
