@@ -453,8 +453,9 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, req, jobs, q, rid, chat, include_usage, deadline),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _Stream(_stream(state, req, jobs, q, rid, chat, include_usage, deadline),
+                       cleanup=lambda: _abort(state, jobs, "client"), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(_collect(state, jobs, q, deadline))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -481,6 +482,21 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
                             "finish_reason": j.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that aborts its engine requests however it ends: a client gone before the
+    first chunk never starts the generator, so the generator's own `finally` would not run."""
+
+    def __init__(self, content, cleanup: Callable[[], None], **kw):
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
 
 
 async def _collect(state: ServerState, jobs: list[_Job], q: asyncio.Queue, deadline: float | None) -> None:
