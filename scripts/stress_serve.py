@@ -28,6 +28,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -313,7 +314,8 @@ def schemathesis_phase(s: ServerProcess, max_examples: int, time_limit: float) -
            "--seed", "0", "--generation-database", "none", "--request-timeout", "60", "--workers", "1"]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=time_limit)
+        with tempfile.TemporaryDirectory() as cwd:  # schemathesis keeps a .schemathesis/ cache in its cwd
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=time_limit, cwd=cwd)
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
