@@ -72,7 +72,10 @@ def test_parse_errors_name_the_parameter():
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("temperature", 2.5), ("top_p", 0.0),
                                          ("top_p", 1.01), ("top_k", -1), ("n", 0), ("n", 1000),
-                                         ("presence_penalty", 0.5), ("stop", [""])])
+                                         ("presence_penalty", 0.5), ("stop", [""]), ("top_k", 2**31),
+                                         ("seed", 2**64), ("seed", -(2**63) - 1), ("stop", "x" * 513),
+                                         ("stop", ["a"] * 17), ("stop_token_ids", [1] * 257),
+                                         ("cache_salt", "")])
 def test_check_common_rejects(field, value):
     req = P.CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
     with pytest.raises(P.RequestError) as e:

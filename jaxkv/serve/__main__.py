@@ -40,6 +40,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="use the checkpoint's generation_config.json temperature/top_p/top_k as defaults")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the first step before accepting requests")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body; a larger one is refused with 413 from its Content-Length, "
+                        "before it is read (0: no limit)")
+    p.add_argument("--request-timeout", type=float, default=0,
+                   help="seconds from arrival to the last token; then the request is aborted and answered "
+                        "408 (a stream ends with an error event) (0: no limit)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="generations allowed to wait beyond the --max-num-seqs that run; more are refused "
+                        "with 429 and Retry-After (-1: no bound)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (repeatable); each key is its own "
+                        "tenant: prompts share cached KV pages only within one tenant")
+    p.add_argument("--api-keys-file", default=None,
+                   help='JSON object {"key": "namespace"}: keys mapping to one namespace share its cache')
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     args = p.parse_args(argv)
@@ -47,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer (got {value})")
+    if args.max_request_bytes < 0 or args.request_timeout < 0 or args.max_queued_requests < -1:
+        p.error("--max-request-bytes and --request-timeout must be >= 0, --max-queued-requests >= -1")
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535] (got {args.port})")
     if not Path(args.model).is_dir():
@@ -65,7 +81,8 @@ def main(argv=None) -> int:
     import jaxkv
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
-    from jaxkv.serve.server import build_state, serve, warm_up
+    from jaxkv.serve.app import ServeLimits
+    from jaxkv.serve.server import build_state, load_api_keys, serve, warm_up
 
     dtype = args.dtype
     if dtype == "auto":
@@ -80,7 +97,12 @@ def main(argv=None) -> int:
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching)
         name = args.served_model_name or Path(args.model).resolve().name
-        state = build_state(model, engine, name, use_generation_config=args.generation_config)
+        limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
+                             request_timeout=args.request_timeout or None,
+                             max_queued_requests=None if args.max_queued_requests < 0
+                             else args.max_queued_requests)
+        state = build_state(model, engine, name, use_generation_config=args.generation_config,
+                            limits=limits, api_keys=load_api_keys(args.api_key, args.api_keys_file))
     except (ValueError, OSError) as e:  # bad checkpoint, head-class file, engine sizes
         print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
         return 2

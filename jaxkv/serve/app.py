@@ -2,8 +2,9 @@
 
 One HTTP request becomes one engine request per (prompt, choice); their outputs share one queue. Text
 comes from a per-choice `TextStream` (incremental detokenization with prompt context, stop strings);
-the engine decides when a request ends. Every client error is an HTTP 400 with an OpenAI error body,
-never a 422 or a 500.
+the engine decides when a request ends. Every client error is a 4xx with an OpenAI error body naming
+the field (never a 422 or a 500); the limits of `ServeLimits` (body size, in-flight requests, time)
+answer 413 / 429 / 408, and a failed engine step answers 500 for the requests it ran, nothing else.
 """
 
 from __future__ import annotations
@@ -11,20 +12,38 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.engine.detok import TextStream
 from jaxkv.serve import protocol as P
-from jaxkv.serve.engine_loop import EngineDeadError, EngineLoop
+from jaxkv.serve.engine_loop import EngineDeadError, EngineLoop, EngineStepError
 from jaxkv.serve.metrics import CONTENT_TYPE, ServeMetrics
 
 log = logging.getLogger("jaxkv.serve")
+
+
+@dataclass
+class ServeLimits:
+    """What one client may cost the server (docs/serving.md, "Limits")."""
+
+    max_body_bytes: int | None = 4 << 20  # refused with 413 before the body is read (Content-Length)
+    request_timeout: float | None = None  # seconds from arrival to the last token; 408 after
+    max_num_seqs: int = 8  # the engine's batch: these run, the queue is counted beyond them
+    max_queued_requests: int | None = 256  # engine requests waiting beyond max_num_seqs; 429 above
+    retry_after_s: int = 1
+
+    @property
+    def capacity(self) -> int | None:
+        """Engine requests admitted at once (running + waiting), or None for no bound."""
+        return None if self.max_queued_requests is None else self.max_num_seqs + self.max_queued_requests
 
 
 @dataclass
@@ -34,14 +53,16 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
-    encode: Callable[[str], list[int]]  # text -> ids, special tokens (BOS) as the model expects
+    encode: Callable[[str, bool], list[int]]  # (text, add special tokens such as BOS) -> ids
     decode: Callable[[Sequence[int]], str]  # ids -> text, special tokens skipped
-    chat_ids: Callable[[list[dict]], list[int]]  # messages -> prompt ids (chat template + gen prompt)
+    chat_text: Callable[[list[dict]], str]  # messages -> prompt text (chat template + gen prompt)
     eos_token_ids: tuple[int, ...]
     loop: EngineLoop
     metrics: ServeMetrics
     make_sampling: Callable[..., object]  # SamplingParams(**kwargs), raises ValueError
     sampling_defaults: dict = field(default_factory=dict)  # temperature / top_p / top_k of the model
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant namespace; empty: no auth
     created: int = field(default_factory=P.now)
 
 
@@ -64,27 +85,36 @@ class _Job:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.jaxkv = state
+    app.openapi = lambda: _openapi(app)
 
-    def error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        state.metrics.observe_error(status)
-        return JSONResponse(P.error_body(message, type_, param, code), status_code=status)
+    def error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+              reason: str | None = None, headers: dict | None = None):
+        state.metrics.observe_error(status, reason or code or f"http_{status}")
+        return JSONResponse(P.error_body(message, type_, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(P.RequestError)
     async def _request_error(_, e: P.RequestError):
-        return error(e.status, e.message, param=e.param, code=e.code)
+        return error(e.status, e.message, _ERROR_TYPES.get(e.status, "invalid_request_error"), e.param,
+                     e.code, e.reason, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):
         first = (e.errors() or [{}])[0]
         return error(400, f"Invalid request: {first.get('msg', 'validation failed')}.",
-                     param=".".join(str(x) for x in first.get("loc", ())[1:]) or None)
+                     param=".".join(str(x) for x in first.get("loc", ())[1:]) or None,
+                     reason="invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):
         type_ = "invalid_request_error" if e.status_code < 500 else "internal_error"
-        return error(e.status_code, str(e.detail), type_, code="not_found" if e.status_code == 404 else None)
+        return error(e.status_code, str(e.detail), type_, code="not_found" if e.status_code == 404 else None,
+                     headers=getattr(e, "headers", None))
+
+    @app.exception_handler(EngineStepError)
+    async def _engine_step(_, e: EngineStepError):
+        return error(500, str(e), "internal_error", code="engine_error")
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_, e: EngineDeadError):
@@ -93,7 +123,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):
         log.exception("internal error")
-        return error(500, f"Internal server error: {type(e).__name__}.", "internal_error")
+        return error(500, f"Internal server error: {type(e).__name__}: {e}", "internal_error",
+                     reason="internal_error")
 
     @app.get("/health")
     async def health():
@@ -110,48 +141,161 @@ def build_app(state: ServerState) -> FastAPI:
                 "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        _tenant(state, request)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
+    async def model(model_id: str, request: Request):
+        _tenant(state, request)
         if model_id != state.model_name:
             raise P.RequestError(f"The model '{model_id}' does not exist.", "model", "model_not_found", 404)
         return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = P.parse(P.CompletionRequest, await request.body())
+        arrival = asyncio.get_running_loop().time()
+        tenant = _tenant(state, request)
+        req = P.parse(P.CompletionRequest, await _read_body(request, state.limits.max_body_bytes))
         P.check_model(req, state.model_name)
         P.check_common(req)
         P.check_completion_extras(req)
-        prompts = _completion_prompts(req.prompt, state)
-        explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
-        jobs = []
-        for pi, (text, ids) in enumerate(prompts):
-            max_tokens = P.resolve_max_tokens(req.max_tokens, explicit, len(ids), state.max_model_len)
-            echo = (text if text is not None else state.decode(ids)) if req.echo else ""
-            jobs += _jobs(state, req, pi, ids, max_tokens, echo, len(jobs))
-        return await _serve(state, request, req, jobs, chat=False)
+        _check_choices(state, _num_prompts(req.prompt) * (req.n or 1))
+        # Tokenizing (up to a whole body's worth of text) runs off the event loop.
+        jobs = await asyncio.to_thread(_completion_jobs, state, req)
+        return await _serve(state, request, req, jobs, False, _extra_key(tenant, req.cache_salt), arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = P.parse(P.ChatCompletionRequest, await request.body())
+        arrival = asyncio.get_running_loop().time()
+        tenant = _tenant(state, request)
+        req = P.parse(P.ChatCompletionRequest, await _read_body(request, state.limits.max_body_bytes))
         P.check_model(req, state.model_name)
         P.check_common(req)
         P.check_chat_extras(req)
-        messages = P.chat_messages(req)
-        try:
-            ids = list(state.chat_ids(messages))
-        except Exception as e:  # jinja2 raise_exception (e.g. roles must alternate) and template errors
-            raise P.RequestError(f"Could not apply the chat template: {e}", "messages") from None
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = P.resolve_max_tokens(requested, requested is not None, len(ids), state.max_model_len,
-                                          param, "messages")
-        return await _serve(state, request, req, _jobs(state, req, 0, ids, max_tokens, "", 0), chat=True)
+        _check_choices(state, req.n or 1)
+        jobs = await asyncio.to_thread(_chat_jobs, state, req)
+        return await _serve(state, request, req, jobs, True, _extra_key(tenant, req.cache_salt), arrival)
 
     return app
+
+
+_ERROR_TYPES = {408: "timeout_error", 429: "rate_limit_error"}
+# A text longer than this many characters per context token is first tokenized up to that length: one
+# too long is refused after tokenizing a bounded prefix, not the whole body.
+_PREFIX_CHARS_PER_TOKEN = 16
+_PREFIX_SLACK_TOKENS = 64  # a cut through a word can add a few tokens that the whole text does not have
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The OpenAPI schema with the request bodies the routes parse by hand (for clients and fuzzers)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title="jaxkv", version="0.1.0", routes=app.routes)
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    bodies = (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest))
+    for path, cls in bodies:
+        js = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(js.pop("$defs", {}))
+        comps[cls.__name__] = js
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{cls.__name__}"}}}}
+    app.openapi_schema = schema
+    return schema
+
+
+def _tenant(state: ServerState, request: Request) -> str | None:
+    """The caller's namespace from `Authorization: Bearer KEY` when API keys are configured."""
+    if not state.api_keys:
+        return None
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    namespace = state.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+    if namespace is None:
+        raise P.RequestError("Invalid or missing API key (pass it as 'Authorization: Bearer KEY').",
+                             None, "invalid_api_key", 401, headers={"WWW-Authenticate": "Bearer"})
+    return namespace
+
+
+def _extra_key(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The engine's prefix-cache namespace: identical prompts share pages only under an equal key."""
+    if tenant is None and cache_salt is None:
+        return None
+    return json.dumps([tenant, cache_salt])
+
+
+async def _read_body(request: Request, limit: int | None) -> bytes:
+    """The body, refused with 413 from its Content-Length before reading (or once it passes `limit`)."""
+    if limit is not None:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> P.RequestError:
+    return P.RequestError(f"Request body of {size}+ bytes exceeds the server's limit of {limit} bytes "
+                          "(--max-request-bytes).", None, "body_too_large", 413)
+
+
+def _num_prompts(prompt) -> int:
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return 1
+    return len(prompt)
+
+
+def _check_choices(state: ServerState, num: int) -> None:
+    """One request may not hold more engine requests than MAX_CHOICES or than the server admits."""
+    cap = state.limits.capacity
+    limit = P.MAX_CHOICES if cap is None else min(P.MAX_CHOICES, cap)
+    if num > limit:
+        raise P.RequestError(f"This request needs {num} generations (prompts x n); at most {limit} are "
+                             "allowed in one request.", "n")
+
+
+def _encode_within(state: ServerState, text: str, special: bool, param: str) -> list[int]:
+    """Token ids of `text`, refusing a text far beyond the context without tokenizing all of it."""
+    limit = state.max_model_len
+    cut = _PREFIX_CHARS_PER_TOKEN * limit
+    if len(text) > cut:
+        head = len(state.encode(text[:cut], special)) - _PREFIX_SLACK_TOKENS
+        if head >= limit:
+            raise P.RequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has more "
+                f"than {head} tokens. Please reduce the length of the prompt.", param,
+                code="context_length_exceeded")
+    return list(state.encode(text, special))
+
+
+def _completion_jobs(state: ServerState, req) -> list[_Job]:
+    prompts = _completion_prompts(req.prompt, state)
+    explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+    jobs = []
+    for pi, (text, ids) in enumerate(prompts):
+        max_tokens = P.resolve_max_tokens(req.max_tokens, explicit, len(ids), state.max_model_len)
+        echo = (text if text is not None else state.decode(ids)) if req.echo else ""
+        jobs += _jobs(state, req, pi, ids, max_tokens, echo, len(jobs))
+    return jobs
+
+
+def _chat_jobs(state: ServerState, req) -> list[_Job]:
+    messages = P.chat_messages(req)
+    try:
+        text = state.chat_text(messages)
+    except Exception as e:  # jinja2 raise_exception (e.g. roles must alternate) and template errors
+        raise P.RequestError(f"Could not apply the chat template: {e}", "messages") from None
+    ids = _encode_within(state, text, False, "messages")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = P.resolve_max_tokens(requested, requested is not None, len(ids), state.max_model_len,
+                                      param, "messages")
+    return _jobs(state, req, 0, ids, max_tokens, "", 0)
 
 
 def _completion_prompts(prompt, state: ServerState) -> list[tuple[str | None, list[int]]]:
@@ -166,7 +310,7 @@ def _completion_prompts(prompt, state: ServerState) -> list[tuple[str | None, li
     for i, p in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = list(state.encode(p))
+            ids = _encode_within(state, p, True, param)
             if not ids:
                 raise P.RequestError("prompt is empty after tokenization.", param)
             out.append((p, ids))
@@ -209,23 +353,49 @@ def _jobs(state: ServerState, req, prompt_index: int, ids: list[int], max_tokens
 # ------------------------------------------------------------------------------------------ running
 
 
-async def _submit(state: ServerState, jobs: list[_Job], q: asyncio.Queue) -> None:
+class RequestTimeout(P.RequestError):
+    def __init__(self, timeout: float):
+        super().__init__(f"The request did not finish within the server's limit of {timeout:g} s "
+                         "(--request-timeout).", None, "request_timeout", 408)
+
+
+async def _submit(state: ServerState, jobs: list[_Job], q: asyncio.Queue, extra_key: str | None) -> None:
+    """Admit every choice or none: 429 with Retry-After while the server holds its capacity."""
+    lim = state.limits
+    if not state.loop.try_reserve(len(jobs), lim.capacity):
+        raise P.RequestError(f"The server is at capacity ({lim.capacity} generations in flight: "
+                             f"--max-num-seqs + --max-queued-requests); retry later.", None, "queue_full",
+                             429, headers={"Retry-After": str(lim.retry_after_s)})
+    added = 0
     try:
         for job in jobs:
-            job.request_id = await state.loop.add(job.prompt_ids, job.sampling, q, job.index)
+            added += 1
+            job.request_id = uuid.uuid4().hex  # set first: a cancelled submit still aborts it
+            await state.loop.add(job.prompt_ids, job.sampling, q, job.index, extra_key, reserved=True,
+                                 request_id=job.request_id)
     except ValueError as e:  # the engine refused (pool too small for this request, ...)
-        _abort(state, jobs)
+        state.loop.release(len(jobs) - added)
+        _abort(state, jobs, "error")
         raise P.RequestError(str(e)) from None
     except BaseException:
-        _abort(state, jobs)
+        state.loop.release(len(jobs) - added)
+        _abort(state, jobs, "error")
         raise
 
 
-def _abort(state: ServerState, jobs: list[_Job]) -> None:
+def _abort(state: ServerState, jobs: list[_Job], reason: str) -> None:
     for job in jobs:
         if job.request_id is not None and not job.finished:
-            state.loop.abort(job.request_id)
+            state.loop.abort(job.request_id, reason)
             job.finished = True
+
+
+def _abort_reason(e: BaseException) -> str:
+    if isinstance(e, RequestTimeout):
+        return "timeout"
+    if isinstance(e, (EngineStepError, EngineDeadError)):
+        return "engine_error"
+    return "client"
 
 
 def _apply(state: ServerState, job: _Job, out) -> None:
@@ -241,19 +411,28 @@ def _apply(state: ServerState, job: _Job, out) -> None:
         job.output_tokens = max(job.output_tokens, out.num_output_tokens)
         job.finish_reason = "stop" if job.text.stopped else out.finish_reason
     elif job.text.stopped:  # the stop string matched here first; the engine need not go on
-        state.loop.abort(job.request_id)
+        state.loop.abort(job.request_id, "stop_string")
         job.finished, job.finish_reason = True, "stop"
 
 
-async def _events(state: ServerState, jobs: list[_Job], q: asyncio.Queue) -> AsyncIterator[_Job]:
-    """Yield the job each output belongs to, until every job finished."""
+async def _events(state: ServerState, jobs: list[_Job], q: asyncio.Queue,
+                  deadline: float | None) -> AsyncIterator[_Job]:
+    """Yield the job each output belongs to, until every job finished; RequestTimeout at `deadline`."""
+    loop = asyncio.get_running_loop()
     by_index = {j.index: j for j in jobs}
     while not all(j.finished for j in jobs):
-        index, out = await q.get()
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            raise RequestTimeout(state.limits.request_timeout)
+        try:
+            index, out = await asyncio.wait_for(q.get(), left)
+        except TimeoutError:
+            raise RequestTimeout(state.limits.request_timeout) from None
         job = by_index[index]
         if job.finished:
             continue  # output that raced our own abort
         if isinstance(out, BaseException):
+            job.finished = True  # the engine already dropped it
             raise out
         _apply(state, job, out)
         yield job
@@ -265,15 +444,19 @@ def _usage(jobs: list[_Job]) -> dict:
     return P.usage(sum(prompt.values()), sum(j.output_tokens for j in jobs), sum(cached.values()))
 
 
-async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], chat: bool):
+async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], chat: bool,
+                 extra_key: str | None, arrival: float):
+    timeout = state.limits.request_timeout
+    deadline = None if timeout is None else arrival + timeout
     q: asyncio.Queue = asyncio.Queue()
-    await _submit(state, jobs, q)
+    await _submit(state, jobs, q, extra_key)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, req, jobs, q, rid, chat, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    collect = asyncio.ensure_future(_collect(state, jobs, q))
+        return _Stream(_stream(state, req, jobs, q, rid, chat, include_usage, deadline),
+                       cleanup=lambda: _abort(state, jobs, "client"), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache"})
+    collect = asyncio.ensure_future(_collect(state, jobs, q, deadline))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -281,10 +464,12 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
         gone.cancel()
         if not collect.done():  # client went away (or we are being cancelled): free the pages
             collect.cancel()
-            _abort(state, jobs)
+            _abort(state, jobs, "client")
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)
-    collect.result()
+    if collect.exception() is not None:  # timeout or engine failure: the other choices stop too
+        _abort(state, jobs, _abort_reason(collect.exception()))
+        raise collect.exception()
     created = P.now()
     choices = []
     for j in jobs:
@@ -299,8 +484,23 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
             "model": state.model_name, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
 
 
-async def _collect(state: ServerState, jobs: list[_Job], q: asyncio.Queue) -> None:
-    async for _ in _events(state, jobs, q):
+class _Stream(StreamingResponse):
+    """A StreamingResponse that aborts its engine requests however it ends: a client gone before the
+    first chunk never starts the generator, so the generator's own `finally` would not run."""
+
+    def __init__(self, content, cleanup: Callable[[], None], **kw):
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+async def _collect(state: ServerState, jobs: list[_Job], q: asyncio.Queue, deadline: float | None) -> None:
+    async for _ in _events(state, jobs, q, deadline):
         pass
 
 
@@ -312,7 +512,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, rid: str, chat: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, deadline: float | None) -> AsyncIterator[str]:
     created = P.now()
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -329,12 +529,17 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
             return {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": job.index, "text": text, "logprobs": None, "finish_reason": finish}
 
+    def fail(status: int, message: str, type_: str, code: str) -> str:
+        # Headers (200) are gone: the error travels as the last event, as vLLM and OpenAI do.
+        state.metrics.observe_error(status, code)
+        return f"data: {json.dumps(P.error_body(message, type_, code=code))}\n\ndata: [DONE]\n\n"
+
     try:
         if chat:
             yield chunk([choice(j, "", None, first=True) for j in jobs])
         elif any(j.echo for j in jobs):
             yield chunk([choice(j, j.echo, None) for j in jobs if j.echo])
-        async for job in _events(state, jobs, q):
+        async for job in _events(state, jobs, q, deadline):
             text = job.text.take(final=job.finished)
             if job.finished:
                 yield chunk([choice(job, text, job.finish_reason)])
@@ -343,8 +548,14 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
         if include_usage:
             yield chunk([], _usage(jobs))
         yield "data: [DONE]\n\n"
+    except RequestTimeout as e:
+        _abort(state, jobs, "timeout")
+        yield fail(408, e.message, "timeout_error", e.code)
+    except EngineStepError as e:
+        _abort(state, jobs, "engine_error")
+        yield fail(500, str(e), "internal_error", "engine_error")
     except EngineDeadError as e:
-        yield f"data: {json.dumps(P.error_body(str(e), 'internal_error', code='engine_dead'))}\n\n"
-        yield "data: [DONE]\n\n"
+        _abort(state, jobs, "engine_error")
+        yield fail(503, str(e), "internal_error", "engine_dead")
     finally:  # the client disconnected (generator closed) or we finished: free what is still running
-        _abort(state, jobs)
+        _abort(state, jobs, "client")

@@ -5,6 +5,10 @@ The engine is not thread-safe, so it is touched only by this thread: HTTP handle
 unfinished, and hands each `RequestOutput` to the event loop of the request that owns it. One HTTP
 request may own several engine requests (`n > 1`, batched prompts); they share one queue and are told
 apart by their choice index.
+
+A step that raises fails only the requests it was running (they get an `EngineStepError`, their pages
+are freed) and the loop goes on; the thread stops (`alive` False, /health 503) only after
+`MAX_CONSECUTIVE_FAILURES` failed steps in a row, i.e. when the engine itself is broken.
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ from dataclasses import dataclass
 log = logging.getLogger("jaxkv.serve")
 
 
+MAX_CONSECUTIVE_FAILURES = 8
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; the request cannot be served."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step that ran this request raised; the request is failed, the engine goes on."""
 
 
 @dataclass
@@ -44,8 +55,11 @@ class EngineLoop:
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
         self._stopping = False
+        self._lock = threading.Lock()
+        self._inflight = 0  # engine requests submitted and not yet finished / aborted / failed
         self.error: str | None = None
         self.last_stats = None  # the latest EngineStats
+        self.failed_steps = 0  # since start
 
     # ---------------------------------------------------------------------------- called from asyncio
 
@@ -57,23 +71,58 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def add(self, prompt_ids: list[int], sampling, out: asyncio.Queue, index: int) -> str:
+    @property
+    def num_inflight(self) -> int:
+        """Engine requests submitted and not yet finished, aborted or failed (any thread)."""
+        return self._inflight
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self._inflight += delta
+        if self._metrics is not None:
+            self._metrics.set_inflight(self._inflight)
+
+    def try_reserve(self, n: int, capacity: int | None) -> bool:
+        """Count `n` requests in flight if that stays within `capacity` (None: no bound); atomic, so a
+        burst cannot overshoot. Each reserved unit is handed to `add(reserved=True)` or `release`d."""
+        with self._lock:
+            if capacity is not None and self._inflight + n > capacity:
+                return False
+            self._inflight += n
+        if self._metrics is not None:
+            self._metrics.set_inflight(self._inflight)
+        return True
+
+    def release(self, n: int) -> None:
+        if n:
+            self._count(-n)
+
+    async def add(self, prompt_ids: list[int], sampling, out: asyncio.Queue, index: int,
+                  extra_key: str | None = None, reserved: bool = False, request_id: str | None = None) -> str:
         """Submit one engine request whose outputs go to `out` as `(index, RequestOutput)`.
 
-        Raises what `Engine.add_request` raises (ValueError for a request the engine refuses).
+        `extra_key` namespaces the prefix cache (tenant isolation); `reserved`: its in-flight unit was
+        taken by `try_reserve`. A caller that may be cancelled passes its own `request_id` so that it
+        can abort the request whatever happens. Raises what `Engine.add_request` raises (ValueError
+        for a request the engine refuses).
         """
+        if not reserved:
+            self._count(+1)
         if not self.alive:
+            self._count(-1)
             raise EngineDeadError(self.error or "engine thread is not running")
-        request_id = uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex
         track = _Track(asyncio.get_running_loop(), out, index, time.perf_counter(), None, len(prompt_ids))
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def cmd():
             try:
                 self._tracks[request_id] = track
-                self._engine.add_request(list(prompt_ids), sampling, request_id=request_id)
+                self._engine.add_request(list(prompt_ids), sampling, request_id=request_id,
+                                         extra_key=extra_key)
             except BaseException as e:
                 self._tracks.pop(request_id, None)
+                self._count(-1)
                 fut.set_exception(e)
             else:
                 fut.set_result(request_id)
@@ -81,20 +130,20 @@ class EngineLoop:
         self._commands.put(cmd)
         return await asyncio.wrap_future(fut)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (client went away, stop string matched); frees its pages on the next turn."""
+    def abort(self, request_id: str, reason: str = "client") -> None:
+        """Stop a request (client went away, stop string matched, timeout); frees its pages on the next
+        turn. `reason` labels `jaxkv_requests_aborted_total`."""
 
         def cmd():
             track = self._tracks.pop(request_id, None)
             if track is None:
                 return  # already finished
+            self._count(-1)
             if self._metrics is not None:
                 elapsed = time.perf_counter() - track.arrival
                 self._metrics.observe_finished("abort", track.prompt_tokens, elapsed)
-            try:
-                self._engine.abort(request_id)
-            except KeyError:
-                pass
+                self._metrics.observe_aborted(reason)
+            self._engine.abort(request_id)
 
         self._commands.put(cmd)
 
@@ -106,23 +155,59 @@ class EngineLoop:
     # ---------------------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        consecutive = 0
         try:
             while not self._stopping:
                 busy = self._engine.has_unfinished()
                 self._apply_commands(block=not busy)
                 if self._stopping:
                     break
-                if self._engine.has_unfinished():
+                if not self._engine.has_unfinished():
+                    continue
+                try:
                     outputs = self._engine.step()
+                except Exception as e:
+                    consecutive += 1
+                    self.failed_steps += 1
+                    if consecutive >= MAX_CONSECUTIVE_FAILURES:
+                        raise
+                    self._fail_step(e)
+                else:
+                    consecutive = 0
                     self._dispatch(outputs)
-                    self._refresh_stats()
+                self._refresh_stats()
         except BaseException:
             self.error = traceback.format_exc()
             log.error("engine thread died:\n%s", self.error)
             err = EngineDeadError("the engine failed while serving this request; see the server log")
             for t in self._tracks.values():
                 t.loop.call_soon_threadsafe(t.queue.put_nowait, (t.index, err))
+            self._count(-len(self._tracks))
             self._tracks.clear()
+
+    def _fail_step(self, e: Exception) -> None:
+        """Fail the requests the raising step was running and free their pages.
+
+        Which request caused it is unknown, so every request of the step fails (the scheduler's running
+        set); when nothing was running the head of the waiting queue is blamed, so a request that breaks
+        admission cannot fail step after step.
+        """
+        log.error("engine step failed; failing its requests", exc_info=e)
+        sched = getattr(self._engine, "scheduler", None)
+        if sched is None:
+            blamed = list(self._tracks)
+        else:
+            blamed = [r.request_id for r in sched.running] or [r.request_id for r in list(sched.waiting)[:1]]
+        err = EngineStepError(f"the engine failed on a step running this request: {type(e).__name__}: {e}")
+        for rid in blamed:
+            self._engine.abort(rid)
+            track = self._tracks.pop(rid, None)
+            if track is None:
+                continue
+            self._count(-1)
+            if self._metrics is not None:
+                self._metrics.observe_aborted("engine_error")
+            track.loop.call_soon_threadsafe(track.queue.put_nowait, (track.index, err))
 
     def _apply_commands(self, block: bool) -> None:
         cmds = []
@@ -134,7 +219,10 @@ class EngineLoop:
             except queue.Empty:
                 break
         for cmd in cmds:
-            cmd()
+            try:
+                cmd()
+            except Exception:  # a failed abort must not stop the loop for everyone
+                log.exception("engine command failed")
         if cmds:
             self._refresh_stats()
 
@@ -151,6 +239,7 @@ class EngineLoop:
                 track.last = now
             if out.finished:
                 del self._tracks[out.request_id]
+                self._count(-1)
                 if self._metrics is not None:
                     elapsed = now - track.arrival
                     self._metrics.observe_finished(out.finish_reason, track.prompt_tokens, elapsed)

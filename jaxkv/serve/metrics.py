@@ -38,6 +38,16 @@ class ServeMetrics:
         self.prefix_queries = g("jaxkv_prefix_cache_queries", "Prefix-cache lookups since start.")
         self.prefix_hits = g("jaxkv_prefix_cache_hits", "Prefix-cache lookups that hit, since start.")
         self.preemptions = g("jaxkv_num_preemptions", "Requests preempted since start.")
+        self.preemptions_total = c("jaxkv_preemptions", "Preemptions (a running request's pages freed to "
+                                   "make room; it is recomputed later).")
+        self.pages_free = g("jaxkv_kv_pages_free", "KV pages free in the pool.")
+        self.inflight = g("jaxkv_num_requests_in_flight", "Engine requests admitted by the server and not "
+                          "yet finished (running + waiting); bounded by --max-queued-requests.")
+        self.aborted = c("jaxkv_requests_aborted", "Engine requests stopped before they finished, by reason.",
+                         ["reason"])
+        self.rejected_by_reason = c("jaxkv_requests_rejected", "HTTP requests refused with an error, by "
+                                    "reason (the error code, e.g. queue_full, body_too_large).", ["reason"])
+        self._last_preemptions = 0
 
         self.ttft = h("jaxkv_time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
         self.itl = h("jaxkv_inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
@@ -62,6 +72,16 @@ class ServeMetrics:
         self.prefix_hits.labels(m).set(hits)
         self.prefix_hit_rate.labels(m).set(hits / q if q else 0.0)
         self.preemptions.labels(m).set(s.num_preemptions)
+        if s.num_preemptions > self._last_preemptions:
+            self.preemptions_total.labels(m).inc(s.num_preemptions - self._last_preemptions)
+            self._last_preemptions = s.num_preemptions
+        self.pages_free.labels(m).set(s.pages_total - s.pages_in_use)
+
+    def set_inflight(self, n: int) -> None:
+        self.inflight.labels(self._model).set(n)
+
+    def observe_aborted(self, reason: str) -> None:
+        self.aborted.labels(self._model, reason).inc()
 
     def observe_tokens(self, first: bool, seconds: float, tokens: int) -> None:
         """`tokens` new tokens of one request arrived `seconds` after arrival (first) or the last ones."""
@@ -78,8 +98,9 @@ class ServeMetrics:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.e2e.labels(self._model).observe(seconds)
 
-    def observe_error(self, status: int) -> None:
+    def observe_error(self, status: int, reason: str) -> None:
         self.rejected.labels(self._model, str(status)).inc()
+        self.rejected_by_reason.labels(self._model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,18 +17,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_CHARS = 512  # per stop string: held-back text while a stop could still match grows with it
+MAX_STOP_TOKEN_IDS = 256
+MAX_CHOICES = 64  # prompts x n of one request: more is a batch job, not one request
+MAX_CACHE_SALT_CHARS = 256
+INT32_MAX = 2**31 - 1  # top_k and token ids travel to the device as int32
 SEED_MOD = 2**63
+SEED_RANGE = (-(2**63), 2**64)
 
 
 class RequestError(ValueError):
     """A client error: becomes HTTP `status` with an OpenAI-style error body."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.status = status
+        self.headers = headers
+
+    @property
+    def reason(self) -> str:
+        """Label of `jaxkv_requests_rejected_total`: the code when there is one."""
+        return self.code or ("invalid_request" if self.status == 400 else f"http_{self.status}")
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -63,6 +76,7 @@ class _CommonRequest(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # extension (vLLM): prefix-cache namespace within the caller's tenant
 
 
 class CompletionRequest(_CommonRequest):
@@ -148,8 +162,10 @@ def check_common(req: _CommonRequest) -> None:
         raise RequestError(f"temperature must be between 0 and 2 (got {req.temperature}).", "temperature")
     if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
         raise RequestError(f"top_p must be in (0, 1] (got {req.top_p}).", "top_p")
-    if req.top_k is not None and req.top_k < 0:
-        raise RequestError(f"top_k must be >= 0, 0 disables it (got {req.top_k}).", "top_k")
+    if req.top_k is not None and not 0 <= req.top_k <= INT32_MAX:
+        raise RequestError(f"top_k must be in [0, {INT32_MAX}], 0 disables it (got {req.top_k}).", "top_k")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
+        raise RequestError(f"seed must be a 64-bit integer (got {req.seed}).", "seed")
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n must be between 1 and {MAX_N} (got {n}).", "n")
@@ -164,6 +180,14 @@ def check_common(req: _CommonRequest) -> None:
         raise RequestError(f"At most {MAX_STOP} stop sequences are allowed (got {len(stops)}).", "stop")
     if any(s == "" for s in stops):
         raise RequestError("stop sequences must be non-empty strings.", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop sequences may have at most {MAX_STOP_CHARS} characters.", "stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed "
+                           f"(got {len(req.stop_token_ids)}).", "stop_token_ids")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                           "characters.", "cache_salt")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
 

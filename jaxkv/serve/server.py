@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import sys
 import time
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
-from jaxkv.serve.app import ServerState, build_app
+from jaxkv.serve.app import ServeLimits, ServerState, build_app
 from jaxkv.serve.engine_loop import EngineLoop
 from jaxkv.serve.metrics import ServeMetrics
 
@@ -21,30 +23,68 @@ _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
 
 
 def sampling_defaults(generation_config: dict | None) -> dict:
-    """The checkpoint's generation_config.json values used when a request leaves them out."""
+    """The checkpoint's generation_config.json values used when a request leaves them out.
+
+    Checked like request values (a default passes no API check later): ValueError when out of range.
+    """
+    from jaxkv.serve.protocol import INT32_MAX
+
     gc = generation_config or {}
-    return {k: gc[k] for k in _SAMPLING_DEFAULT_KEYS if gc.get(k) is not None}
+    out = {k: gc[k] for k in _SAMPLING_DEFAULT_KEYS if gc.get(k) is not None}
+    ok = {"temperature": lambda v: isinstance(v, (int, float)) and 0 <= v <= 2,
+          "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+          "top_k": lambda v: isinstance(v, int) and 0 <= v <= INT32_MAX}
+    for k, v in out.items():
+        if isinstance(v, bool) or not ok[k](v):
+            raise ValueError(f"generation_config.json: {k} = {v!r} is out of range (--no-generation-config "
+                             "ignores the file)")
+    return out
 
 
-def build_state(model, engine, served_model_name: str, use_generation_config: bool = True) -> ServerState:
+def load_api_keys(keys: list[str] | None, keys_file: str | None) -> dict[str, str]:
+    """API key -> tenant namespace.
+
+    `--api-key KEY` (repeatable): each key is its own tenant, named by a hash of the key so the key itself
+    never reaches logs or cache keys. `--api-keys-file`: a JSON object {"key": "namespace"}; keys that
+    map to one namespace share its prefix cache.
+    """
+    out = {k: "key-" + hashlib.sha256(k.encode()).hexdigest()[:16] for k in keys or []}
+    if keys_file:
+        data = json.loads(Path(keys_file).read_text())
+        if not isinstance(data, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                 for k, v in data.items()):
+            raise ValueError(f"{keys_file}: expected a JSON object of non-empty strings {{\"key\": "
+                             "\"namespace\"}")
+        out.update(data)
+    if any(not k.strip() or k != k.strip() for k in out):
+        raise ValueError("API keys must be non-empty and have no surrounding whitespace")
+    return out
+
+
+def build_state(model, engine, served_model_name: str, use_generation_config: bool = True,
+                limits: ServeLimits | None = None, api_keys: dict[str, str] | None = None) -> ServerState:
     from jaxkv.sampling import SamplingParams
 
     tok = model.tokenizer
     if tok is None:
         raise ValueError(f"{model.path} has no tokenizer.json; the server needs a tokenizer")
     metrics = ServeMetrics(served_model_name)
+    limits = limits or ServeLimits()
+    limits.max_num_seqs = engine.scheduler.max_num_seqs
     return ServerState(
         model_name=served_model_name,
         max_model_len=engine.max_model_len,
         vocab_size=model.config.vocab_size,
-        encode=tok.encode,
+        encode=lambda text, special: tok.encode(text, add_special_tokens=special),
         decode=tok.decode,
-        chat_ids=lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True),
+        chat_text=lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
         eos_token_ids=tuple(tok.eos_token_ids),
         loop=EngineLoop(engine, metrics),
         metrics=metrics,
         make_sampling=SamplingParams,
         sampling_defaults=sampling_defaults(model.generation_config) if use_generation_config else {},
+        limits=limits,
+        api_keys=api_keys or {},
     )
 
 
