@@ -195,13 +195,23 @@ def cmd_kept(args, model):
                         t = np.asarray(s)[:, : n - w]
                         diff = max(diff, float(np.abs(mine[layer][:, : n - w] - t).max()))
                         top = max(top, float(np.abs(t).max()))
-                    row |= {"score_max_abs_diff": diff, "score_max": top}
+                    # Heads whose sets differ: kvpress's score gap between what only ours keeps and what only
+                    # kvpress keeps (~1e-8 = a numerical tie, not a formula difference).
+                    gap = 0.0
+                    for layer, (ol, tl) in enumerate(zip(ours, th["kept"])):
+                        t = np.asarray(th["scores"][layer])
+                        for h, (o, tk) in enumerate(zip(ol, tl)):
+                            a, b = sorted(set(o) - set(tk)), sorted(set(tk) - set(o))
+                            if a and b:
+                                gap = max(gap, float(np.abs(t[h, b].min() - t[h, a].max())))
+                    row |= {"score_max_abs_diff": diff, "score_max": top, "boundary_gap": gap}
                 report["rows"].append(row)
                 print(f"{method:>13} b={budget:<6} {p['task']:>8}#{p['index']} n={n} "
                       f"jaccard mean={row['jaccard_mean']:.4f} min={row['jaccard_min']:.4f} "
                       f"identical={row['heads_identical']}/{row['heads']} "
                       f"kept ours/kvpress={row['kept_ours_mean']:.1f}/{row['kept_kvpress_mean']:.1f}"
                       + (f" score_max_abs_diff={row['score_max_abs_diff']:.2e} (max {row['score_max']:.2e})"
+                         f" boundary_gap={row['boundary_gap']:.1e}"
                          if "score_max_abs_diff" in row else ""), flush=True)
     print("\nsummary (mean over prompts)")
     print(f"{'method':>13} {'budget':>7} {'jaccard':>8} {'min':>7} {'identical heads':>16} {'score diff':>11}")
