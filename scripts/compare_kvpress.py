@@ -302,6 +302,8 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="accuracy: also the uncompressed cache on both sides")
     ap.add_argument("--skip-kvpress", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--adakv-alpha", type=float, default=0.2,
+                    help="AdaKV safeguard on both sides (ours `alpha`, kvpress `alpha_safeguard`)")
     ap.add_argument("--out", help="JSON report path")
     args = ap.parse_args(argv)
     args.tasks = args.tasks.split(",")
@@ -310,6 +312,8 @@ def main(argv=None):
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; kvpress has {sorted(METHODS)}")
+    METHODS["adakv"][1]["alpha"] = args.adakv_alpha
+    METHODS["adakv"][4]["kwargs"]["alpha_safeguard"] = args.adakv_alpha
     import jaxkv
 
     model = jaxkv.load(args.model, dtype="float32")
