@@ -1,6 +1,7 @@
 """kvpress as the peer oracle: our compression policies against kvpress's presses on the same inputs.
 
-    python scripts/compare_kvpress.py kept --tasks vt,mq_niah,qa --context 2048 --num 2 --budgets 0.5,0.25,0.125
+    python scripts/compare_kvpress.py kept --tasks vt,mq_niah,qa --context 2048 --num 1 \
+        --budgets 0.5,0.25,0.125
     python scripts/compare_kvpress.py accuracy --tasks vt,mq_niah,qa --context 2048 --num 6 \
         --budgets 0.5,0.25,0.125 --seed 101 --out results/kvpress_accuracy.json
 
@@ -63,7 +64,8 @@ def n_kept(n: int, budget: float) -> int:
 
 def press_spec(method: str, budget: float, label: str) -> dict:
     _, _, press, kwargs, wrap = METHODS[method]
-    return {"label": label, "press": press, "kwargs": kwargs | {"compression_ratio": 1 - budget}, "wrap": wrap}
+    return {"label": label, "press": press, "kwargs": kwargs | {"compression_ratio": 1 - budget},
+            "wrap": wrap}
 
 
 def run_kvpress(python: str, request: dict, threads: int) -> dict:
@@ -214,7 +216,8 @@ def cmd_kept(args, model):
                          f" boundary_gap={row['boundary_gap']:.1e}"
                          if "score_max_abs_diff" in row else ""), flush=True)
     print("\nsummary (mean over prompts)")
-    print(f"{'method':>13} {'budget':>7} {'jaccard':>8} {'min':>7} {'identical heads':>16} {'score diff':>11}")
+    print(f"{'method':>13} {'budget':>7} {'jaccard':>8} {'min':>7} {'identical heads':>16} "
+          f"{'score diff':>11}")
     for method in args.methods:
         for budget in args.budgets:
             rs = [r for r in report["rows"] if r["method"] == method and r["budget"] == budget]
@@ -265,7 +268,8 @@ def cmd_accuracy(args, model):
                 assert pieces.ids == p["ids"]
                 out = meth.run(pieces, p["max_new"], stop)
                 report["rows"].append({"side": "ours", "cell": f"{m}@{b}" if b is not None else "full",
-                                       "task": p["task"], "index": p["index"], "score": score(p, out.token_ids)})
+                                       "task": p["task"], "index": p["index"],
+                                       "score": score(p, out.token_ids)})
             print(f"ours {m}@{b}: {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\n{'cell':>20} " + " ".join(f"{t + ' ours':>13} {t + ' kvp':>12}" for t in args.tasks)
           + f" {'mean ours':>10} {'mean kvp':>9}")
@@ -275,7 +279,8 @@ def cmd_accuracy(args, model):
         line, means = f"{lab:>20} ", {"ours": [], "kvpress": []}
         for t in args.tasks:
             for side in ("ours", "kvpress"):
-                s = [r["score"] for r in report["rows"] if r["cell"] == lab and r["task"] == t and r["side"] == side]
+                s = [r["score"] for r in report["rows"]
+                     if r["cell"] == lab and r["task"] == t and r["side"] == side]
                 v = float(np.mean(s)) if s else float("nan")
                 table[(lab, t, side)] = v
                 means[side].append(v)

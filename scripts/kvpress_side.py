@@ -69,7 +69,7 @@ def capture(press, n_layers):
             keep = torch.ones(keys.shape[1], n, dtype=torch.bool)
             _, heads, seqs = module.masked_key_indices
             keep[heads, seqs] = False
-            rec["kept"][module.layer_idx] = [torch.nonzero(keep[h]).flatten().tolist() for h in range(len(keep))]
+            rec["kept"][module.layer_idx] = [torch.nonzero(k).flatten().tolist() for k in keep]
         else:
             rec["kept"][module.layer_idx] = _rows_of(keys[0], k_out[0])
         return k_out, v_out

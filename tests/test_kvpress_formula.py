@@ -94,7 +94,8 @@ def our_keep(policy, scores, kpos, target, recent_from, kmax):
     S, H, N = scores.shape
     ctx = SelectContext(lengths=jnp.asarray((kpos >= 0).sum(-1)[:, None], jnp.int32),
                         positions=jnp.asarray(kpos[:, None], jnp.int32),
-                        target=jnp.asarray(target, jnp.int32), recent_from=jnp.asarray(recent_from, jnp.int32),
+                        target=jnp.asarray(target, jnp.int32),
+                        recent_from=jnp.asarray(recent_from, jnp.int32),
                         compressible=jnp.ones((1, H), bool), lower=jnp.zeros((1, H), jnp.int32),
                         upper=jnp.zeros((1, H), jnp.int32))
     s = jnp.asarray(scores)[:, None]
