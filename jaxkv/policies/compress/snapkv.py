@@ -2,11 +2,20 @@
 
 Defaults follow kvpress's SnapKVPress (window 64, average pooling of kernel 5, no extra sinks) so the two
 can be compared at equal budget; the paper's variant is `kernel=7, pooling="max", window=32`.
+
+The score is kvpress's formula (checked against kvpress by `scripts/compare_kvpress.py`, and against a
+transcription of it by `tests/test_kvpress_formula.py`): each window query's softmax over every visible key,
+averaged over the window queries, the window's own columns dropped (set to 0) *before* pooling, so the
+last pre-window tokens are not lifted by the window's (always large) self-attention mass, zero-padded
+pooling, GQA mean (avg pooling is linear, so mean-then-pool equals kvpress's pool-then-mean). The window
+itself is kept by the shared `select` rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from jaxkv.policies.base import CompressPolicy, Observation, pool1d, window_vote
 from jaxkv.policies.registry import register
@@ -29,4 +38,9 @@ class SnapKV(CompressPolicy):
             raise ValueError(f"snapkv: kernel must be a positive integer (got {self.kernel!r})")
 
     def score(self, obs: Observation):
-        return pool1d(window_vote(obs, "mean"), self.kernel, self.pooling)
+        qok = obs.q_pos >= 0  # [S, W]
+        first = jnp.min(jnp.where(qok, obs.q_pos, jnp.iinfo(jnp.int32).max), axis=-1)  # first window position
+        nq = jnp.maximum(jnp.sum(qok, axis=-1), 1).astype(jnp.float32)
+        vote = window_vote(obs, "mean") / nq[:, None, None]  # mean over the window queries
+        vote = jnp.where((obs.k_pos >= 0) & (obs.k_pos < first[:, None, None]), vote, 0.0)
+        return pool1d(vote, self.kernel, self.pooling)

@@ -1,0 +1,333 @@
+"""kvpress as the peer oracle: our compression policies against kvpress's presses on the same inputs.
+
+    python scripts/compare_kvpress.py kept --tasks vt,mq_niah,qa --context 2048 --num 1 \
+        --budgets 0.5,0.25,0.125
+    python scripts/compare_kvpress.py accuracy --tasks vt,mq_niah,qa --context 2048 --num 6 \
+        --budgets 0.5,0.25,0.125 --seed 101 --out results/kvpress_accuracy.json
+
+Two sides, two processes. This side (the project's venv) builds the prompts (`jaxkv.eval.tasks`), tokenizes
+them, runs our policies through the serving engine and scores completions with `jaxkv.eval.metrics`. The
+kvpress side (`scripts/kvpress_side.py`, run with ``--kvpress-python``, a venv with kvpress and its pinned
+transformers) gets the token ids as JSON and returns kept indices / scores / generated ids as JSON; it
+imports nothing of ours. Both sides load the embedded model in fp32 on CPU.
+
+``kept``: per (layer, KV head), the set of original positions each side keeps after the prefill-end
+compression (ours read back from the engine's pages, as tests/test_policies.py does), their Jaccard
+overlap, and for the SnapKV family the max abs difference of the scores on the non-window positions
+(ours: the policy's `score` hook on the observation the engine builds, recomputed here with a dense
+forward; kvpress: its `score`, hooked). Budgets: for SnapKV / StreamingLLM / AdaKV ours gets kvpress's exact
+token count (``int(N * (1 - compression_ratio))``, kvpress's `compute_n_kept`), so any difference is the
+formula's; PyramidKV gets the fraction (its schedule is what is being compared).
+
+``accuracy``: every (task, method, budget) greedy through our engine (`jaxkv.eval.methods.EngineMethod`,
+fraction budgets as ``python -m jaxkv.eval --method M --budget B``) and through kvpress (the whole prompt
+prefilled under ``press(model)``, then greedy decoding over the compressed cache: the same question-aware
+setting as our engine), scored by the same metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEFAULT_MODEL = ROOT / "jaxkv" / "assets" / "default_model"
+KVPRESS_SIDE = ROOT / "scripts" / "kvpress_side.py"
+
+# method -> (our policy name, our fields, kvpress press, its kwargs, wrapper). The hyperparameters are
+# kvpress's defaults, set explicitly on our side.
+METHODS = {
+    "snapkv": ("snapkv", {"window": 64, "kernel": 5, "pooling": "avg", "sink": 0},
+               "SnapKVPress", {"window_size": 64, "kernel_size": 5}, None),
+    "streaming_llm": ("streaming_llm", {"sink": 4}, "StreamingLLMPress", {"n_sink": 4}, None),
+    "pyramidkv": ("pyramidkv", {"window": 64, "kernel": 5, "pooling": "avg", "sink": 0, "beta": 20},
+                  "PyramidKVPress", {"window_size": 64, "kernel_size": 5, "beta": 20}, None),
+    "adakv": ("adakv", {"window": 64, "kernel": 5, "pooling": "avg", "sink": 0, "alpha": 0.2},
+              "SnapKVPress", {"window_size": 64, "kernel_size": 5},
+              {"press": "AdaKVPress", "kwargs": {"alpha_safeguard": 0.2}}),
+}
+SNAP_FAMILY = ("snapkv", "pyramidkv", "adakv")
+
+
+def n_kept(n: int, budget: float) -> int:
+    """kvpress's compute_n_kept for compression_ratio = 1 - budget."""
+    return max(1, int(n * (1 - (1 - budget))))
+
+
+def press_spec(method: str, budget: float, label: str) -> dict:
+    _, _, press, kwargs, wrap = METHODS[method]
+    return {"label": label, "press": press, "kwargs": kwargs | {"compression_ratio": 1 - budget},
+            "wrap": wrap}
+
+
+def run_kvpress(python: str, request: dict, threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    p = subprocess.run([python, str(KVPRESS_SIDE)], input=json.dumps(request | {"threads": threads}),
+                       capture_output=True, text=True, env=env)
+    if p.returncode:
+        sys.stderr.write(p.stderr[-4000:])
+        raise SystemExit(f"kvpress side failed (exit {p.returncode})")
+    return json.loads(p.stdout)
+
+
+# ---- our side ------------------------------------------------------------------------------------------
+def prompts(model, tasks, context, num, seed):
+    from jaxkv.eval.tasks import make_instances
+
+    tok = model.tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    out = []
+    for task in tasks:
+        for i, inst in enumerate(make_instances(task, context, num, seed=seed)):
+            ids = enc(inst.prefix) + [t for s in inst.segments for t in enc(s)] + enc(inst.suffix)
+            out.append({"task": task, "index": i, "inst": inst, "ids": ids,
+                        "max_new": len(enc(inst.target)) + 8})
+    return out
+
+
+def our_policy(method: str, budget: float, n: int | None):
+    from jaxkv.policies import get_policy
+
+    name, fields, *_ = METHODS[method]
+    b = n_kept(n, budget) if (n is not None and method != "pyramidkv") else budget
+    return get_policy(name, budget=b, **fields)
+
+
+def our_kept(model, policy, ids):
+    """[L][H] sorted original positions each head keeps after the prefill-end compression (engine path)."""
+    from jaxkv.cache.head_classes import all_global
+    from jaxkv.engine.engine import Engine
+    from jaxkv.eval.methods import _bucket
+    from jaxkv.sampling import SamplingParams
+
+    cfg = model.config
+    eng = Engine(model, max_num_seqs=1, max_model_len=_bucket(len(ids) + 8), enable_prefix_caching=False,
+                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), kv_policy=policy)
+    rid = eng.add_request(ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        req = eng._requests.get(rid)
+        if req is not None and req.kv_compressed_at is not None:
+            break
+    pos = np.asarray(eng.runner.pool.pos)
+    lengths = eng.tables.lengths(rid)
+    kept = []
+    for layer, row in enumerate(eng.tables.page_lists(rid)):
+        heads = []
+        for h, pages in enumerate(row):
+            p = pos[pages].reshape(-1)[:lengths[layer, h]]
+            heads.append(np.sort(p[p >= 0]).tolist())
+        kept.append(heads)
+    return kept
+
+
+def our_scores(model, policy, ids):
+    """[L] arrays [Hkv, N]: `policy.score` on the observation the engine builds at prefill end (window =
+    the last `policy.window` prompt tokens, every key visible causally), from a dense fp32 forward."""
+    import jax.numpy as jnp
+
+    from jaxkv.models import llama
+    from jaxkv.models.attention import dense_attention
+    from jaxkv.policies.base import NEG, Observation
+
+    cfg, params = model.config, model.params
+    n, w = len(ids), policy.window
+    H, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    out = []
+
+    def attend(layer, q, k, v, st):
+        qw = q[0, n - w:].astype(jnp.float32)  # [W, Hq, D]
+        kh, vh = jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1)  # [H, N, D]
+        logits = jnp.einsum("whgd,hnd->hgwn", qw.reshape(w, H, G, -1), kh.astype(jnp.float32),
+                            precision="highest") * cfg.head_dim ** -0.5
+        qpos = jnp.arange(n - w, n, dtype=jnp.int32)
+        kpos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (H, n))
+        logits = jnp.where(kpos[:, None, None, :] <= qpos[None, None, :, None], logits, NEG)
+        obs = Observation(q=qw[None], q_pos=qpos[None], k=kh[None], v=vh[None], k_pos=kpos[None],
+                          logits=logits[None], layer=layer)
+        out.append(np.asarray(policy.score(obs)[0]))
+        return dense_attention(q, k, v, pos, pos, window=cfg.layer_windows[layer]), st
+
+    llama.forward(params, cfg, jnp.asarray([ids]), pos, attend, None)
+    return out
+
+
+# ---- kept sets -----------------------------------------------------------------------------------------
+def jaccard(a, b) -> float:
+    a, b = set(a), set(b)
+    return len(a & b) / max(len(a | b), 1)
+
+
+def cmd_kept(args, model):
+    ps = prompts(model, args.tasks, args.context, args.num, args.seed)
+    report = {"context": args.context, "seed": args.seed, "num": args.num, "rows": []}
+    for method in args.methods:
+        for budget in args.budgets:
+            req = {"model": str(args.model), "mode": "kept",
+                   "presses": [press_spec(method, budget, f"{method}@{budget}")],
+                   "prompts": [{"ids": p["ids"], "max_new": 1} for p in ps], "stop_ids": []}
+            theirs = run_kvpress(args.kvpress_python, req, args.threads)["results"][0]["rows"]
+            for p, th in zip(ps, theirs):
+                n = len(p["ids"])
+                pol = our_policy(method, budget, n)
+                ours = our_kept(model, pol, p["ids"])
+                J = np.array([[jaccard(o, t) for o, t in zip(ol, tl)] for ol, tl in zip(ours, th["kept"])])
+                sizes_o = np.array([[len(o) for o in ol] for ol in ours])
+                sizes_t = np.array([[len(t) for t in tl] for tl in th["kept"]])
+                row = {"method": method, "budget": budget, "task": p["task"], "index": p["index"], "n": n,
+                       "jaccard_mean": float(J.mean()), "jaccard_min": float(J.min()),
+                       "heads_identical": int((J == 1).sum()), "heads": int(J.size),
+                       "kept_ours_mean": float(sizes_o.mean()), "kept_kvpress_mean": float(sizes_t.mean()),
+                       "kept_ours_per_layer": sizes_o.mean(1).tolist(),
+                       "kept_kvpress_per_layer": sizes_t.mean(1).tolist()}
+                if method in SNAP_FAMILY:
+                    w = pol.window
+                    mine = our_scores(model, pol, p["ids"])
+                    diff, top = 0.0, 0.0
+                    for layer, s in enumerate(th["scores"]):
+                        t = np.asarray(s)[:, : n - w]
+                        diff = max(diff, float(np.abs(mine[layer][:, : n - w] - t).max()))
+                        top = max(top, float(np.abs(t).max()))
+                    # Heads whose sets differ: kvpress's score gap between what only ours keeps and what only
+                    # kvpress keeps (~1e-8 = a numerical tie, not a formula difference).
+                    gap = 0.0
+                    for layer, (ol, tl) in enumerate(zip(ours, th["kept"])):
+                        t = np.asarray(th["scores"][layer])
+                        for h, (o, tk) in enumerate(zip(ol, tl)):
+                            a, b = sorted(set(o) - set(tk)), sorted(set(tk) - set(o))
+                            if a and b:
+                                gap = max(gap, float(np.abs(t[h, b].min() - t[h, a].max())))
+                    row |= {"score_max_abs_diff": diff, "score_max": top, "boundary_gap": gap}
+                report["rows"].append(row)
+                print(f"{method:>13} b={budget:<6} {p['task']:>8}#{p['index']} n={n} "
+                      f"jaccard mean={row['jaccard_mean']:.4f} min={row['jaccard_min']:.4f} "
+                      f"identical={row['heads_identical']}/{row['heads']} "
+                      f"kept ours/kvpress={row['kept_ours_mean']:.1f}/{row['kept_kvpress_mean']:.1f}"
+                      + (f" score_max_abs_diff={row['score_max_abs_diff']:.2e} (max {row['score_max']:.2e})"
+                         f" boundary_gap={row['boundary_gap']:.1e}"
+                         if "score_max_abs_diff" in row else ""), flush=True)
+    print("\nsummary (mean over prompts)")
+    print(f"{'method':>13} {'budget':>7} {'jaccard':>8} {'min':>7} {'identical heads':>16} "
+          f"{'score diff':>11}")
+    for method in args.methods:
+        for budget in args.budgets:
+            rs = [r for r in report["rows"] if r["method"] == method and r["budget"] == budget]
+            ident = sum(r["heads_identical"] for r in rs), sum(r["heads"] for r in rs)
+            sd = max((r.get("score_max_abs_diff", float("nan")) for r in rs), default=float("nan"))
+            print(f"{method:>13} {budget:>7} {np.mean([r['jaccard_mean'] for r in rs]):>8.4f} "
+                  f"{min(r['jaccard_min'] for r in rs):>7.4f} {f'{ident[0]}/{ident[1]}':>16} {sd:>11.2e}")
+    return report
+
+
+# ---- accuracy ------------------------------------------------------------------------------------------
+def cmd_accuracy(args, model):
+    from jaxkv.eval import metrics
+    from jaxkv.eval.methods import PromptPieces, get_method
+
+    ps = prompts(model, args.tasks, args.context, args.num, args.seed)
+    tok = model.tokenizer
+    stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
+    report = {"context": args.context, "seed": args.seed, "num": args.num, "rows": []}
+
+    def score(p, token_ids):
+        if token_ids and token_ids[-1] in stop:
+            token_ids = token_ids[:-1]
+        return metrics.score(p["inst"].metric, tok.decode(token_ids), p["inst"].answers)
+
+    cells = [(m, b) for m in args.methods for b in args.budgets]
+    if not args.skip_kvpress:
+        presses = [press_spec(m, b, f"{m}@{b}") for m, b in cells] + ([None] if args.full else [])
+        req = {"model": str(args.model), "mode": "generate", "presses": presses,
+               "prompts": [{"ids": p["ids"], "max_new": p["max_new"]} for p in ps], "stop_ids": list(stop)}
+        t0 = time.perf_counter()
+        res = run_kvpress(args.kvpress_python, req, args.threads)
+        print(f"kvpress side: {time.perf_counter() - t0:.0f} s (transformers {res['transformers']}, "
+              f"torch {res['torch']})", flush=True)
+        for r in res["results"]:
+            for p, row in zip(ps, r["rows"]):
+                report["rows"].append({"side": "kvpress", "cell": r["label"], "task": p["task"],
+                                       "index": p["index"], "score": score(p, row["tokens"]),
+                                       "cache_len_mean": float(np.mean(row["cache_lengths"]))})
+    if not args.skip_ours:
+        for m, b in cells + ([("engine", None)] if args.full else []):
+            meth = get_method(m, model, **({} if b is None else {"budget": b} | METHODS[m][1]))
+            t0 = time.perf_counter()
+            for p in ps:
+                enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+                inst = p["inst"]
+                pieces = PromptPieces(enc(inst.prefix), [enc(s) for s in inst.segments], enc(inst.suffix))
+                assert pieces.ids == p["ids"]
+                out = meth.run(pieces, p["max_new"], stop)
+                report["rows"].append({"side": "ours", "cell": f"{m}@{b}" if b is not None else "full",
+                                       "task": p["task"], "index": p["index"],
+                                       "score": score(p, out.token_ids)})
+            print(f"ours {m}@{b}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\n{'cell':>20} " + " ".join(f"{t + ' ours':>13} {t + ' kvp':>12}" for t in args.tasks)
+          + f" {'mean ours':>10} {'mean kvp':>9}")
+    labels = [f"{m}@{b}" for m, b in cells] + (["full"] if args.full else [])
+    table = {}
+    for lab in labels:
+        line, means = f"{lab:>20} ", {"ours": [], "kvpress": []}
+        for t in args.tasks:
+            for side in ("ours", "kvpress"):
+                s = [r["score"] for r in report["rows"]
+                     if r["cell"] == lab and r["task"] == t and r["side"] == side]
+                v = float(np.mean(s)) if s else float("nan")
+                table[(lab, t, side)] = v
+                means[side].append(v)
+                line += f"{v:>13.3f} " if side == "ours" else f"{v:>12.3f} "
+        line += f"{np.mean(means['ours']):>10.3f} {np.mean(means['kvpress']):>9.3f}"
+        print(line)
+    report["table"] = [{"cell": k[0], "task": k[1], "side": k[2], "accuracy": v} for k, v in table.items()]
+    return report
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["kept", "accuracy"])
+    ap.add_argument("--tasks", default="vt,mq_niah,qa")
+    ap.add_argument("--methods", default="snapkv,streaming_llm,pyramidkv,adakv")
+    ap.add_argument("--budgets", default="0.5,0.25,0.125")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--num", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=101)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", "/work/kvvenv/bin/python"),
+                    help="python of a venv with kvpress installed (see docs/eval.md)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the kvpress side")
+    ap.add_argument("--full", action="store_true", help="accuracy: also the uncompressed cache on both sides")
+    ap.add_argument("--skip-kvpress", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--adakv-alpha", type=float, default=0.2,
+                    help="AdaKV safeguard on both sides (ours `alpha`, kvpress `alpha_safeguard`)")
+    ap.add_argument("--out", help="JSON report path")
+    args = ap.parse_args(argv)
+    args.tasks = args.tasks.split(",")
+    args.methods = args.methods.split(",")
+    args.budgets = [float(b) for b in args.budgets.split(",")]
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; kvpress has {sorted(METHODS)}")
+    METHODS["adakv"][1]["alpha"] = args.adakv_alpha
+    METHODS["adakv"][4]["kwargs"]["alpha_safeguard"] = args.adakv_alpha
+    import jaxkv
+
+    model = jaxkv.load(args.model, dtype="float32")
+    report = (cmd_kept if args.mode == "kept" else cmd_accuracy)(args, model)
+    report["command"] = " ".join(sys.argv)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
