@@ -17,6 +17,7 @@ With ``budget >= context`` the step equals full attention (tests/test_specontext
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,7 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
              stop_ids: tuple[int, ...] = (), *, implementation: str | None = None) -> dict:
     """Greedy decoding of one prompt with `policy` (full-attention prefill, selected decode).
 
-    Returns {"token_ids", "first_logits" (np [V]), "overlap" (per step: fraction of each head's selection
+    Returns {"token_ids", "first_logits" (np [V]), "ttft_s" (prefill wall clock), "overlap" (per step: fraction of each head's selection
     the previous step already held, mean over heads)}.
     """
     import numpy as np
@@ -138,8 +139,10 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
     vc = jnp.zeros_like(kc)
     hstate = policy.init_state(head, 1, size)
     toks = jnp.asarray(np.pad(np.asarray(prompt_ids, np.int32), (0, tb - n))[None])
+    t0 = time.perf_counter()
     logits, kc, vc, hstate = prefill(params, cfg, policy, head, toks, kc, vc, hstate, jnp.array([n], jnp.int32))
     first = np.asarray(logits[0])
+    ttft = time.perf_counter() - t0
     out, overlaps, prev = [], [], None
     tok = int(first.argmax())
     while tok not in stop_ids and len(out) < max_new_tokens:
@@ -153,7 +156,7 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
             overlaps.append(float(jnp.mean(overlap(prev, sel) / jnp.maximum(sel.count, 1))))
         prev = sel
         tok = int(jnp.argmax(logits[0]))
-    return {"token_ids": out, "first_logits": first, "overlap": overlaps}
+    return {"token_ids": out, "first_logits": first, "ttft_s": ttft, "overlap": overlaps}
 
 
 def _bucket(n: int, lo: int = 128) -> int:
