@@ -199,7 +199,7 @@ def plot_loss(log: Path, png: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
-    ap.add_argument("--tap-layer", type=int, default=1, help="the head reads the stream after this many layers")
+    ap.add_argument("--tap-layer", type=int, default=1, help="the head reads the stream after N layers")
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension (default: the model's)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--num-seqs", type=int, default=96)

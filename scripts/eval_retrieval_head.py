@@ -132,8 +132,9 @@ def main(argv=None) -> None:
                     row["full"] = metrics.score(inst.metric, tok.decode(full.token_ids), inst.answers)
                     for b in budgets:
                         out = decode.generate(model, sc.SpeContext(budget=b), head, ids, max_new, stop)
-                        row[f"spec_{b}"] = metrics.score(inst.metric, tok.decode(out["token_ids"]), inst.answers)
-                        row[f"overlap_{b}"] = float(np.mean(out["overlap"])) if out["overlap"] else float("nan")
+                        pred = tok.decode(out["token_ids"])
+                        row[f"spec_{b}"] = metrics.score(inst.metric, pred, inst.answers)
+                        row[f"overlap_{b}"] = float(np.mean(out["overlap"] or [np.nan]))
                 results.append(row)
     elapsed = time.perf_counter() - t0
     print_tables(results, budgets, args.accuracy)
@@ -146,8 +147,8 @@ def main(argv=None) -> None:
 def print_tables(results, budgets, accuracy: bool) -> None:
     groups = sorted({(r["task"], r["context"]) for r in results}, key=lambda k: (k[0], k[1]))
     sels = ["head", "oracle", "streaming"]
-    hdr = "| task | context | n | " + " | ".join(f"{s} recall@{b} / mass" for s in sels for b in budgets) + " |"
-    print(hdr)
+    cols = " | ".join(f"{s} recall@{b} / mass" for s in sels for b in budgets)
+    print(f"| task | context | n | {cols} |")
     print("|" + "---|" * (3 + len(sels) * len(budgets)))
     for task, ctx in groups:
         rows = [r for r in results if (r["task"], r["context"]) == (task, ctx)]
@@ -164,9 +165,11 @@ def print_tables(results, budgets, accuracy: bool) -> None:
     print("|" + "---|" * (4 + len(budgets)))
     for task, ctx in groups:
         rows = [r for r in results if (r["task"], r["context"]) == (task, ctx)]
-        cells = [f"{np.mean([r[f'spec_{b}'] for r in rows]):.3f} ({np.nanmean([r[f'overlap_{b}'] for r in rows]):.2f})"
-                 for b in budgets]
-        print(f"| {task} | {ctx} | {len(rows)} | {np.mean([r['full'] for r in rows]):.3f} | " + " | ".join(cells) + " |")
+        acc = {b: np.mean([r[f"spec_{b}"] for r in rows]) for b in budgets}
+        ovl = {b: np.nanmean([r[f"overlap_{b}"] for r in rows]) for b in budgets}
+        cells = [f"{acc[b]:.3f} ({ovl[b]:.2f})" for b in budgets]
+        full = np.mean([r["full"] for r in rows])
+        print(f"| {task} | {ctx} | {len(rows)} | {full:.3f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ def test_small_budget_decode_equals_masked_dense_oracle(toy):
     vc = jnp.zeros_like(kc)
     hs = pol.init_state(head, 1, size)
     _, kc, vc, hs = decode.prefill(params, cfg, pol, head, ids[:, :n], kc, vc, hs, jnp.array([n]))
-    logits, _, _, _, sel = decode.decode_step(params, cfg, pol, head, ids[:, n:], jnp.array([[n]]), kc, vc, hs)
+    logits, _, _, _, sel = decode.decode_step(params, cfg, pol, head, ids[:, n:], jnp.array([[n]]),
+                                              kc, vc, hs)
     assert np.all(np.asarray(sel.count) == budget)
 
     # Oracle: dense forward of all n+1 tokens where layers >= tap mask, for the last query, every key of
@@ -232,8 +233,8 @@ def test_selected_attention_pages_match_gather(toy):
             idx = np.asarray(sel.idx[r, qh // g])
             logit = np.asarray(kc[r, idx, qh // g]) @ np.asarray(q[r, qh]) / np.sqrt(cfg.head_dim)
             w = np.exp(logit - logit.max())
-            np.testing.assert_allclose(np.asarray(out[r, qh]), (w / w.sum()) @ np.asarray(vc[r, idx, qh // g]),
-                                       rtol=1e-5, atol=1e-5)
+            want = (w / w.sum()) @ np.asarray(vc[r, idx, qh // g])
+            np.testing.assert_allclose(np.asarray(out[r, qh]), want, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(float(lse[r, qh]), logit.max() + np.log(w.sum()), rtol=1e-5)
 
 

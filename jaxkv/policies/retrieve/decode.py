@@ -68,7 +68,8 @@ def selected_attention(cfg: ModelConfig, layer: int, q, kc_layer, vc_layer, sel:
     slot_pos = jnp.where(sel.mask(), sel.idx, -1).reshape(s * hkv, b)
     page_table = jnp.arange(s * hkv, dtype=jnp.int32).reshape(s, hkv, 1)
     window = jnp.full((hkv,), cfg.layer_windows[layer], jnp.int32)
-    return paged_attention(q, k_pages, v_pages, slot_pos, page_table, sel.count, jnp.arange(s, dtype=jnp.int32),
+    q_seq = jnp.arange(s, dtype=jnp.int32)
+    return paged_attention(q, k_pages, v_pages, slot_pos, page_table, sel.count, q_seq,
                            q_pos.astype(jnp.int32), jnp.zeros((hkv,), jnp.int32), window,
                            scale=cfg.head_dim ** -0.5, implementation=implementation)
 
@@ -123,8 +124,8 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
              stop_ids: tuple[int, ...] = (), *, implementation: str | None = None) -> dict:
     """Greedy decoding of one prompt with `policy` (full-attention prefill, selected decode).
 
-    Returns {"token_ids", "first_logits" (np [V]), "ttft_s" (prefill wall clock), "overlap" (per step: fraction of each head's selection
-    the previous step already held, mean over heads)}.
+    Returns {"token_ids", "first_logits" (np [V]), "ttft_s" (prefill wall clock), "overlap" (per step:
+    fraction of each head's selection the previous step already held, mean over heads)}.
     """
     import numpy as np
 
@@ -140,7 +141,8 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
     hstate = policy.init_state(head, 1, size)
     toks = jnp.asarray(np.pad(np.asarray(prompt_ids, np.int32), (0, tb - n))[None])
     t0 = time.perf_counter()
-    logits, kc, vc, hstate = prefill(params, cfg, policy, head, toks, kc, vc, hstate, jnp.array([n], jnp.int32))
+    n_valid = jnp.array([n], jnp.int32)
+    logits, kc, vc, hstate = prefill(params, cfg, policy, head, toks, kc, vc, hstate, n_valid)
     first = np.asarray(logits[0])
     ttft = time.perf_counter() - t0
     out, overlaps, prev = [], [], None

@@ -64,7 +64,8 @@ class HeadConfig:
 
     @property
     def freqs(self) -> np.ndarray:
-        return (1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2) / self.head_dim))).astype(np.float32)
+        d = self.head_dim
+        return (1.0 / (self.rope_theta ** (np.arange(0, d, 2) / d))).astype(np.float32)
 
 
 @jax.tree_util.register_dataclass
