@@ -100,6 +100,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-queries", type=int, default=256)
     ap.add_argument("--accuracy", action="store_true", help="also decode: full vs SpeContext at each B")
+    ap.add_argument("--implementation", default=None, choices=["pallas", "reference"],
+                    help="paged attention of the selected slots (default: Pallas on GPU, else the twin)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -131,7 +133,8 @@ def main(argv=None) -> None:
                     full = get_method("full", model).run(PromptPieces(ids, [], []), max_new, stop)
                     row["full"] = metrics.score(inst.metric, tok.decode(full.token_ids), inst.answers)
                     for b in budgets:
-                        out = decode.generate(model, sc.SpeContext(budget=b), head, ids, max_new, stop)
+                        out = decode.generate(model, sc.SpeContext(budget=b), head, ids, max_new, stop,
+                                              implementation=args.implementation)
                         pred = tok.decode(out["token_ids"])
                         row[f"spec_{b}"] = metrics.score(inst.metric, pred, inst.answers)
                         row[f"overlap_{b}"] = float(np.mean(out["overlap"] or [np.nan]))
