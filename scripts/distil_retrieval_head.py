@@ -1,13 +1,14 @@
 """Distil the SpeContext retrieval head from a model (default: the embedded one) and ship it beside it.
 
-    python scripts/distil_retrieval_head.py --tap-layer 1 --context 2048 --num-seqs 96 --steps 800 \
-        --ckpt-dir runs/spec_head --export jaxkv/assets/default_model/retrieval_head
+    python scripts/distil_retrieval_head.py --tap-layer 1 --context 2048,4096,8192 --num-seqs 168 \
+        --steps 1500 --ckpt-dir runs/spec_head --export jaxkv/assets/default_model/retrieval_head
 
 1. Teacher pass (once, cached in ``--cache``): ``--num-seqs`` instances of the task mixture (seeds
-   disjoint from the eval seeds) at ``--context`` tokens, prompt + reference answer (teacher forcing). For
-   each, the residual stream after ``--tap-layer`` layers and, at ``--queries`` query positions (the
-   answer tokens first, i.e. the decode steps, then random prompt positions), the target's attention
-   averaged over layers ``tap-layer..L-1`` (`jaxkv.policies.retrieve.distil`).
+   disjoint from the eval seeds) at the ``--context`` lengths (a comma list is used in turn; all padded to
+   the longest), prompt + reference answer (teacher forcing). For each, the residual stream after
+   ``--tap-layer`` layers and, at ``--queries`` query positions (the answer tokens first, i.e. the decode
+   steps, then random prompt positions), the target's attention averaged over layers ``tap-layer..L-1``
+   (`jaxkv.policies.retrieve.distil`).
 2. Training: the head (RMSNorm + Q/K projections, GQA shapes of the target) fits those distributions by
    cross-entropy (= KL + the teacher entropy, logged as KL), AdamW with warmup + cosine, a tqdm bar,
    orbax checkpoints (params, optimiser state, step; resumes from the newest), a JSONL log
@@ -51,14 +52,16 @@ def build_teacher_data(model, args) -> dict:
     tok = model.tokenizer
     rng = np.random.default_rng(args.seed)
     xs, qs, ts, names = [], [], [], []
+    contexts = [int(c) for c in str(args.context).split(",")]
+    t = max(contexts)  # every sequence padded to the longest (causal: padding is never seen)
     for i in tqdm(range(args.num_seqs), desc="teacher", file=sys.stderr):
-        task = TASK_MIX[i % len(TASK_MIX)]
-        inst = tasks.make_instance(task, args.context, SEED_BASE + args.seed, i)
+        task, ctx = TASK_MIX[i % len(TASK_MIX)], contexts[i % len(contexts)]
+        inst = tasks.make_instance(task, ctx, SEED_BASE + args.seed, i)
         ids = tok.encode(inst.prompt, add_special_tokens=False)
         full = ids + tok.encode(inst.target, add_special_tokens=False)
-        full = full[: args.context]
+        full = full[:t]
         qidx = query_positions(len(ids), len(full), args.queries, rng)
-        toks = np.pad(np.asarray(full, np.int32), (0, args.context - len(full)))[None]
+        toks = np.pad(np.asarray(full, np.int32), (0, t - len(full)))[None]
         x, target = teacher_attention(model.params, model.config, jnp.asarray(toks), jnp.asarray(qidx),
                                       tap_layer=args.tap_layer, mean=True)
         xs.append(np.asarray(x, np.float32))
@@ -201,7 +204,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--tap-layer", type=int, default=1, help="the head reads the stream after N layers")
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension (default: the model's)")
-    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--context", default="2048", help="context(s) of the teacher sequences, e.g. 2048,8192")
     ap.add_argument("--num-seqs", type=int, default=96)
     ap.add_argument("--queries", type=int, default=64, help="query positions per sequence")
     ap.add_argument("--steps", type=int, default=800)
