@@ -12,7 +12,8 @@ selector the table reports
 * ``recall``: |selected ∩ true top-B| / min(B, visible), mean over layers, KV heads and queries;
 * ``mass``: the fraction of each query head's attention (per layer) that falls on the selected slots.
 
-Selectors at the same B: ``head`` (the shipped retrieval head, no forced tokens: the paper's rule),
+Selectors at the same B: ``head`` (the shipped retrieval head; forced tokens only with ``--sink`` /
+``--recent``, 0 by default as in the paper),
 ``oracle`` (top-B of the layer-mean of the true GQA-max attention: the best layer-shared selection by this
 ranking) and ``streaming`` (4 sinks + the most recent tokens). ``--accuracy`` also decodes each instance
 greedily with full attention and with SpeContext at each B (`jaxkv.policies.retrieve.decode.generate`) and
@@ -40,7 +41,8 @@ def _bucket(n: int) -> int:
     return b
 
 
-def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries: int) -> dict:
+def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries: int, sink: int = 0,
+                recent: int = 0) -> dict:
     """{selector: {B: (recall, mass)}} for one teacher-forced sequence."""
     import jax
     import jax.numpy as jnp
@@ -77,7 +79,8 @@ def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries
         sels = {"head": hscore, "oracle": oscore,
                 "streaming": jnp.broadcast_to(stream.astype(jnp.float32), hscore.shape)}
         for name, score in sels.items():
-            sel = select(jnp.swapaxes(score, 0, 1), qpos, budget=b)  # rows = queries: [Q, Hkv, T]
+            forced = {"sink": sink, "recent": recent} if name == "head" else {}
+            sel = select(jnp.swapaxes(score, 0, 1), qpos, budget=b, **forced)  # rows = queries: [Q, Hkv, T]
             mask = jnp.zeros((len(qidx), hkv, t), bool)
             mask = jnp.put_along_axis(mask, sel.idx, sel.mask(), axis=-1, inplace=False)
             mask = jnp.swapaxes(mask, 0, 1)  # [Hkv, Q, T]
@@ -99,6 +102,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-queries", type=int, default=256)
+    ap.add_argument("--sink", type=int, default=0, help="SpeContext forced first positions (paper: 0)")
+    ap.add_argument("--recent", type=int, default=0, help="SpeContext forced newest positions (paper: 0)")
     ap.add_argument("--accuracy", action="store_true", help="also decode: full vs SpeContext at each B")
     ap.add_argument("--implementation", default=None, choices=["pallas", "reference"],
                     help="paged attention of the selected slots (default: Pallas on GPU, else the twin)")
@@ -127,13 +132,15 @@ def main(argv=None) -> None:
                 ids = tok.encode(inst.prompt, add_special_tokens=False)
                 tgt = tok.encode(inst.target, add_special_tokens=False)
                 row = {"task": task, "context": ctx, "index": i, "prompt_tokens": len(ids),
-                       "recall": recall_rows(model, head, ids + tgt, len(ids), budgets, args.max_queries)}
+                       "recall": recall_rows(model, head, ids + tgt, len(ids), budgets, args.max_queries,
+                                             args.sink, args.recent)}
                 if args.accuracy:
                     max_new = len(tgt) + 8
                     full = get_method("full", model).run(PromptPieces(ids, [], []), max_new, stop)
                     row["full"] = metrics.score(inst.metric, tok.decode(full.token_ids), inst.answers)
                     for b in budgets:
-                        out = decode.generate(model, sc.SpeContext(budget=b), head, ids, max_new, stop,
+                        pol = sc.SpeContext(budget=b, sink=args.sink, recent=args.recent)
+                        out = decode.generate(model, pol, head, ids, max_new, stop,
                                               implementation=args.implementation)
                         pred = tok.decode(out["token_ids"])
                         row[f"spec_{b}"] = metrics.score(inst.metric, pred, inst.answers)
