@@ -298,3 +298,6 @@ def test_eval_method_specontext(toy, tmp_path):
     s = json.loads(out.read_text())["summary"]  # B = 1024 > 512 tokens: the same as full attention
     assert s["logit_cosine"] == pytest.approx(1.0, abs=1e-6) and s["top1_agree"] == 1.0
     assert s["kv_bytes_loaded"] > 0
+    from jaxkv.eval.methods import METHODS
+
+    assert METHODS["specontext_256"].budget == 256 and METHODS["specontext_512"].budget == 512

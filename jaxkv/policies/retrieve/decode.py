@@ -21,11 +21,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.config import ModelConfig
 from jaxkv.models import llama, rope
 from jaxkv.models.attention import dense_attention
-from jaxkv.policies.retrieve.base import RetrievalPolicy, Selection
+from jaxkv.policies.retrieve.base import RetrievalPolicy, Selection, overlap
 from pallas_kernels.paged_attention.api import paged_attention
 
 
@@ -127,10 +128,6 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
     Returns {"token_ids", "first_logits" (np [V]), "ttft_s" (prefill wall clock), "overlap" (per step:
     fraction of each head's selection the previous step already held, mean over heads)}.
     """
-    import numpy as np
-
-    from jaxkv.policies.retrieve.base import overlap
-
     cfg, params = model.config, model.params
     n = len(prompt_ids)
     tb = _bucket(n)
