@@ -41,9 +41,21 @@ def _bucket(n: int) -> int:
     return b
 
 
+def global_heads(model, tap: int) -> np.ndarray:
+    """bool [L - tap, Hkv]: (layer, KV head) pairs the model's head-class file calls global (all when the
+    model has no head_classes.json)."""
+    path = Path(model.path) / "head_classes.json"
+    cfg = model.config
+    if not path.is_file():
+        return np.ones((cfg.num_layers - tap, cfg.num_kv_heads), bool)
+    heads = json.loads(path.read_text())["heads"]
+    return np.array([[h["kind"] == "global" for h in layer] for layer in heads[tap:]], bool)
+
+
 def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries: int, sink: int = 0,
                 recent: int = 0) -> dict:
-    """{selector: {B: (recall, mass)}} for one teacher-forced sequence."""
+    """{selector: {B: (recall, mass, recall over global heads, mass over global heads)}} for one
+    teacher-forced sequence (global = the head-class file's global (layer, KV head) pairs)."""
     import jax
     import jax.numpy as jnp
 
@@ -67,6 +79,8 @@ def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries
     hscore = sc.group_weights(sc.head_logits(head, q[:, qidx], k), vis)[0]  # [Hkv, Q, T]
     oscore = jnp.mean(gmax, axis=0)  # [Hkv, Q, T]
     qpos = jnp.asarray(qidx)
+    glob = jnp.asarray(global_heads(model, tap))  # [L', Hkv]
+    glob_q = jnp.repeat(glob, g, axis=1)  # [L', Hq]
     out = {}
     for b in budgets:
         true_top = jax.lax.top_k(jnp.where(vis[0][None, None], gmax, -1.0), min(b, t))[1]  # [L', Hkv, Q, b]
@@ -82,13 +96,16 @@ def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries
             forced = {"sink": sink, "recent": recent} if name == "head" else {}
             sel = select(jnp.swapaxes(score, 0, 1), qpos, budget=b, **forced)  # rows = queries: [Q, Hkv, T]
             mask = jnp.zeros((len(qidx), hkv, t), bool)
-            mask = jnp.put_along_axis(mask, sel.idx, sel.mask(), axis=-1, inplace=False)
+            # Padding entries repeat the first selected slot (always real), so they write nothing new.
+            idx = jnp.where(sel.mask(), sel.idx, sel.idx[..., :1])
+            mask = jnp.put_along_axis(mask, idx, True, axis=-1, inplace=False)
             mask = jnp.swapaxes(mask, 0, 1)  # [Hkv, Q, T]
-            inter = jnp.sum(true_mask & mask[None], axis=-1)  # [L', Hkv, Q]
-            recall = float(jnp.mean(inter / denom))
+            rec = jnp.mean(jnp.sum(true_mask & mask[None], axis=-1) / denom, axis=-1)  # [L', Hkv]
             mq = jnp.repeat(mask, g, axis=0)  # [Hq, Q, T]
-            mass = float(jnp.mean(jnp.sum(jnp.where(mq[None], probs, 0.0), axis=-1)))
-            out.setdefault(name, {})[b] = (recall, mass)
+            mass = jnp.mean(jnp.sum(jnp.where(mq[None], probs, 0.0), axis=-1), axis=-1)  # [L', Hq]
+            out.setdefault(name, {})[b] = (float(jnp.mean(rec)), float(jnp.mean(mass)),
+                                           float(jnp.sum(rec * glob) / jnp.sum(glob)),
+                                           float(jnp.sum(mass * glob_q) / jnp.sum(glob_q)))
     return out
 
 
@@ -168,6 +185,13 @@ def print_tables(results, budgets, accuracy: bool) -> None:
                 rec = np.mean([r["recall"][s][b][0] for r in rows])
                 mass = np.mean([r["recall"][s][b][1] for r in rows])
                 cells.append(f"{rec:.3f} / {mass:.3f}")
+        print(f"| {task} | {ctx} | {len(rows)} | " + " | ".join(cells) + " |")
+    print(f"\nglobal heads only (head_classes.json):\n| task | context | n | {cols} |")
+    print("|" + "---|" * (3 + len(sels) * len(budgets)))
+    for task, ctx in groups:
+        rows = [r for r in results if (r["task"], r["context"]) == (task, ctx)]
+        cells = [f"{np.mean([r['recall'][s][b][2] for r in rows]):.3f} / "
+                 f"{np.mean([r['recall'][s][b][3] for r in rows]):.3f}" for s in sels for b in budgets]
         print(f"| {task} | {ctx} | {len(rows)} | " + " | ".join(cells) + " |")
     if not accuracy:
         return
