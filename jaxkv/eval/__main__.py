@@ -19,6 +19,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from jaxkv.eval import retrieval_eval  # noqa: F401  (registers specontext*)
     from jaxkv.eval.methods import METHODS
     from jaxkv.eval.tasks import MIN_CONTEXT, TASKS
 

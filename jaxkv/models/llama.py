@@ -59,13 +59,23 @@ def forward(
     freqs = rope.inv_freq(cfg)
     x = params["embed"][tokens]
     for i, p in enumerate(params["layers"]):
-        q, k, v = _qkv(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, freqs)
-        out, state = attend(i, q, k, v, state)
-        out = out.reshape(*out.shape[:2], -1) @ p["wo"]
-        x = x + (out + p["bo"] if cfg.o_bias else out)
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        x, state = decoder_layer(p, cfg, i, x, positions, freqs, attend, state)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
+
+
+def decoder_layer(
+    p: dict, cfg: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
+    state: State,
+) -> tuple[jax.Array, State]:
+    """One pre-norm decoder layer on the residual stream x [B, T, hidden] (callers that need the hidden
+    state between layers, e.g. a retrieval head tapping the first layers, loop over this themselves)."""
+    q, k, v = _qkv(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, freqs)
+    out, state = attend(layer, q, k, v, state)
+    out = out.reshape(*out.shape[:2], -1) @ p["wo"]
+    x = x + (out + p["bo"] if cfg.o_bias else out)
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return x, state
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

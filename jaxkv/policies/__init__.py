@@ -7,6 +7,7 @@ registers itself with `@register`; adding a method is one module plus its import
 from __future__ import annotations
 
 from jaxkv.policies import compress as _compress  # noqa: E402,F401  (registers the methods)
+from jaxkv.policies import retrieve as _retrieve  # noqa: E402,F401  (registers the retrieval methods)
 from jaxkv.policies.base import CompressPolicy, Keep, Observation, SelectContext, select
 from jaxkv.policies.registry import POLICIES, get_policy, register
 

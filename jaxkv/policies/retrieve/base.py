@@ -1,0 +1,122 @@
+"""The retrieval seam: each decode step a policy picks, per KV head, the slots attention reads.
+
+A retrieval method never evicts. Every decode step it returns, per (sequence, KV head), up to ``budget``
+slot indices of the head's cache (shared by every layer the policy covers); attention of those layers then
+reads only the selected slots (`jaxkv.policies.retrieve.decode.selected_attention`). The KV outside the
+selection may live anywhere (host memory in the SpeContext host tier, docs/specontext.md).
+
+A method is one frozen dataclass (hyperparameters as validated fields, hashable so it is a static jit
+argument) with one pure-jnp device hook:
+
+* ``scores(head, state, x, positions) -> (scores [S, Hkv, N], state)`` sees the step's input (``x``: the
+  residual stream after the policy's ``tap_layer`` first layers, [S, T, hidden]; ``positions`` [S, T]),
+  updates its own device state (e.g. a retrieval-head key cache) and scores every slot for the **last**
+  query of each row; higher = more worth reading. ``head`` is the method's parameter pytree (None when it
+  has none), passed as an argument so weights are never static.
+
+The shared rule `select` forces the current token, the first ``sink`` and the newest ``recent`` positions,
+then fills the budget with the best-scoring visible slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Per-head read sets: ``idx[s, h, :count[s, h]]`` ascending slot indices, the rest padding (0)."""
+
+    idx: jax.Array  # [S, Hkv, B] int32
+    count: jax.Array  # [S, Hkv] int32
+
+    def mask(self) -> jax.Array:
+        """[S, Hkv, B] bool: entries that are real selections."""
+        return jnp.arange(self.idx.shape[-1]) < self.count[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalPolicy:
+    """Base of the retrieval methods. Subclasses set `name` and override `scores`.
+
+    budget: slots read per KV head per decode step (the current token, sinks and recent tokens included).
+    sink: first positions always read. recent: newest positions always read (besides the current token,
+    which is always read).
+    """
+
+    name: ClassVar[str] = "retrieval-base"
+    budget: int = 1024
+    sink: int = 0
+    recent: int = 0
+
+    def __post_init__(self):
+        for field in ("budget", "sink", "recent"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{self.name}: {field} must be a non-negative integer (got {v!r})")
+        if self.budget < 1:
+            raise ValueError(f"{self.name}: budget must be >= 1 token per KV head (got {self.budget})")
+        if self.sink + self.recent + 1 > self.budget:
+            raise ValueError(f"{self.name}: sink + recent + 1 (current token) = "
+                             f"{self.sink + self.recent + 1} exceeds the budget {self.budget}")
+
+    # ---- capabilities the decode path / engine read (never class names) ------------------------------
+    def tap_layer(self, head) -> int:
+        """Layers [0, tap_layer) run dense over the whole cache; `scores` sees the stream after them and the
+        selection applies to layers tap_layer.. (0 = the selection depends on the step's input alone)."""
+        return 0
+
+    def init_state(self, head, num_seqs: int, max_len: int):
+        """The method's device state for `num_seqs` rows of up to `max_len` slots (None when stateless)."""
+        return None
+
+    # ---- device side (pure jnp) ---------------------------------------------------------------------
+    def observe(self, head, state, x: jax.Array, positions: jax.Array):
+        """Prefill: record the prompt tokens in the method's state (x [S, T, hidden] after `tap_layer`)."""
+        return state
+
+    def scores(self, head, state, x: jax.Array, positions: jax.Array):
+        raise NotImplementedError
+
+    def select(self, scores: jax.Array, q_pos: jax.Array) -> Selection:
+        return select(scores, q_pos, budget=self.budget, sink=self.sink, recent=self.recent)
+
+
+def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, recent: int = 0) -> Selection:
+    """The shared read rule for one decode query per row.
+
+    scores [S, Hkv, N] float (slot i holds position i); q_pos [S] int32 position of the current token (its
+    slot must already hold its K/V). Visible slots are 0..q_pos; the current token, positions < sink and
+    positions > q_pos - 1 - recent are forced; the rest of the budget goes to the highest scores (ties to
+    the lower index). Returns ascending indices, count = min(budget, q_pos + 1) per head.
+    """
+    n = scores.shape[-1]
+    k = min(budget, n)
+    i = jnp.arange(n, dtype=jnp.int32)
+    p = q_pos[:, None, None]
+    visible = i <= p
+    forced = visible & ((i == p) | (i < sink) | (i >= p - recent))
+    s = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
+    rank = jnp.where(forced, jnp.inf, s)  # forced first (at most budget of them), invisible last
+    _, top = jax.lax.top_k(rank, k)  # [S, Hkv, k] best first
+    count = jnp.minimum(k, q_pos + 1).astype(jnp.int32)
+    count = jnp.broadcast_to(count[:, None], scores.shape[:2])
+    take = jnp.arange(k) < count[..., None]
+    big = jnp.iinfo(jnp.int32).max
+    idx = jnp.sort(jnp.where(take, top, big), axis=-1)
+    idx = jnp.where(idx == big, 0, idx).astype(jnp.int32)
+    if k < budget:
+        idx = jnp.pad(idx, [(0, 0), (0, 0), (0, budget - k)])
+    return Selection(idx=idx, count=count)
+
+
+def overlap(prev: Selection, now: Selection) -> jax.Array:
+    """[S, Hkv] int32: slots of `now` that `prev` already held (what an elastic buffer need not load)."""
+    hit = (now.idx[..., :, None] == prev.idx[..., None, :]) & prev.mask()[..., None, :]
+    return jnp.sum(jnp.any(hit, axis=-1) & now.mask(), axis=-1).astype(jnp.int32)

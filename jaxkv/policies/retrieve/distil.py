@@ -1,0 +1,100 @@
+"""The target's attention as the retrieval head's teacher, and the distillation loss.
+
+`teacher_attention` runs the target over one sequence (dense causal attention in query blocks, so 8K+
+tokens fit in a few hundred MB) and returns the residual stream after ``tap_layer`` layers (the head's
+input) plus every later layer's attention probabilities at chosen query positions. Used by
+scripts/distil_retrieval_head.py (targets) and scripts/eval_retrieval_head.py (true top-B for recall).
+
+Loss (docs/specontext.md): the pruned head has no LM head, so Eq. 2's KL(P_T || P_S) is applied to what
+it does produce, its attention distribution: per query head g and query t, the target distribution is
+the target's attention of head g averaged over layers tap_layer..L-1 (the layers the shared selection
+serves), and the loss is the cross-entropy against the head's softmax (KL up to the target's entropy).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.models import llama, rope
+from jaxkv.policies.retrieve.specontext import RetrievalHead, head_logits, head_qk
+
+_BLOCK = 1024  # query block of the teacher's dense attention
+
+
+def _blocked_causal_attention(q, k, v, block: int):
+    """q [1, T, Hq, D], k/v [1, T, Hkv, D] -> out [1, T, Hq, D]; causal, fp32 softmax, `block` queries at a
+    time (T a multiple of block, or smaller than it)."""
+    _, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    b = min(block, t)
+    qb = q[0].reshape(t // b, b, hkv, g, d)
+    kf, vf = k[0].astype(jnp.float32), v[0].astype(jnp.float32)
+
+    def one(args):
+        i, qq = args
+        s = jnp.einsum("qhgd,khd->hgqk", qq.astype(jnp.float32), kf, precision=jax.lax.Precision.HIGHEST)
+        qpos = i * b + jnp.arange(b)
+        s = jnp.where(jnp.arange(t)[None, :] <= qpos[:, None], s * d ** -0.5, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("hgqk,khd->qhgd", p, vf, precision=jax.lax.Precision.HIGHEST)
+
+    out = jax.lax.map(one, (jnp.arange(t // b), qb))
+    return out.reshape(1, t, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tap_layer", "mean"))
+def teacher_attention(params, cfg, tokens, qidx, *, tap_layer: int, mean: bool):
+    """tokens [1, T] (positions 0..T-1), qidx [Q] query positions ->
+    (x_tap [T, hidden] float32, probs): probs [L - tap_layer, Hq, Q, T] float32, or their mean over layers
+    [Hq, Q, T] with ``mean=True``. Rows of probs are each query's softmax over keys 0..qidx."""
+    t = tokens.shape[1]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    freqs = rope.inv_freq(cfg)
+    vis = jnp.arange(t)[None, :] <= qidx[:, None]  # [Q, T]
+
+    def attend(layer, q, k, v, acc):
+        out = _blocked_causal_attention(q, k, v, _BLOCK)
+        if layer < tap_layer:
+            return out, acc
+        g = cfg.num_heads // cfg.num_kv_heads
+        kr = jnp.repeat(k[0].astype(jnp.float32), g, axis=1)  # [T, Hq, D]
+        s = jnp.einsum("qhd,khd->hqk", q[0, qidx].astype(jnp.float32), kr,
+                       precision=jax.lax.Precision.HIGHEST) * cfg.head_dim ** -0.5
+        p = jax.nn.softmax(jnp.where(vis[None], s, -jnp.inf), axis=-1)
+        acc = acc + p if mean else acc.at[layer - tap_layer].set(p)
+        return out, acc
+
+    shape = (cfg.num_heads, qidx.shape[0], t)
+    acc = jnp.zeros(shape if mean else (cfg.num_layers - tap_layer, *shape), jnp.float32)
+    x = params["embed"][tokens]
+    x_tap = x
+    for i, p in enumerate(params["layers"]):
+        if i == tap_layer:
+            x_tap = x
+        x, acc = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, acc)
+    if mean:
+        acc = acc / (cfg.num_layers - tap_layer)
+    return x_tap[0].astype(jnp.float32), acc
+
+
+def head_log_probs(head: RetrievalHead, x, qidx) -> jax.Array:
+    """x [S, T, hidden], qidx [S, Q] -> log-softmax of the head's attention [S, Hq, Q, T] (causal)."""
+    s, t, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+    q, k = head_qk(head, x, positions)
+    qq = jnp.take_along_axis(q, qidx[:, :, None, None], axis=1)  # [S, Q, Hq, Dr]
+    logits = head_logits(head, qq, k)  # [S, Hkv, G, Q, T]
+    logits = logits.reshape(s, head.config.num_heads, *logits.shape[3:])
+    vis = jnp.arange(t)[None, None, :] <= qidx[:, :, None]  # [S, Q, T]
+    return jax.nn.log_softmax(jnp.where(vis[:, None], logits, -jnp.inf), axis=-1)
+
+
+def distil_loss(head: RetrievalHead, x, qidx, target) -> jax.Array:
+    """Mean over (row, query head, query) of the cross-entropy -sum_t target * log p_head (target
+    [S, Hq, Q, T], rows summing to 1 over visible keys)."""
+    logp = head_log_probs(head, x, qidx)
+    return -jnp.mean(jnp.sum(jnp.where(target > 0, target * logp, 0.0), axis=-1))

@@ -1,0 +1,205 @@
+"""SpeContext (Xu et al. 2025, arXiv 2512.00722): a distilled retrieval head picks per-head KV each step.
+
+The retrieval head is the pruned draft model of the paper: the target's own embedding path (its embedding
+and its first ``tap_layer`` decoder layers, frozen, computed by the target's forward anyway) followed by
+one small attention head that keeps only an RMSNorm and the Q/K projections (no V, O, MLP or LM head).
+It owns a full key cache (post-RoPE, one entry per position). Each decode step its query scores every
+past position per query head (post-softmax attention weights, Eq. 1), the GQA group's weights are
+max-reduced to one row per KV head (Fig. 5), and the top ``budget`` positions of each KV head are read by
+**every** target layer from ``tap_layer`` on (global, head-level selection). Layers before ``tap_layer``
+run dense: they are the head's input. Distillation (scripts/distil_retrieval_head.py) fits the head's
+attention to the target's layer-averaged attention (docs/specontext.md says why not the logit KL).
+
+The head ships next to its model (``<model>/retrieval_head/``: ``config.json`` + ``head.safetensors``);
+`load_head` reads it, `save_head` writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.models import rope
+from jaxkv.models.llama import rms_norm
+from jaxkv.policies.registry import register
+from jaxkv.policies.retrieve.base import RetrievalPolicy
+
+HEAD_DIR = "retrieval_head"
+FORMAT = "jaxkv.retrieval_head/v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """Static shape of a retrieval head (hashable: it is part of compiled programs)."""
+
+    hidden_size: int
+    num_heads: int  # query heads; a multiple of num_kv_heads (the target's KV heads)
+    num_kv_heads: int
+    head_dim: int
+    tap_layer: int  # the head reads the residual stream after the target's first `tap_layer` layers
+    rope_theta: float
+    rms_norm_eps: float = 1e-5
+    model_id: str = ""  # the target it was distilled from
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"retrieval head: num_heads {self.num_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"retrieval head: head_dim must be even for RoPE (got {self.head_dim})")
+
+    @classmethod
+    def for_model(cls, cfg, *, tap_layer: int = 1, num_heads: int | None = None, head_dim: int | None = None,
+                  model_id: str = "") -> HeadConfig:
+        """A head matching a target ModelConfig (its KV heads, hidden size and RoPE base)."""
+        if not 0 <= tap_layer < cfg.num_layers:
+            raise ValueError(f"tap_layer must be in [0, {cfg.num_layers}) (got {tap_layer})")
+        return cls(cfg.hidden_size, num_heads or cfg.num_heads, cfg.num_kv_heads, head_dim or cfg.head_dim,
+                   tap_layer, float(cfg.rope_theta), float(cfg.rms_norm_eps), model_id)
+
+    @property
+    def freqs(self) -> np.ndarray:
+        d = self.head_dim
+        return (1.0 / (self.rope_theta ** (np.arange(0, d, 2) / d))).astype(np.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RetrievalHead:
+    """Parameters {"norm": [H], "wq": [H, Hq*Dr], "wk": [H, Hkv*Dr]} and their static config."""
+
+    params: dict
+    config: HeadConfig = dataclasses.field(metadata={"static": True})
+
+
+def init_head(config: HeadConfig, key: jax.Array, scale: float = 0.02) -> RetrievalHead:
+    kq, kk = jax.random.split(key)
+    h, d = config.hidden_size, config.head_dim
+    return RetrievalHead({
+        "norm": jnp.ones((h,), jnp.float32),
+        "wq": scale * jax.random.normal(kq, (h, config.num_heads * d), jnp.float32),
+        "wk": scale * jax.random.normal(kk, (h, config.num_kv_heads * d), jnp.float32),
+    }, config)
+
+
+def head_qk(head: RetrievalHead, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [S, T, hidden] (the stream after `tap_layer` layers), positions [S, T] -> post-RoPE
+    q [S, T, Hq, Dr], k [S, T, Hkv, Dr] in float32."""
+    c, p = head.config, head.params
+    s, t, _ = x.shape
+    h = rms_norm(x.astype(jnp.float32), p["norm"], c.rms_norm_eps)
+    q = (h @ p["wq"]).reshape(s, t, c.num_heads, c.head_dim)
+    k = (h @ p["wk"]).reshape(s, t, c.num_kv_heads, c.head_dim)
+    return rope.apply_rope(q, positions, c.freqs), rope.apply_rope(k, positions, c.freqs)
+
+
+def head_logits(head: RetrievalHead, q: jax.Array, keys: jax.Array) -> jax.Array:
+    """q [S, T, Hq, Dr], keys [S, N, Hkv, Dr] -> scaled logits [S, Hkv, G, T, N] (float32)."""
+    c = head.config
+    s, t = q.shape[:2]
+    qg = q.reshape(s, t, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+    return jnp.einsum("sthgd,snhd->shgtn", qg, keys, precision=jax.lax.Precision.HIGHEST) * c.head_dim ** -0.5
+
+
+def group_weights(logits: jax.Array, visible: jax.Array) -> jax.Array:
+    """logits [S, Hkv, G, T, N], visible [S, T, N] -> [S, Hkv, T, N]: per-query-head softmax over the
+    visible keys, then the max over the GQA group (post-softmax, as the paper's "attention weights")."""
+    z = jnp.where(visible[:, None, None], logits, -jnp.inf)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.where(visible[:, None, None], jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+    return jnp.max(probs, axis=2)
+
+
+def init_state(head: RetrievalHead, num_seqs: int, max_len: int) -> jax.Array:
+    """The head's key cache: [S, N, Hkv, Dr] float32, slot i = position i."""
+    c = head.config
+    return jnp.zeros((num_seqs, max_len, c.num_kv_heads, c.head_dim), jnp.float32)
+
+
+def write_keys(head: RetrievalHead, state: jax.Array, x: jax.Array, positions: jax.Array):
+    """Appends the keys of x [S, T, hidden] at positions [S, T]; returns (state, q [S, T, Hq, Dr])."""
+    q, k = head_qk(head, x, positions)
+    rows = jnp.arange(state.shape[0])[:, None]
+    return state.at[rows, positions].set(k, mode="drop"), q
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SpeContext(RetrievalPolicy):
+    """Head-level, layer-shared top-``budget`` selection by the distilled retrieval head (paper defaults: no
+    forced sinks or recent tokens besides the current one)."""
+
+    name = "specontext"
+
+    def tap_layer(self, head: RetrievalHead) -> int:
+        return head.config.tap_layer
+
+    def init_state(self, head: RetrievalHead, num_seqs: int, max_len: int):
+        return init_state(head, num_seqs, max_len)
+
+    def observe(self, head: RetrievalHead, state, x, positions):
+        return write_keys(head, state, x, positions)[0]
+
+    def scores(self, head: RetrievalHead, state, x, positions):
+        state, q = write_keys(head, state, x, positions)
+        q = q[:, -1:]  # the decode query
+        n = state.shape[1]
+        visible = jnp.arange(n)[None, None, :] <= positions[:, -1:, None]  # [S, 1, N]
+        w = group_weights(head_logits(head, q, state), visible)  # [S, Hkv, 1, N]
+        return w[:, :, 0], state
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def save_head(path: str | Path, head: RetrievalHead, meta: dict | None = None) -> Path:
+    """Writes ``config.json`` (format, shape, provenance in ``meta``) and ``head.safetensors``."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"format": FORMAT, **dataclasses.asdict(head.config), "meta": meta or {}}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    save_file({k: np.asarray(v, np.float32) for k, v in head.params.items()}, str(path / "head.safetensors"))
+    return path
+
+
+def load_head(path: str | Path, model=None) -> RetrievalHead:
+    """Reads a head written by `save_head`. With `model` (a `jaxkv.load` result), also checks the head
+    was distilled from that model (same shapes and model id)."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "head.safetensors").is_file():
+        raise ValueError(f"{path} is not a retrieval head directory (needs config.json + head.safetensors)")
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"{path}/config.json: format {raw.get('format')!r}, expected {FORMAT!r}")
+    fields = {f.name for f in dataclasses.fields(HeadConfig)}
+    config = HeadConfig(**{k: v for k, v in raw.items() if k in fields})
+    arrays = load_file(str(path / "head.safetensors"))
+    h, d = config.hidden_size, config.head_dim
+    want = {"norm": (h,), "wq": (h, config.num_heads * d), "wk": (h, config.num_kv_heads * d)}
+    got = {k: tuple(v.shape) for k, v in arrays.items()}
+    if got != want:
+        raise ValueError(f"{path}/head.safetensors: tensors {got} do not match config.json {want}")
+    head = RetrievalHead({k: jnp.asarray(v) for k, v in arrays.items()}, config)
+    if model is not None:
+        mc = model.config
+        if (mc.hidden_size, mc.num_kv_heads) != (h, config.num_kv_heads) or config.tap_layer >= mc.num_layers:
+            raise ValueError(f"retrieval head {path} does not fit model {model.model_id}")
+        if config.model_id and config.model_id != model.model_id:
+            raise ValueError(f"retrieval head {path} was distilled from {config.model_id}, "
+                             f"not {model.model_id}")
+    return head
+
+
+def load_for_model(model) -> RetrievalHead:
+    """The head shipped beside a loaded model (``<model.path>/retrieval_head``)."""
+    return load_head(Path(model.path) / HEAD_DIR, model)

@@ -1,0 +1,335 @@
+"""SpeContext: the shared read rule, the retrieval head (GQA-max top-B per KV head), its loader, the
+selected-attention decode path (full budget == full attention, small budget == masked dense oracle), the
+distillation pieces, and the eval method."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.policies import POLICIES, get_policy
+from jaxkv.policies.retrieve import Selection, overlap, select
+from jaxkv.policies.retrieve import specontext as sc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A random 3-layer GQA model in HF layout with a random retrieval head (tap 1) beside it."""
+    import jaxkv
+
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    conf = json.loads((ROOT / "configs" / "tiny_default.json").read_text())["model"]
+    conf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    cfg = tt.hf_config(conf)
+    out = tmp_path_factory.mktemp("toy")
+    params = tt.init_params(cfg, 0)
+    # Sharper attention than the 0.02 init, so selections matter.
+    params = {k: v * (6.0 if "q_proj" in k or "k_proj" in k else 1.0) for k, v in params.items()}
+    tt.export_hf(params, cfg, out)
+    model = jaxkv.load(out)
+    head = sc.init_head(sc.HeadConfig.for_model(model.config, tap_layer=1, model_id=model.model_id),
+                        jax.random.PRNGKey(3), scale=0.5)
+    sc.save_head(out / sc.HEAD_DIR, head, {"test": True})
+    return model, head
+
+
+# ------------------------------------------------------------------------------------------ select rule
+
+
+@pytest.mark.parametrize("budget,sink,recent", [(8, 0, 0), (8, 2, 3), (64, 0, 0), (1, 0, 0)])
+def test_select_rule(budget, sink, recent):
+    rng = np.random.default_rng(budget + sink)
+    s, h, n = 3, 4, 40
+    scores = rng.random((s, h, n)).astype(np.float32)
+    q_pos = np.array([39, 5, 20], np.int32)
+    sel = select(jnp.asarray(scores), jnp.asarray(q_pos), budget=budget, sink=sink, recent=recent)
+    assert sel.idx.shape == (s, h, budget) and sel.count.shape == (s, h)
+    for r in range(s):
+        p = q_pos[r]
+        for hh in range(h):
+            c = int(sel.count[r, hh])
+            got = np.asarray(sel.idx[r, hh, :c])
+            assert c == min(budget, p + 1)
+            assert np.all(np.diff(got) > 0) and got.min() >= 0 and got.max() <= p  # sorted, unique, visible
+            forced = {i for i in range(p + 1) if i == p or i < sink or i >= p - recent}
+            assert forced <= set(got.tolist())
+            rest = [i for i in range(p + 1) if i not in forced]
+            best = sorted(rest, key=lambda i: -scores[r, hh, i])[: c - len(forced)]
+            assert set(got.tolist()) == forced | set(best)
+
+
+def test_overlap_counts_shared_slots():
+    prev = Selection(jnp.array([[[0, 2, 5, 9]]], jnp.int32), jnp.array([[3]], jnp.int32))  # 9 is padding
+    now = Selection(jnp.array([[[2, 5, 9, 11]]], jnp.int32), jnp.array([[4]], jnp.int32))
+    assert int(overlap(prev, now)[0, 0]) == 2
+
+
+def test_policy_registry_and_validation():
+    assert POLICIES["specontext"] is sc.SpeContext
+    assert get_policy("specontext", budget=256).budget == 256
+    for bad in ({"budget": 0}, {"budget": 4, "sink": 2, "recent": 2}, {"budget": 1.5}, {"sink": -1}):
+        with pytest.raises(ValueError, match="specontext"):
+            get_policy("specontext", **bad)
+
+
+# ------------------------------------------------------------------------------------- retrieval head
+
+
+def test_head_scores_are_gqa_max_of_softmax_and_topb_is_per_kv_head(toy):
+    model, head = toy
+    c = head.config
+    g = c.num_heads // c.num_kv_heads
+    n, t = 64, 30
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, t, c.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+    pol = sc.SpeContext(budget=8)
+    state = pol.observe(head, pol.init_state(head, 2, n), x[:, :-1], positions[:, :-1])
+    scores, state = pol.scores(head, state, x[:, -1:], positions[:, -1:])
+    # Independent numpy oracle: per query head softmax over keys 0..t-1, max over the group.
+    q, k = (np.asarray(a, np.float64) for a in sc.head_qk(head, x, positions))
+    for r in range(2):
+        logits = np.einsum("hd,khd->hk", q[r, -1], np.repeat(k[r], g, axis=1)) / np.sqrt(c.head_dim)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = p.reshape(c.num_kv_heads, g, t).max(axis=1)
+        np.testing.assert_allclose(np.asarray(scores[r, :, :t]), want, rtol=1e-4, atol=1e-6)
+        assert np.all(np.asarray(scores[r, :, t:]) == 0)  # slots past the current token score nothing
+    sel = pol.select(scores, positions[:, -1])
+    idx, cnt = np.asarray(sel.idx), np.asarray(sel.count)
+    assert np.all(cnt == 8)
+    for r in range(2):
+        for h in range(c.num_kv_heads):
+            assert len(set(idx[r, h].tolist())) == 8 and idx[r, h].max() < t and t - 1 in idx[r, h]
+            top = np.argsort(-np.asarray(scores[r, h, : t - 1]), kind="stable")[:7]
+            assert set(top.tolist()) | {t - 1} == set(idx[r, h].tolist())
+    assert not np.array_equal(idx[:, 0], idx[:, 1])  # KV heads choose differently
+
+
+def test_loader_round_trip_and_checks(toy, tmp_path):
+    model, head = toy
+    loaded = sc.load_for_model(model)
+    assert loaded.config == head.config
+    for k in head.params:
+        np.testing.assert_array_equal(np.asarray(loaded.params[k]), np.asarray(head.params[k]))
+    other = sc.RetrievalHead(head.params, sc.HeadConfig(**{**head.config.__dict__, "model_id": "other-1"}))
+    sc.save_head(tmp_path / "h", other)
+    with pytest.raises(ValueError, match="distilled from other-1"):
+        sc.load_head(tmp_path / "h", model)
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    cfg["head_dim"] = 4
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="do not match"):
+        sc.load_head(tmp_path / "h")
+    with pytest.raises(ValueError, match="not a retrieval head"):
+        sc.load_head(tmp_path)
+
+
+def test_shipped_head_loads_for_the_default_model():
+    import jaxkv
+
+    model = jaxkv.load(ROOT / "jaxkv" / "assets" / "default_model")
+    head = sc.load_for_model(model)
+    assert head.config.num_kv_heads == model.config.num_kv_heads
+    assert sum(p.stat().st_size for p in (model.path / sc.HEAD_DIR).iterdir()) < 4 * 2**20
+
+
+# ------------------------------------------------------------------------------------------ decode path
+
+
+def _full_reference(model, ids):
+    from jaxkv.models import llama
+
+    return np.asarray(llama.dense_logits(model.params, model.config, jnp.asarray([ids], jnp.int32))[0])
+
+
+def test_full_budget_decode_equals_full_attention(toy):
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    ids = list(np.random.default_rng(0).integers(10, model.config.vocab_size, 50))
+    out = decode.generate(model, sc.SpeContext(budget=256), head, ids, 12)
+    seq = ids + out["token_ids"]
+    ref = _full_reference(model, seq)
+    assert out["token_ids"] == [int(ref[len(ids) - 1 + i].argmax()) for i in range(len(out["token_ids"]))]
+    np.testing.assert_allclose(out["first_logits"], ref[len(ids) - 1], rtol=1e-4, atol=1e-4)
+    # Everything is selected every step: only the new token was not held the step before.
+    n = len(ids)
+    assert out["overlap"] == pytest.approx([(n + k + 1) / (n + k + 2) for k in range(len(out["overlap"]))])
+
+
+def test_small_budget_decode_equals_masked_dense_oracle(toy):
+    """Each layer from the tap on attends over exactly the selected slots of each KV head."""
+    from jaxkv.models import llama
+    from jaxkv.models.attention import dense_attention
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    cfg, params = model.config, model.params
+    rng = np.random.default_rng(1)
+    n, size, budget = 40, 64, 6
+    ids = jnp.asarray(rng.integers(10, cfg.vocab_size, (1, n + 1)), jnp.int32)
+    pol = sc.SpeContext(budget=budget, sink=1, recent=1)
+    kc = jnp.zeros((cfg.num_layers, 1, size, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    vc = jnp.zeros_like(kc)
+    hs = pol.init_state(head, 1, size)
+    _, kc, vc, hs = decode.prefill(params, cfg, pol, head, ids[:, :n], kc, vc, hs, jnp.array([n]))
+    logits, _, _, _, sel = decode.decode_step(params, cfg, pol, head, ids[:, n:], jnp.array([[n]]),
+                                              kc, vc, hs)
+    assert np.all(np.asarray(sel.count) == budget)
+
+    # Oracle: dense forward of all n+1 tokens where layers >= tap mask, for the last query, every key of
+    # KV head h outside sel.idx[0, h].
+    allowed = np.zeros((cfg.num_kv_heads, n + 1), bool)
+    for h in range(cfg.num_kv_heads):
+        allowed[h, np.asarray(sel.idx[0, h])] = True
+    g = cfg.num_heads // cfg.num_kv_heads
+    pos = jnp.arange(n + 1, dtype=jnp.int32)[None]
+
+    def attend(layer, q, k, v, st):
+        full = dense_attention(q, k, v, pos, pos)
+        if layer < head.config.tap_layer:
+            return full, st
+        outs = []
+        for qh in range(cfg.num_heads):
+            h = qh // g
+            kk, vv = k[0, allowed[h], h], v[0, allowed[h], h]  # [budget, D]
+            w = jax.nn.softmax(q[0, -1, qh] @ kk.T / np.sqrt(cfg.head_dim))
+            outs.append(w @ vv)
+        return full.at[0, -1].set(jnp.stack(outs)), st
+
+    hidden, _ = llama.forward(params, cfg, ids, pos, attend, None)
+    want = llama.lm_head(params, cfg, hidden)[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(want), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(np.asarray(want), _full_reference(model, list(np.asarray(ids[0])))[-1], atol=1e-3)
+
+
+def test_selected_attention_pages_match_gather(toy):
+    """The selection viewed as one page per (row, KV head) — the host tier's GPU buffer shape — through
+    the paged-kernel twin equals a direct softmax over the gathered slots."""
+    from jaxkv.policies.retrieve import decode
+
+    model, _ = toy
+    cfg = model.config
+    rng = np.random.default_rng(2)
+    s, n, b = 2, 30, 5
+    kc = jnp.asarray(rng.standard_normal((s, n, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((s, n, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((s, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    q_pos = jnp.array([29, 12], jnp.int32)
+    sel = select(jnp.asarray(rng.random((s, cfg.num_kv_heads, n)), jnp.float32), q_pos, budget=b)
+    out, lse = decode.selected_attention(cfg, 1, q, kc, vc, sel, q_pos, implementation="reference")
+    g = cfg.num_heads // cfg.num_kv_heads
+    for r in range(s):
+        for qh in range(cfg.num_heads):
+            idx = np.asarray(sel.idx[r, qh // g])
+            logit = np.asarray(kc[r, idx, qh // g]) @ np.asarray(q[r, qh]) / np.sqrt(cfg.head_dim)
+            w = np.exp(logit - logit.max())
+            want = (w / w.sum()) @ np.asarray(vc[r, idx, qh // g])
+            np.testing.assert_allclose(np.asarray(out[r, qh]), want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(float(lse[r, qh]), logit.max() + np.log(w.sum()), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ distillation
+
+
+def test_teacher_attention_matches_dense_forward(toy):
+    from jaxkv.models import llama
+    from jaxkv.models.attention import dense_attention
+    from jaxkv.policies.retrieve.distil import teacher_attention
+
+    model, _ = toy
+    cfg, params = model.config, model.params
+    t = 48
+    tokens = jnp.asarray(np.random.default_rng(4).integers(10, cfg.vocab_size, (1, t)), jnp.int32)
+    qidx = jnp.array([3, 20, 47], jnp.int32)
+    x_tap, probs = teacher_attention(params, cfg, tokens, qidx, tap_layer=1, mean=False)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    seen = {}
+
+    def attend(layer, q, k, v, st):
+        g = cfg.num_heads // cfg.num_kv_heads
+        s = jnp.einsum("qhd,khd->hqk", q[0], jnp.repeat(k[0], g, axis=1)) / np.sqrt(cfg.head_dim)
+        seen[layer] = jax.nn.softmax(jnp.where(pos[0][None, :] <= pos[0][:, None], s, -jnp.inf), -1)
+        return dense_attention(q, k, v, pos, pos), st
+
+    x = params["embed"][tokens]
+    x, _ = llama.decoder_layer(params["layers"][0], cfg, 0, x, pos, llama.rope.inv_freq(cfg), attend, None)
+    np.testing.assert_allclose(np.asarray(x_tap), np.asarray(x[0]), rtol=1e-5, atol=1e-5)
+    llama.forward(params, cfg, tokens, pos, attend, None)
+    for layer in range(1, cfg.num_layers):
+        np.testing.assert_allclose(np.asarray(probs[layer - 1]), np.asarray(seen[layer][:, qidx]),
+                                   rtol=1e-4, atol=1e-6)
+    _, mean = teacher_attention(params, cfg, tokens, qidx, tap_layer=1, mean=True)
+    np.testing.assert_allclose(np.asarray(mean), np.asarray(probs.mean(0)), rtol=1e-5, atol=1e-7)
+
+
+def test_distil_loss_is_minimised_by_the_target(toy):
+    """The cross-entropy of a head against its own attention is its entropy and below any other target."""
+    from jaxkv.policies.retrieve.distil import distil_loss, head_log_probs
+
+    _, head = toy
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 20, head.config.hidden_size))
+    qidx = jnp.array([[5, 19], [0, 11]], jnp.int32)
+    own = jnp.exp(head_log_probs(head, x, qidx))
+    np.testing.assert_allclose(np.asarray(own.sum(-1)), 1.0, rtol=1e-5)
+    other = jnp.exp(head_log_probs(sc.init_head(head.config, jax.random.PRNGKey(9), 0.5), x, qidx))
+    assert float(distil_loss(head, x, qidx, own)) < float(distil_loss(head, x, qidx, other))
+
+
+# ------------------------------------------------------------------------------------------ eval method
+
+
+def test_eval_method_specontext(toy, tmp_path):
+    from jaxkv.eval.__main__ import main
+
+    model, _ = toy
+    out = tmp_path / "r.json"
+    assert main(["--task", "mq_niah", "--context", "512", "--num", "1", "--model", str(model.path),
+                 "--method", "specontext", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]  # B = 1024 > 512 tokens: the same as full attention
+    assert s["logit_cosine"] == pytest.approx(1.0, abs=1e-6) and s["top1_agree"] == 1.0
+    assert s["kv_bytes_loaded"] > 0
+    from jaxkv.eval.methods import METHODS
+
+    assert METHODS["specontext_256"].budget == 256 and METHODS["specontext_512"].budget == 512
+
+
+# ------------------------------------------------------------------------------------------ scripts
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_distil_and_eval_scripts_end_to_end(toy, tmp_path, capsys):
+    """Distil a head on the toy model (2 steps), export it, load it, and measure recall + accuracy with it."""
+    model, _ = toy
+    out = tmp_path / "head"
+    _script("distil_retrieval_head").main([
+        "--model", str(model.path), "--context", "512", "--num-seqs", "3", "--queries", "8", "--steps", "2",
+        "--batch", "2", "--eval-every", "1", "--ckpt-dir", str(tmp_path / "ck"),
+        "--log", str(tmp_path / "l.jsonl"), "--plot", str(tmp_path / "l.png"), "--export", str(out)])
+    head = sc.load_head(out, model)
+    assert head.config.tap_layer == 1 and (tmp_path / "l.png").is_file()
+    assert len((tmp_path / "l.jsonl").read_text().splitlines()) == 2
+    res = tmp_path / "r.json"
+    _script("eval_retrieval_head").main([
+        "--model", str(model.path), "--head", str(out), "--tasks", "mq_niah", "--contexts", "512",
+        "--budgets", "16,4096", "--num", "1", "--accuracy", "--out", str(res)])
+    row = json.loads(res.read_text())["rows"][0]
+    for sel in ("head", "oracle", "streaming"):
+        assert row["recall"][sel]["4096"][:2] == pytest.approx([1.0, 1.0], abs=1e-5)  # B > context: all
+        assert 0.0 < row["recall"][sel]["16"][1] < 1.0
+    assert row["spec_4096"] == row["full"]
