@@ -43,6 +43,7 @@ class ReuseStats:
     kv_writes: list[int]  # per layer: (token, KV head) K/V written
     ffn_rows: list[int]  # per layer: tokens through the FFN
     promoted_heads: list[int]  # per layer: local heads promoted by RedKnot's edge-mass restore
+    keys_seen: list[int]  # per layer: sum over query rows of the keys they may see (causal)
     prefill_s: float  # wall clock of the reuse prefill (copy + forward + first token), segment prefill excluded
     first_logits: np.ndarray | None = None
 
@@ -256,7 +257,7 @@ class Reuser:
         k_sel = pol.num_selected(lay) if pol.selects else 0
         k_sel = min(k_sel, int((~forced).sum()))
         width = H if getattr(pol, "per_head", False) else 1
-        T = bucket_for(n, powers_of_two(max(n, 128), start=128))
+        T = max(128, 1 << (n - 1).bit_length())
         R = min(T, bucket_for(int(forced.sum()) + width * k_sel, powers_of_two(T, start=8)))
 
         table = self._allocate(L * H * npg).reshape(L, H, npg)
@@ -274,7 +275,7 @@ class Reuser:
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
             probe = np.nonzero(lay.is_new)[0]
-        Np = bucket_for(max(probe.size, 1), powers_of_two(max(probe.size, 8), start=8))
+        Np = max(8, 1 << max(probe.size - 1, 0).bit_length())
         b["probe"] = np.full(Np, -1, np.int32)
         b["probe"][:probe.size] = probe
         src, dst, delta = [], [], []
@@ -306,9 +307,12 @@ class Reuser:
         tok, logprob = int(np.asarray(tok)[0]), float(np.asarray(logprob)[0])
         elapsed = time.perf_counter() - t0
         st = jax.tree.map(np.asarray, st)
+        rows = st["rows"][st["rows"] >= 0]
+        F = min(pol.full_layers, L)
+        keys_seen = [n * (n + 1) // 2] * F + [int((rows + 1).sum())] * (L - F)
         self.stats[req.request_id] = ReuseStats(
             pol.name, n, lay.num_reused, [int(x) for x in st["query_rows"]], [int(x) for x in st["kv_writes"]],
-            [int(x) for x in st["ffn_rows"]], [int(x) for x in st["promoted_heads"]], elapsed,
+            [int(x) for x in st["ffn_rows"]], [int(x) for x in st["promoted_heads"]], keys_seen, elapsed,
             np.asarray(logits) if self.keep_logits else None, heads=H)
 
         eng.tables.adopt_pages(req.request_id, table, slot, n - 1)

@@ -26,6 +26,28 @@ from pallas_kernels.paged_attention.api import paged_attention
 from pallas_kernels.rope_shift.api import rope_shift
 
 
+def _dense_attend(q, pool: KVPool, page_table, lengths, positions, scale):
+    """One sequence's attention over its gathered page list (CPU path: the paged twin maps over queries).
+    q [R, Hq, D]; page_table [H, P]; lengths [H]; positions [R] (-1 = padding row) -> [R, Hq, D]."""
+    h, p = page_table.shape
+    ps = pool.page_size
+    pages = jnp.maximum(page_table, 0)
+    k = pool.k[pages].reshape(h, p * ps, -1).astype(jnp.float32)
+    v = pool.v[pages].reshape(h, p * ps, -1).astype(jnp.float32)
+    kpos = jnp.where((page_table >= 0)[..., None], pool.pos[pages], -1).reshape(h, p * ps)
+    kpos = jnp.where(jnp.arange(p * ps)[None] < lengths[:, None], kpos, -1)
+    r, hq, d = q.shape
+    qg = q.reshape(r, h, hq // h, d).astype(jnp.float32)
+    logits = jnp.einsum("rhgd,hnd->hgrn", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+    vis = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= positions[None, :, None])  # [H, R, N]
+    logits = jnp.where(vis[:, None], logits, NEG)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.where(vis[:, None], jnp.exp(logits - m), 0.0)
+    probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("hgrn,hnd->rhgd", probs, v, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(r, hq, d).astype(q.dtype)
+
+
 def _ffn(p, cfg, x):
     h = llama.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
@@ -87,9 +109,13 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
                 promoted = jnp.zeros((H,), bool)
             w = w | ((positions >= 0)[:, None] & promoted[None])
         pool = write_kv(pool, kf, vf, positions, jnp.where(w, slots, -1))
-        q_seq = jnp.where(positions >= 0, 0, -1)
-        out, _ = paged_attention(q, pool.k, pool.v, pool.pos, b["page_table"][:, i], b["lengths"][:, i], q_seq,
-                                 jnp.maximum(positions, 0), zeros_h, zeros_h, scale=scale, implementation=impl)
+        if impl == "reference":
+            out = _dense_attend(q, pool, b["page_table"][0, i], b["lengths"][0, i], positions, scale)
+        else:
+            q_seq = jnp.where(positions >= 0, 0, -1)
+            out, _ = paged_attention(q, pool.k, pool.v, pool.pos, b["page_table"][:, i], b["lengths"][:, i],
+                                     q_seq, jnp.maximum(positions, 0), zeros_h, zeros_h, scale=scale,
+                                     implementation=impl)
         out = out.reshape(out.shape[0], -1) @ p["wo"]
         x = x + (out + p["bo"] if cfg.o_bias else out)
         ffn_mask = None
