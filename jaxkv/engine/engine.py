@@ -137,15 +137,11 @@ class Engine:
         `extra_key`; `reuse`: a method name from jaxkv.policies.reuse.REUSE_POLICIES or a ReusePolicy.
         Raises jaxkv.cache.segments.SegmentError (a ValueError) for a segment the request may not use.
         """
+        policy = self.reuser.check(segments, extra_key, reuse)
         seg_ids = [self.reuser.store.get(s, extra_key).tokens if isinstance(s, str) else s for s in segments]
         prompt = [int(t) for t in prefix_ids] + [int(t) for s in seg_ids for t in s] + [int(t) for t in suffix_ids]
         request_id = self.add_request(prompt, sampling, request_id, extra_key, _queue=False)
-        req = self._requests[request_id]
-        try:
-            self.reuser.add(req, prefix_ids, segments, suffix_ids, reuse)
-        except Exception:
-            self._requests.pop(request_id, None)
-            raise
+        self.reuser.add(self._requests[request_id], prefix_ids, segments, suffix_ids, policy)
         return request_id
 
     def register_segment(self, token_ids, extra_key: str | None = None, frozen: bool = False) -> str:

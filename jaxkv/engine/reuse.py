@@ -156,23 +156,23 @@ class Reuser:
             raise ValueError(f"{what} token ids must lie in [0, {vocab})")
 
     # ---- requests -----------------------------------------------------------------------------
-    def add(self, req: Request, prefix, segments, suffix, reuse) -> None:
-        """Validates and queues a reuse request (raises SegmentError / ValueError, nothing queued)."""
+    def check(self, segments, extra_key, reuse) -> ReusePolicy:
+        """Validates a reuse request's segments and method before anything is queued (SegmentError /
+        ValueError naming the problem); returns the resolved policy."""
         policy = resolve_reuse(reuse)
         if self.engine.tables.local.any():
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global'); the reuse method reads its own head-class map")
         for s in segments:
-            if isinstance(s, str):
-                e = self.store.get(s, req.extra_key)
-                if e.length >= self.engine.max_model_len:
-                    raise SegmentError(f"segment {s!r} has {e.length} tokens; the context holds "
-                                       f"{self.engine.max_model_len}")
-            else:
-                self._check_tokens(list(s), "segment")
-                if len(s) >= self.engine.max_model_len:
-                    raise SegmentError(f"a segment has {len(s)} tokens; the context holds "
-                                       f"{self.engine.max_model_len}")
+            n = self.store.get(s, extra_key).length if isinstance(s, str) else len(s)
+            if not isinstance(s, str):
+                self._check_tokens([int(t) for t in s], "segment")
+            if n >= self.engine.max_model_len:
+                name = repr(s) if isinstance(s, str) else "a segment"
+                raise SegmentError(f"{name} has {n} tokens; the context holds {self.engine.max_model_len}")
+        return policy
+
+    def add(self, req: Request, prefix, segments, suffix, policy: ReusePolicy) -> None:
         self.waiting.append(_Pending(req, list(prefix), list(segments), list(suffix), policy))
 
     def remove(self, req: Request) -> bool:
