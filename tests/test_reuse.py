@@ -80,7 +80,6 @@ def test_full_and_engine_equal_dense_and_recompute_all_equals_full(model, pieces
     out_full, st = run(make_engine(model), pre, [s1, s2], suf, "full")
     np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
     # The ordinary step loop gives the same greedy tokens.
-    eng = make_engine(model)
     outs = jaxkv.generate(model, [prompt], GREEDY, page_size=4, attn_impl="reference",
                           head_classes=all_global(model.config.num_layers, model.config.num_kv_heads))
     assert outs[0].token_ids == out_full
