@@ -17,7 +17,7 @@ import jaxkv
 from jaxkv.cache.head_classes import HeadClass, HeadClassMap
 from jaxkv.engine.engine import Engine
 from jaxkv.models import llama
-from jaxkv.policies import POLICIES, SelectContext, get_policy, select
+from jaxkv.policies import POLICIES, CompressPolicy, SelectContext, get_policy, select
 from jaxkv.policies.compress.hardkv import solve_temperature, topp_count
 from jaxkv.sampling import SamplingParams
 from tests.hf_tiny import make_tiny_checkpoint
@@ -95,7 +95,7 @@ def dense_greedy_with_keep(model, prompt, n, kept):
     return ids[p:]
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(n for n, c in POLICIES.items() if issubclass(c, CompressPolicy)))
 def test_policy_through_engine_equals_dense_oracle(model, name):
     prompts = prompts_for(model, [150, 97])
     pol = get_policy(name, budget=48, window=16, **({"sink": 4} if name != "streaming_llm" else {}))
@@ -247,6 +247,8 @@ def test_bad_policy_input_is_a_clear_error(model):
         get_policy("snapkv", temperature=3)
     with pytest.raises(ValueError, match="kv_budget needs a kv_policy"):
         Engine(model, kv_budget=0.5)
+    with pytest.raises(ValueError, match="retrieval policy"):
+        Engine(model, kv_policy="specontext")
     assert dataclasses.replace(get_policy("hardkv"), budget=0.5).budget == 0.5
 
 

@@ -275,6 +275,30 @@ class HeadPageTables:
         seq.last_pos = num_tokens - 1
         self._seqs[seq_id] = seq
 
+    def adopt_pages(self, seq_id, table, num_slots: int, last_pos: int) -> None:
+        """Starts ``seq_id`` from a ready page list (segment reuse, `jaxkv.engine.reuse`).
+
+        ``table [L, H, n]`` page ids, each already holding one reference for this sequence (the tables take
+        it over); storage slots ``0..num_slots-1`` are the prompt's, holes included (they carry position
+        -1, which every attention path skips); the next append goes to storage index ``num_slots`` at a
+        position after ``last_pos``. Global heads only.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"adopt_pages: sequence {seq_id!r} already exists")
+        if self.local.any():
+            raise ValueError("adopt_pages: needs every head to keep full history (window 0)")
+        table = np.asarray(table, np.int32)
+        n = -(-int(num_slots) // self.page_size)
+        if table.shape != (self.num_layers, self.num_kv_heads, n):
+            raise ValueError(f"adopt_pages: {num_slots} slots need [{self.num_layers}, {self.num_kv_heads}, {n}] "
+                             f"pages (got {table.shape})")
+        seq = _Seq(self.num_layers, self.num_kv_heads, n)
+        seq.table[:, :, :n] = table
+        seq.npages[:] = n
+        seq.written[:] = num_slots
+        seq.last_pos = int(last_pos)
+        self._seqs[seq_id] = seq
+
     def _get(self, seq_id) -> _Seq:
         seq = self._seqs.get(seq_id)
         if seq is None:

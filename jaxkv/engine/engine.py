@@ -23,6 +23,7 @@ from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.request import Request, RequestOutput, Status
+from jaxkv.engine.reuse import Reuser
 from jaxkv.engine.runner import DecodeBatch, ModelRunner, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
 from jaxkv.policies import CompressPolicy, get_policy
@@ -106,6 +107,7 @@ class Engine:
         self.page_size = page_size
         self.decode_steps = decode_steps
         self.compressor = Compressor(self)
+        self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
@@ -121,7 +123,7 @@ class Engine:
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, sampling: SamplingParams | None = None, request_id: str | None = None,
                     extra_key: str | None = None, kv_policy: CompressPolicy | str | None = None,
-                    kv_budget: float | None = None) -> str:
+                    kv_budget: float | None = None, *, _queue: bool = True) -> str:
         """Queues a request. `kv_policy` / `kv_budget` override the engine's compression policy for it
         (a policy object, or a name from jaxkv.policies.POLICIES with an optional budget)."""
         sampling = sampling or SamplingParams()
@@ -148,11 +150,38 @@ class Engine:
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
                       stream=stream, kv_policy=policy)
         self._requests[request_id] = req
-        self.scheduler.add(req)
+        if _queue:
+            self.scheduler.add(req)
         return request_id
+
+    def add_reuse_request(self, prefix_ids, segments, suffix_ids, reuse="naive",
+                          sampling: SamplingParams | None = None, request_id: str | None = None,
+                          extra_key: str | None = None) -> str:
+        """Queues a prompt ``prefix | segments | suffix`` whose segments reuse cached K/V (jaxkv/engine/reuse.py).
+
+        `segments`: segment ids (`register_segment`) or token lists (registered on first sight) in namespace
+        `extra_key`; `reuse`: a method name from jaxkv.policies.reuse.REUSE_POLICIES or a ReusePolicy.
+        Raises jaxkv.cache.segments.SegmentError (a ValueError) for a segment the request may not use.
+        """
+        policy = self.reuser.check(segments, extra_key, reuse)
+        seg_ids = [self.reuser.store.get(s, extra_key).tokens if isinstance(s, str) else s for s in segments]
+        prompt = [int(t) for t in prefix_ids] + [int(t) for s in seg_ids for t in s] + [int(t) for t in suffix_ids]
+        request_id = self.add_request(prompt, sampling, request_id, extra_key, _queue=False)
+        self.reuser.add(self._requests[request_id], prefix_ids, segments, suffix_ids, policy)
+        return request_id
+
+    def register_segment(self, token_ids, extra_key: str | None = None, frozen: bool = False) -> str:
+        """Prefills `token_ids` once (positions 0..) into the segment store; returns the segment id."""
+        return self.reuser.register(token_ids, extra_key, frozen).segment_id
+
+    def delete_segment(self, segment_id: str, extra_key: str | None = None) -> None:
+        self.reuser.store.delete(segment_id, extra_key)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
+        if req is not None and self.reuser.remove(req):
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+            return
         if req is not None and not req.finished:
             self.scheduler.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
@@ -165,19 +194,19 @@ class Engine:
         return precompile(self, progress)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.reuser.waiting)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduled device call. A multi-step decode call returns one output per generated token (in
-        order), so streaming stays token by token."""
+        """One scheduled device call (after any reuse prefills waiting). A multi-step decode call returns one
+        output per generated token (in order), so streaming stays token by token."""
+        outputs = self.reuser.step() if self.reuser.waiting else []
         chunks = self.scheduler.schedule(self.decode_steps, room=self._room)
         if not chunks:
-            return []
+            return outputs
         if chunks[0].steps:
-            return self._step_decode(chunks)
+            return outputs + self._step_decode(chunks)
         tokens, logprobs = self.runner.run(self._build_batch(chunks))
-        outputs = []
         for row, chunk in enumerate(chunks):
             req = chunk.request
             sampled = chunk.samples
@@ -345,6 +374,9 @@ def _resolve_policy(policy, budget, model) -> CompressPolicy | None:
         return None
     if isinstance(policy, str):
         policy = get_policy(policy, **({} if budget is None else {"budget": budget}))
+        if not isinstance(policy, CompressPolicy):
+            raise ValueError(f"kv_policy {policy.name!r} is a retrieval policy (jaxkv/policies/retrieve), not a "
+                             "compression policy; the engine's kv_policy takes compression policies")
     elif not isinstance(policy, CompressPolicy):
         raise ValueError(f"kv_policy must be a policy name or a CompressPolicy (got {type(policy).__name__})")
     elif budget is not None:

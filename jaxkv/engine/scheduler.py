@@ -45,6 +45,12 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
+        self.segments = None  # a jaxkv.cache.segments.SegmentStore whose idle entries may be evicted
+
+    def add_running(self, request: Request) -> None:
+        """Takes a request whose prompt was prefilled outside the step loop (segment reuse) as running."""
+        request.status = Status.RUNNING
+        self.running.append(request)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -147,6 +153,8 @@ class Scheduler:
         """Frees pages until `need` fit: idle prefix-cache pages first, then the newest running request."""
         while not self.allocator.can_allocate(need):
             if self.prefix is not None and self.prefix.evict(need - self.allocator.num_free) > 0:
+                continue
+            if self.segments is not None and self.segments.evict(need - self.allocator.num_free) > 0:
                 continue
             # Only requests newer than `protect` may go: older ones already hold this step's slots.
             victims = self.running[self.running.index(protect) + 1:] if protect is not None else []

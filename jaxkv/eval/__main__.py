@@ -38,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "per head (> 1)")
     ap.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="KV policy methods: another policy field, e.g. --policy-arg window=32")
+    ap.add_argument("--method-opts", default="", help="method fields, e.g. ratio=0.3,full_layers=2 (reuse methods)")
     args = ap.parse_args(argv)
     loader = args.task.split(":", 1)[0] if ":" in args.task else None
     if loader is None and args.task not in TASKS:
@@ -76,8 +77,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not (model_dir / "config.json").is_file():
         ap.error(f"--model {str(model_dir)!r} is not a model directory (no config.json)")
     args.model_dir = model_dir
+    try:
+        args.method_opts = _parse_opts(args.method_opts)
+    except ValueError as e:
+        ap.error(f"--method-opts: {e}")
     args.loader = loader
     return args
+
+
+def _parse_opts(text: str) -> dict:
+    """``a=1,b=0.5,c=true`` -> {"a": 1, "b": 0.5, "c": True}."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if "=" not in item:
+            raise ValueError(f"expected key=value, got {item!r}")
+        key, val = (t.strip() for t in item.split("=", 1))
+        low = val.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                try:
+                    out[key] = float(val)
+                except ValueError:
+                    out[key] = val
+    return out
 
 
 def load_instances(args):
@@ -101,7 +127,8 @@ def run(args) -> dict:
     model = jaxkv.load(args.model_dir, dtype=args.dtype)
     tok = model.tokenizer
     instances = load_instances(args)
-    method = get_method(args.method, model, **getattr(args, "policy_fields", {}))
+    fields = {**getattr(args, "method_opts", {}), **getattr(args, "policy_fields", {})}
+    method = get_method(args.method, model, **fields)
     reference = get_method("full", model) if method.compare_to_full and args.method != "full" else None
     stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
     rows = []
@@ -117,7 +144,8 @@ def run(args) -> dict:
                "f1": metrics.token_f1(pred, inst.target), "ttft_s": out.ttft_s,
                "kv_bytes_held": out.kv_bytes_held, "kv_bytes_loaded": out.kv_bytes_loaded,
                "prefill_flops_attention": out.prefill_flops["attention"],
-               "prefill_flops_ffn": out.prefill_flops["ffn"], "prediction": pred, "target": inst.target}
+               "prefill_flops_ffn": out.prefill_flops["ffn"], "prediction": pred, "target": inst.target,
+               "recompute_fraction": out.prefill_flops.get("recompute_fraction", 1.0)}
         if reference is None and args.method != "full":   # a baseline with no model: no agreement to report
             row |= {"logit_cosine": float("nan"), "top1_agree": float("nan"), "top10_overlap": float("nan")}
         else:
@@ -126,7 +154,7 @@ def run(args) -> dict:
         rows.append(row)
     keys = ["score", "exact_match", "f1", "logit_cosine", "top1_agree", "top10_overlap", "ttft_s",
             "kv_bytes_held", "kv_bytes_loaded", "prefill_flops_attention", "prefill_flops_ffn",
-            "prompt_tokens"]
+            "prompt_tokens", "recompute_fraction"]
     summary = {k: float(np.mean([r[k] for r in rows])) for k in keys}
     # TTFT of the first instance includes compilation; the median is the steady-state figure.
     summary["ttft_s_median"] = float(np.median([r["ttft_s"] for r in rows]))
@@ -147,7 +175,8 @@ def print_table(res: dict) -> None:
           f"f1={s['f1']:.3f} em={s['exact_match']:.3f} top1={s['top1_agree']:.3f} "
           f"kv_held_MB={s['kv_bytes_held'] / 2**20:.2f} "
           f"prefill_GFLOP_attn={s['prefill_flops_attention'] / 1e9:.2f} "
-          f"prefill_GFLOP_ffn={s['prefill_flops_ffn'] / 1e9:.2f} ttft_median_s={s['ttft_s_median']:.4f}")
+          f"prefill_GFLOP_ffn={s['prefill_flops_ffn'] / 1e9:.2f} ttft_median_s={s['ttft_s_median']:.4f} "
+          f"recompute={s['recompute_fraction']:.3f}")
 
 
 def main(argv=None) -> int:

@@ -254,3 +254,6 @@ class RandomCopy(Method):
         ids, counts = np.unique(pool, return_counts=True)
         first[ids] = np.log(counts / counts.sum())
         return MethodOutput(out, first, 0.0, 0, 0, {"attention": 0.0, "ffn": 0.0})
+
+
+from jaxkv.eval import reuse_methods as _reuse_methods  # noqa: E402,F401  (registers the engine methods)

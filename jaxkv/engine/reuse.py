@@ -1,0 +1,340 @@
+"""Engine side of segment reuse: register segments, lay out a request's pages, run the reuse prefill.
+
+A reuse request is ``prefix | segments | suffix`` plus a method (`jaxkv.policies.reuse`). Segments are named
+by id (registered before, e.g. a frozen knowledge base) or given as tokens (looked up by content, prefilled
+by the engine on first sight). Admission (`step`, before the scheduler's step) lays the prompt out in fresh
+pages per (layer, KV head): the prefix from storage slot 0, then every reused segment from a page boundary
+(the tail of the page before it is a hole: position -1, invisible to every attention path), then the
+suffix right after the last segment. One jitted call (`reuse_prefill`) copies the segments' pages there
+with their RoPE delta, recomputes what the method asks for and samples the first token; the request then
+decodes in the ordinary step loop. Reused K/V never enter the prefix cache (they are approximate); a
+preempted reuse request is recomputed in full like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.allocator import OutOfPages
+from jaxkv.cache.head_classes import HeadClassMap, load_or_default
+from jaxkv.cache.segments import SegmentEntry, SegmentError, SegmentStore
+from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.request import Request, Status
+from jaxkv.engine.runner import StepBatch
+from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
+from jaxkv.policies.reuse.apply import reuse_prefill
+
+
+@dataclasses.dataclass
+class ReuseStats:
+    """What one reuse prefill did (per request)."""
+
+    method: str
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose K/V came from segments
+    recomputed_rows: list[int]  # per layer: prompt tokens run through the layer (query rows)
+    kv_writes: list[int]  # per layer: (token, KV head) K/V written
+    ffn_rows: list[int]  # per layer: tokens through the FFN
+    promoted_heads: list[int]  # per layer: local heads promoted by RedKnot's edge-mass restore
+    keys_seen: list[int]  # per layer: sum over query rows of the keys they may see (causal)
+    prefill_s: float  # wall clock of the reuse prefill (copy + forward + first token), segment prefill excluded
+    first_logits: np.ndarray | None = None
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Share of the reused tokens' (layer, KV head) K/V recomputed."""
+        if not self.reused_tokens:
+            return 1.0
+        new = self.prompt_tokens - self.reused_tokens
+        per_head = np.asarray(self.kv_writes, np.float64) / max(self.heads, 1) - new
+        return float(np.clip(per_head / self.reused_tokens, 0, 1).mean())
+
+    heads: int = 1
+
+
+@dataclasses.dataclass
+class _Pending:
+    req: Request
+    prefix: list[int]
+    segments: list  # str ids or token lists
+    suffix: list[int]
+    policy: ReusePolicy
+
+
+class Reuser:
+    def __init__(self, engine, reuse_head_classes: HeadClassMap | None = None, keep_logits: bool = False):
+        self.engine = engine
+        cfg = engine.model.config
+        self.cfg = cfg
+        self.page_size = engine.page_size
+        self.store = SegmentStore(engine.allocator, engine.page_size, getattr(engine.model, "model_id", "model"))
+        engine.scheduler.segments = self.store
+        hc = reuse_head_classes
+        if hc is None:
+            path = getattr(engine.model, "path", None)
+            hc = load_or_default(path, cfg.num_layers, cfg.num_kv_heads) if path else engine.head_classes
+        kinds = hc.kinds()
+        sink = np.array([[c.sink for c in row] for row in hc.classes], np.int32)
+        window = np.array([[c.window for c in row] for row in hc.classes], np.int32)
+        self.heads = {"is_global": kinds != "local", "sink": np.where(kinds == "local", sink, 0),
+                      "window": np.where(kinds == "local", window, 0)}
+        self.impl = "reference" if engine.runner.attn_impl == "reference" else None
+        self.waiting: deque[_Pending] = deque()
+        self.stats: dict[str, ReuseStats] = {}
+        self.keep_logits = keep_logits
+
+    # ---- segments -----------------------------------------------------------------------------
+    def register(self, tokens, extra_key: str | None = None, frozen: bool = False) -> SegmentEntry:
+        """The entry for `tokens` in namespace `extra_key`, prefilled by the engine if new (positions 0..)."""
+        tokens = [int(t) for t in tokens]
+        self._check_tokens(tokens, "segment")
+        if len(tokens) >= self.engine.max_model_len:
+            raise SegmentError(f"segment has {len(tokens)} tokens; the context holds {self.engine.max_model_len}")
+        e = self.store.find(tokens, extra_key)
+        if e is not None:
+            if frozen:
+                self.store.freeze(e)
+            return e
+        L, H, ps = self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
+        n = len(tokens)
+        npg = -(-n // ps)
+        ids = self._allocate(L * H * npg).reshape(L, H, npg)
+        try:
+            self._prefill_segment(tokens, ids)
+        except Exception:
+            self.engine.allocator.decref(ids)
+            raise
+        return self.store.insert(tokens, extra_key, ids, frozen=frozen)
+
+    def _prefill_segment(self, tokens, pages) -> None:
+        """The engine's own prefill of a segment into `pages` [L, H, n] (chunks of max_step_tokens)."""
+        eng, ps = self.engine, self.page_size
+        L, H = self.cfg.num_layers, self.cfg.num_kv_heads
+        n = len(tokens)
+        step = eng.scheduler.max_step_tokens
+        P = bucket_for(pages.shape[2], powers_of_two(max(pages.shape[2], 1), start=4))
+        table = np.full((1, L, H, P), -1, np.int32)
+        table[0, :, :, :pages.shape[2]] = pages
+        for s in range(0, n, step):
+            m = min(step, n - s)
+            T = bucket_for(m, eng._token_buckets)
+            idx = np.arange(s, s + m)
+            slots = pages[:, :, idx // ps].transpose(2, 0, 1) * ps + (idx % ps)[:, None, None]
+            b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+                          q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
+                          page_table=table, lengths=np.full((1, L, H), s + m, np.int32),
+                          logits_index=np.array([m - 1], np.int32), temperature=np.zeros(1, np.float32),
+                          top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
+                          seeds=np.zeros(1, np.uint32), counters=np.zeros(1, np.int32))
+            b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = tokens[s:s + m], idx, 0, slots
+            eng.runner.run(b)
+        if n % ps:  # blank the stale positions past the segment's end in its last page
+            last = pages[:, :, -1].ravel()
+            eng.runner.pool = _blank(eng.runner.pool, np.asarray(last, np.int32), n % ps)
+
+    def _allocate(self, n: int) -> np.ndarray:
+        alloc = self.engine.allocator
+        while not alloc.can_allocate(n):
+            short = n - alloc.num_free
+            if self.store.evict(short) > 0:
+                continue
+            if self.engine.prefix is not None and self.engine.prefix.evict(short) > 0:
+                continue
+            raise OutOfPages(f"segment reuse needs {n} pages, {alloc.num_free} are free")
+        return alloc.allocate(n)
+
+    def _check_tokens(self, tokens, what: str) -> None:
+        vocab = self.cfg.vocab_size
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+            raise ValueError(f"{what} token ids must lie in [0, {vocab})")
+
+    # ---- requests -----------------------------------------------------------------------------
+    def check(self, segments, extra_key, reuse) -> ReusePolicy:
+        """Validates a reuse request's segments and method before anything is queued (SegmentError /
+        ValueError naming the problem); returns the resolved policy."""
+        policy = resolve_reuse(reuse)
+        if self.engine.tables.local.any():
+            raise ValueError("segment reuse needs an engine whose heads all keep full history "
+                             "(head_classes='all_global'); the reuse method reads its own head-class map")
+        for s in segments:
+            n = self.store.get(s, extra_key).length if isinstance(s, str) else len(s)
+            if not isinstance(s, str):
+                self._check_tokens([int(t) for t in s], "segment")
+            if n >= self.engine.max_model_len:
+                name = repr(s) if isinstance(s, str) else "a segment"
+                raise SegmentError(f"{name} has {n} tokens; the context holds {self.engine.max_model_len}")
+        return policy
+
+    def add(self, req: Request, prefix, segments, suffix, policy: ReusePolicy) -> None:
+        self.waiting.append(_Pending(req, list(prefix), list(segments), list(suffix), policy))
+
+    def remove(self, req: Request) -> bool:
+        for p in list(self.waiting):
+            if p.req is req:
+                self.waiting.remove(p)
+                return True
+        return False
+
+    def step(self) -> list:
+        """Admits queued reuse requests (prefill + first token); returns their RequestOutputs."""
+        outs = []
+        while self.waiting:
+            p = self.waiting[0]
+            try:
+                out = self._admit(p)
+            except OutOfPages:
+                break  # head of line waits for pages
+            except SegmentError as err:  # e.g. a segment deleted while the request waited
+                p.req.status, p.req.finish_reason = Status.FINISHED, "abort"
+                p.req.text = f"error: {err}"
+                self.engine._requests.pop(p.req.request_id, None)
+                out = self.engine._output(p.req, [], [])
+            self.waiting.popleft()
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _admit(self, p: _Pending):
+        _eng, req, pol = self.engine, p.req, p.policy
+        _L, _H, _ps = self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
+        entries: list[SegmentEntry | None] = []
+        seg_tokens = []
+        for s in p.segments:
+            if isinstance(s, str):
+                e = self.store.get(s, req.extra_key)  # may have been deleted while queued
+                seg_tokens.append(list(e.tokens))
+            else:
+                seg_tokens.append([int(t) for t in s])
+                e = self.register(s, req.extra_key) if pol.reuses and len(s) else None
+            entries.append(e if pol.reuses else None)
+        for e in entries:
+            if e is not None:
+                self.store.acquire(e)
+        try:
+            return self._prefill(p, entries, seg_tokens)
+        finally:
+            for e in entries:
+                if e is not None:
+                    self.store.release(e)
+
+    def _prefill(self, p: _Pending, entries, seg_tokens):
+        eng, req, pol = self.engine, p.req, p.policy
+        cfg = self.cfg
+        L, H, ps = cfg.num_layers, cfg.num_kv_heads, self.page_size
+        # Layout: token -> storage slot (same for every head); reused segments start on a page boundary.
+        tokens, storage, is_new, seg_index, seg_offset, bounds, copies = [], [], [], [], [], [], []
+        slot = 0
+        pieces = [(p.prefix, None)] + list(zip(seg_tokens, entries)) + [(p.suffix, None)]
+        for _si, (toks, e) in enumerate(pieces):
+            if e is not None:
+                slot = -(-slot // ps) * ps
+                start = len(tokens)
+                bounds.append((start, start + len(toks)))
+                copies.append((e, slot // ps, start - e.start))
+            for j, t in enumerate(toks):
+                tokens.append(t)
+                storage.append(slot)
+                slot += 1
+                is_new.append(e is None)
+                seg_index.append(len(bounds) - 1 if e is not None else -1)
+                seg_offset.append(j if e is not None else -1)
+        n = len(tokens)
+        npg = -(-slot // ps)
+        if npg + -(-req.sampling.max_tokens // ps) > eng.max_pages_per_head:
+            raise SegmentError(f"the prompt laid out with page-aligned segments needs {npg} pages per head; "
+                               f"the context holds {eng.max_pages_per_head}")
+        lay = Layout(n, np.array(is_new), np.array(seg_index, np.int32), np.array(seg_offset, np.int32),
+                     tuple(bounds), ps)
+        forced = pol.forced(lay)
+        forced[n - 1] = True
+        k_sel = pol.num_selected(lay) if pol.selects else 0
+        k_sel = min(k_sel, int((~forced).sum()))
+        width = H if getattr(pol, "per_head", False) else 1
+        T = max(128, 1 << (n - 1).bit_length())
+        R = min(T, bucket_for(int(forced.sum()) + width * k_sel, powers_of_two(T, start=8)))
+
+        table = self._allocate(L * H * npg).reshape(L, H, npg)
+        storage = np.array(storage, np.int64)
+        slots = table[:, :, storage // ps].transpose(2, 0, 1) * ps + (storage % ps)[:, None, None]
+        Pb = bucket_for(npg, powers_of_two(max(npg, eng.max_pages_per_head), start=4))
+        b = {"tokens": np.zeros(T, np.int32), "positions": np.full(T, -1, np.int32),
+             "is_new": np.zeros(T, bool), "forced": np.zeros(T, bool), "seg_offset": np.full(T, -1, np.int32),
+             "slots": np.full((T, L, H), -1, np.int32), "page_table": np.full((1, L, H, Pb), -1, np.int32),
+             "lengths": np.full((1, L, H), slot, np.int32), "last": np.int32(n - 1)}
+        b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
+        b["forced"][:n], b["seg_offset"][:n], b["slots"][:n] = forced, lay.seg_offset, slots
+        b["page_table"][0, :, :, :npg] = table
+        first_reused = bounds[0][0] if bounds else n
+        probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
+        if probe.size == 0:
+            probe = np.nonzero(lay.is_new)[0]
+        Np = max(8, 1 << max(probe.size - 1, 0).bit_length())
+        b["probe"] = np.full(Np, -1, np.int32)
+        b["probe"][:probe.size] = probe
+        src, dst, delta = [], [], []
+        for e, page0, d in copies:
+            m = e.pages.shape[2]
+            src.append(e.pages.ravel())
+            dst.append(table[:, :, page0:page0 + m].ravel())
+            delta.append(np.full(e.pages.size, d, np.int32))
+        M = bucket_for(max(sum(s.size for s in src), 1), powers_of_two(1 << 30, start=64))
+        for name, parts in (("src", src), ("dst", dst), ("delta", delta)):
+            arr = np.full(M, -1 if name != "delta" else 0, np.int32)
+            if parts:
+                flat = np.concatenate(parts)
+                arr[:flat.size] = flat
+            b[name] = arr
+        C = bucket_for(table.size, powers_of_two(1 << 30, start=64))
+        b["clear"] = np.full(C, -1, np.int32)
+        b["clear"][:table.size] = table.ravel()
+        sp = req.sampling
+        b.update(temperature=np.array([sp.temperature], np.float32), top_k=np.array([sp.top_k], np.int32),
+                 top_p=np.array([sp.top_p], np.float32), seeds=np.array([req.seed], np.uint32),
+                 counters=np.zeros(1, np.int32))
+
+        t0 = time.perf_counter()
+        pool, tok, logprob, logits, st = reuse_prefill(
+            eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg, policy=pol, num_rows=R,
+            num_selected=k_sel, impl=self.impl)
+        eng.runner.pool = pool
+        tok, logprob = int(np.asarray(tok)[0]), float(np.asarray(logprob)[0])
+        elapsed = time.perf_counter() - t0
+        st = jax.tree.map(np.asarray, st)
+        rows = st["rows"][st["rows"] >= 0]
+        F = min(pol.full_layers, L)
+        keys_seen = [n * (n + 1) // 2] * F + [int((rows + 1).sum())] * (L - F)
+        self.stats[req.request_id] = ReuseStats(
+            pol.name, n, lay.num_reused, [int(x) for x in st["query_rows"]], [int(x) for x in st["kv_writes"]],
+            [int(x) for x in st["ffn_rows"]], [int(x) for x in st["promoted_heads"]], keys_seen, elapsed,
+            np.asarray(logits) if self.keep_logits else None, heads=H)
+
+        eng.tables.adopt_pages(req.request_id, table, slot, n - 1)
+        req.num_computed = n
+        req.output_ids.append(tok)
+        req.output_logprobs.append(logprob)
+        eng._check_stop(req)
+        out = eng._output(req, [tok], [logprob])
+        if req.finished:
+            eng.tables.release(req.request_id)
+            eng._requests.pop(req.request_id, None)
+        else:
+            eng.scheduler.add_running(req)
+        return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _blank_impl(pos, pages, start):
+    keep = jnp.arange(pos.shape[1])[None] < start
+    return pos.at[pages].set(jnp.where(keep, pos[pages], -1))
+
+
+def _blank(pool, pages: np.ndarray, start: int):
+    """Sets slots ``start..page_size-1`` of `pages` to position -1 (outside any step)."""
+    return dataclasses.replace(pool, pos=_blank_impl(pool.pos, pages, np.int32(start)))

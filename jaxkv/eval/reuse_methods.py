@@ -1,0 +1,94 @@
+"""Eval methods that run through the serving engine (`jaxkv.engine`): `reuse_full` and the segment-reuse methods.
+
+Each method owns one `Engine` (all heads full-history, prefix caching off, one sequence) for all instances,
+so compilations are shared. A prompt's segments are registered on first sight by the engine's own prefill
+(not counted in TTFT: it is the offline part of reuse), then `Engine.add_reuse_request` runs the method and
+the request decodes greedily in the ordinary step loop. `reuse_full` is the same path with the `full` policy
+(every token recomputed, no segment looked up): it must match the dense `full` oracle. Options reach the
+reuse policy as fields (`--method-opts ratio=0.3,full_layers=2`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.cache.head_classes import all_global
+from jaxkv.eval import metrics
+from jaxkv.eval.methods import Method, MethodOutput, PromptPieces, register_method
+from jaxkv.sampling import SamplingParams
+
+
+class EngineReuse(Method):
+    """Base: `policy_name` + `opts` -> a ReusePolicy; one engine per method instance."""
+
+    policy_name = "full"
+
+    def __init__(self, model, **opts):
+        super().__init__(model)
+        from jaxkv.engine.engine import Engine
+        from jaxkv.policies.reuse import get_reuse_policy
+
+        self.policy = get_reuse_policy(self.policy_name, **opts)
+        self._engine_cls = Engine
+        self.engine = None
+
+    def _engine_for(self, num_tokens: int):
+        """One engine sized for the longest prompt so far: a pool of ~4 prompts (the request, its segments,
+        slack) keeps every whole-pool op cheap on CPU."""
+        cfg, ps = self.model.config, 16
+        need = 4 * cfg.num_layers * cfg.num_kv_heads * (num_tokens // ps + 16)
+        if self.engine is None or self.engine.allocator.num_pages < need:
+            self.engine = self._engine_cls(
+                self.model, page_size=ps, num_pages=need, max_num_seqs=1, max_step_tokens=512,
+                max_model_len=min(cfg.max_position_embeddings, 2 * num_tokens + 1024),
+                head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False)
+            self.engine.reuser.keep_logits = True
+        return self.engine
+
+    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
+        cfg = self.model.config
+        eng = self._engine_for(len(pieces.ids) + max_new_tokens)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
+                            ignore_eos=True)
+        rid = eng.add_reuse_request(pieces.prefix, pieces.segments, pieces.suffix, reuse=self.policy, sampling=sp)
+        out: list[int] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out += o.new_token_ids
+        st = eng.reuser.stats.pop(rid)
+        if out and out[-1] in stop_ids:
+            out = out[:-1]
+        n = st.prompt_tokens
+        itemsize = np.dtype(eng.runner.pool.k.dtype).itemsize
+        held = metrics.kv_bytes(cfg, n + len(out), itemsize)
+        loaded = metrics.kv_bytes(cfg, int(np.mean(st.keys_seen)), itemsize)
+        loaded += sum(metrics.kv_bytes(cfg, n + i + 1, itemsize) for i in range(len(out)))
+        self.last_stats = st
+        return MethodOutput(out, st.first_logits, st.prefill_s, held, loaded, flops(cfg, st))
+
+
+def flops(cfg, st) -> dict[str, float]:
+    """Analytical prefill FLOPs of what the reuse pass computed (2 per MAC; selection overhead left out):
+    q/o projections per query row, k/v projections per written (token, KV head), causal scores + values
+    per (query row, visible key), SwiGLU per FFN row."""
+    h, d, i, hq = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads
+    attn = ffn = 0.0
+    for rows, writes, keys, frows in zip(st.recomputed_rows, st.kv_writes, st.keys_seen, st.ffn_rows,
+                                         strict=True):
+        attn += 2 * h * d * (2 * hq * rows + 2 * writes) + 4 * hq * d * keys
+        ffn += 6 * h * i * frows
+    return {"attention": attn, "ffn": ffn, "total": attn + ffn,
+            "recompute_fraction": st.recompute_fraction, "reused_tokens": st.reused_tokens}
+
+
+def _make(name: str, policy: str, doc: str):
+    cls = type(f"Eval_{name}", (EngineReuse,), {"policy_name": policy, "name": name, "__doc__": doc})
+    return register_method(name)(cls)
+
+
+_make("reuse_full", "full", "The reuse path with the `full` policy: every token prefilled (must equal `full`).")
+_make("naive", "naive", "Reuse every segment's rotated K/V, recompute only the new text.")
+_make("epic", "epic", "EPIC: recompute the first tokens of each segment plus the new text.")
+_make("cacheblend", "cacheblend", "CacheBlend: recompute the reused tokens with the largest K/V deviation.")
+_make("sparsex", "sparsex", "SparseX: Sparse-Q top-k + overflow + tail fallback, full-then-sparse split.")
+_make("redknot", "redknot", "RedKnot: head-aware recovery, sparse FFN, edge-mass restore.")

@@ -1,0 +1,197 @@
+"""The jitted reuse prefill: copy + rotate segment pages, then a two-phase forward that recomputes what the
+method asks for (the only caller of the `ReusePolicy` device hooks).
+
+One call per request: (1) fresh pages get position -1 (holes stay invisible); (2) `rope_shift` copies every
+reused page of every (layer, KV head) to the request's pages with its position delta, one fused pass;
+(3) layers ``< full_layers`` run on every prompt token; (4) at layer ``full_layers`` the rows to recompute
+are the forced tokens plus the method's top-k; (5) the remaining layers run on those rows only, writing
+K/V per (row, head) as `head_writes` says and the FFN on `ffn_rows`; (6) the last prompt token's logits
+are sampled like an engine step. Attention is the engine's paged attention over the request's page table
+(keys masked by their stored positions), so recomputed and reused K/V mix exactly as a later decode sees
+them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.cache.pool import KVPool, write_kv
+from jaxkv.models import llama, rope
+from jaxkv.policies.reuse.base import NEG, LayerView, ReusePolicy
+from jaxkv.sampling import sample
+from pallas_kernels.paged_attention.api import paged_attention
+from pallas_kernels.rope_shift.api import rope_shift
+
+
+def _dense_attend(q, pool: KVPool, page_table, lengths, positions, scale):
+    """One sequence's attention over its gathered page list (CPU path: the paged twin maps over queries).
+    q [R, Hq, D]; page_table [H, P]; lengths [H]; positions [R] (-1 = padding row) -> [R, Hq, D]."""
+    h, p = page_table.shape
+    ps = pool.page_size
+    pages = jnp.maximum(page_table, 0)
+    k = pool.k[pages].reshape(h, p * ps, -1).astype(jnp.float32)
+    v = pool.v[pages].reshape(h, p * ps, -1).astype(jnp.float32)
+    kpos = jnp.where((page_table >= 0)[..., None], pool.pos[pages], -1).reshape(h, p * ps)
+    kpos = jnp.where(jnp.arange(p * ps)[None] < lengths[:, None], kpos, -1)
+    r, hq, d = q.shape
+    qg = q.reshape(r, h, hq // h, d).astype(jnp.float32)
+    logits = jnp.einsum("rhgd,hnd->hgrn", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+    vis = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= positions[None, :, None])  # [H, R, N]
+    logits = jnp.where(vis[:, None], logits, NEG)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.where(vis[:, None], jnp.exp(logits - m), 0.0)
+    probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("hgrn,hnd->rhgd", probs, v, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(r, hq, d).astype(q.dtype)
+
+
+def _ffn(p, cfg, x):
+    h = llama.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "num_selected", "impl"),
+                   donate_argnames=("pool",))
+def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
+                  num_selected: int, impl: str | None = None):
+    """Returns (pool, token [1], logprob [1], logits [V], stats).
+
+    b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); slots [T, L, H];
+    page_table [1, L, H, P]; lengths [1, L, H]; probe [Np] row indices (-1 pad); clear [C] pages to blank,
+    src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; sampling rows [1].
+    heads: is_global, sink, window [L, H] (the reuse head-class map). num_rows: static row bucket of the
+    sparse phase (>= forced + selected); num_selected: static top-k.
+    """
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    scale = cfg.head_dim ** -0.5
+    freqs = rope.inv_freq(cfg)
+    zeros_h = jnp.zeros((H,), jnp.int32)
+    n_pages, ps = pool.pos.shape
+
+    # (1) + (2): blank the request's fresh pages, then copy + rotate the reused ones (all layers, heads).
+    clear = b["clear"]
+    pos = pool.pos.at[jnp.where(clear >= 0, clear, n_pages)].set(-1, mode="drop")
+    k, v, pos = rope_shift(pool.k, pool.v, pos, b["src"], b["dst"], b["delta"], jnp.asarray(freqs),
+                           style="neox", implementation=impl)
+    pool = KVPool(k=k, v=v, pos=pos, page_size=ps)
+
+    def cached_kv(pool, slots):  # K/V the cache holds at `slots` [R, H] (zeros where -1)
+        flat = jnp.maximum(slots, 0).reshape(-1)
+        kc = pool.k.reshape(n_pages * ps, -1)[flat].reshape(*slots.shape, -1)
+        vc = pool.v.reshape(n_pages * ps, -1)[flat].reshape(*slots.shape, -1)
+        return kc, vc
+
+    def layer_step(i, x, rows, pool, writes_mask, want_view=False, selected=None):
+        """One layer over rows: returns x, pool, stats. `rows` = dict of per-row arrays."""
+        p = params["layers"][i]
+        positions = rows["positions"]
+        q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
+                               jnp.maximum(positions, 0)[None], freqs)
+        q, kf, vf = q[0], kf[0], vf[0]
+        slots = rows["slots"][:, i]
+        view = None
+        if want_view:
+            kc, vc = cached_kv(pool, slots)
+            view = LayerView(q=q, k=kf, v=vf, k_cached=kc, v_cached=vc, positions=positions,
+                             is_new=rows["is_new"], forced=rows["forced"], seg_offset=rows["seg_offset"],
+                             probe=rows["probe"], is_global=heads["is_global"][i], sink=heads["sink"][i],
+                             window=heads["window"][i], layer=i)
+        if writes_mask is None:
+            w = (positions >= 0)[:, None] & jnp.ones((1, H), bool)
+            promoted = jnp.zeros((H,), bool)
+        else:
+            w = policy.head_writes(view, selected)
+            promoted = policy.head_promote(view)
+            if promoted is None:
+                promoted = jnp.zeros((H,), bool)
+            w = w | ((positions >= 0)[:, None] & promoted[None])
+        pool = write_kv(pool, kf, vf, positions, jnp.where(w, slots, -1))
+        if impl == "reference":
+            out = _dense_attend(q, pool, b["page_table"][0, i], b["lengths"][0, i], positions, scale)
+        else:
+            q_seq = jnp.where(positions >= 0, 0, -1)
+            out, _ = paged_attention(q, pool.k, pool.v, pool.pos, b["page_table"][:, i], b["lengths"][:, i],
+                                     q_seq, jnp.maximum(positions, 0), zeros_h, zeros_h, scale=scale,
+                                     implementation=impl)
+        out = out.reshape(out.shape[0], -1) @ p["wo"]
+        x = x + (out + p["bo"] if cfg.o_bias else out)
+        ffn_mask = None
+        if view is not None:
+            def probs_after_writes():
+                kc_after, _ = cached_kv(pool, slots)
+                return view.probe_probs(kc_after)
+            ffn_mask = policy.ffn_rows(view, probs_after_writes)
+        f = _ffn(p, cfg, x)
+        valid = positions >= 0
+        fm = valid if ffn_mask is None else ffn_mask & valid
+        x = x + jnp.where(fm[:, None], f, 0).astype(x.dtype)
+        stats = (jnp.sum(w), jnp.sum(valid), jnp.sum(fm), jnp.sum(promoted))
+        return x, pool, stats, view
+
+    all_rows = {k_: b[k_] for k_ in ("positions", "slots", "is_new", "forced", "seg_offset", "probe")}
+    x = params["embed"][b["tokens"]]
+    F = min(policy.full_layers, L)
+    stats = []
+    for i in range(F):  # (3) dense phase
+        x, pool, st, _ = layer_step(i, x, all_rows, pool, None)
+        stats.append(st)
+
+    # (4) selection at layer F.
+    T = b["tokens"].shape[0]
+    valid = b["positions"] >= 0
+    forced = b["forced"] & valid
+    selected = jnp.ones((T, H), bool)
+    if F < L and policy.selects and num_selected > 0:
+        p = params["layers"][F]
+        q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
+                               jnp.maximum(b["positions"], 0)[None], freqs)
+        kc, vc = cached_kv(pool, b["slots"][:, F])
+        view = LayerView(q=q[0], k=kf[0], v=vf[0], k_cached=kc, v_cached=vc, positions=b["positions"],
+                         is_new=b["is_new"], forced=forced, seg_offset=b["seg_offset"], probe=b["probe"],
+                         is_global=heads["is_global"][F], sink=heads["sink"][F], window=heads["window"][F],
+                         layer=F)
+        sc = policy.score(view).astype(jnp.float32)
+        sc2 = sc if sc.ndim == 2 else sc[:, None]
+        cand = valid & ~forced
+        sc2 = jnp.where(cand[:, None], sc2, NEG)
+        kk = min(num_selected, T)
+        val, idx = jax.lax.top_k(sc2.T, kk)  # [H', k]
+        hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(val > NEG / 2).T
+        alive = forced | jnp.any(hsel, axis=1)
+        selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads)
+        selected = jnp.broadcast_to(selected, (T, H))
+    else:
+        alive = forced
+
+    # (5) sparse phase on the alive rows (ascending token order; padding rows at the end).
+    (idx,) = jnp.nonzero(alive, size=num_rows, fill_value=-1)
+    ok = idx >= 0
+    gi = jnp.maximum(idx, 0)
+    rows = {"positions": jnp.where(ok, b["positions"][gi], -1), "slots": jnp.where(ok[:, None, None],
+            b["slots"][gi], -1), "is_new": b["is_new"][gi] & ok, "forced": forced[gi] & ok,
+            "seg_offset": jnp.where(ok, b["seg_offset"][gi], -1)}
+    # Probe rows re-indexed into the compacted rows.
+    where_row = jnp.full((T + 1,), -1, jnp.int32).at[jnp.where(ok, idx, T)].set(jnp.arange(num_rows))
+    rows["probe"] = jnp.where(b["probe"] >= 0, where_row[jnp.maximum(b["probe"], 0)], -1)
+    sel_rows = selected[gi] & ok[:, None]
+    xr = x[gi]
+    for i in range(F, L):
+        xr, pool, st, _ = layer_step(i, xr, rows, pool, True, want_view=True, selected=sel_rows)
+        stats.append(st)
+
+    hidden = llama.rms_norm(xr, params["final_norm"], cfg.rms_norm_eps)
+    last_row = jnp.argmax(rows["positions"] == b["last"])
+    logits = llama.lm_head(params, cfg, hidden[last_row][None])
+    tok, logprob = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"], b["seeds"],
+                          b["counters"])
+    st = {name: jnp.stack([s[j] for s in stats]) for j, name in
+          enumerate(("kv_writes", "query_rows", "ffn_rows", "promoted_heads"))}
+    st["rows"] = idx
+    return pool, tok, logprob, logits[0], st
+
+
+def num_compilations() -> int:
+    return reuse_prefill._cache_size()

@@ -1,0 +1,188 @@
+"""The reuse seam: what a segment-reuse method sees and decides (docs/policies.md, "Reuse").
+
+A prompt is ``prefix | segment_1 .. segment_n | suffix``. Every segment's K/V was prefilled once at
+positions ``0..n_i-1`` and is copied into the request's pages rotated to its new positions; what a method
+decides is which K/V to *recompute* so the answer stays right. The device pass
+(`jaxkv.policies.reuse.apply.reuse_prefill`) runs in two phases:
+
+1. layers ``0 .. full_layers-1`` on every prompt token (dense: every token's K/V rewritten);
+2. at layer ``full_layers`` the method picks the recompute rows: the host-forced tokens (`forced`, at least
+   the new text) plus ``num_selected`` more chosen by `score` (top-k over the reused tokens); layers
+   ``full_layers .. L-1`` then run on those rows only, the other reused tokens keep their rotated cached
+   K/V. Per layer, `head_writes` says which (row, KV head) K/V are written (all by default; RedKnot repairs
+   local heads only near segment starts) and `ffn_rows` which rows get the FFN (all by default).
+
+A method is one frozen dataclass: validated fields, host hooks over a `Layout` (numpy), pure-jnp device
+hooks over a `LayerView`. No method sees the engine, the pool or the page tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Host view of one prompt: which tokens are new and where each reused segment sits."""
+
+    num_tokens: int
+    is_new: np.ndarray  # [n] bool: prefix / suffix / segments nobody cached (no K/V to reuse)
+    seg_index: np.ndarray  # [n] int32 index of the reused segment holding the token, -1 = new
+    seg_offset: np.ndarray  # [n] int32 offset of the token inside its segment, -1 = new
+    seg_bounds: tuple[tuple[int, int], ...]  # (start, end) prompt positions of every reused segment
+    page_size: int
+
+    @property
+    def num_reused(self) -> int:
+        return int((~self.is_new).sum())
+
+    def new_intervals(self) -> list[tuple[int, int]]:
+        """Maximal runs [a, b) of new tokens."""
+        out, start = [], None
+        for i, n in enumerate(self.is_new):
+            if n and start is None:
+                start = i
+            if not n and start is not None:
+                out.append((start, i))
+                start = None
+        if start is not None:
+            out.append((start, self.num_tokens))
+        return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerView:
+    """One layer of the reuse pass over R rows (prompt tokens in this phase). Pure arrays."""
+
+    q: jax.Array  # [R, Hq, D] post-RoPE queries of the rows (fp32)
+    k: jax.Array  # [R, Hkv, D] fresh post-RoPE keys of the rows (from this pass's hidden states)
+    v: jax.Array  # [R, Hkv, D] fresh values
+    k_cached: jax.Array  # [R, Hkv, D] what the cache holds for the rows before this layer's writes
+    v_cached: jax.Array  # [R, Hkv, D]
+    positions: jax.Array  # [R] int32, -1 = padding row
+    is_new: jax.Array  # [R] bool
+    forced: jax.Array  # [R] bool: always recomputed (new text and the method's host-forced tokens)
+    seg_offset: jax.Array  # [R] int32 offset inside the reused segment, -1 = new
+    probe: jax.Array  # [Np] int32 row indices of the probe queries (the new text after the first segment)
+    is_global: jax.Array  # [Hkv] bool: the head-class map's global heads of this layer
+    sink: jax.Array  # [Hkv] int32 local heads' sink (0 for global heads)
+    window: jax.Array  # [Hkv] int32 local heads' window (0 for global heads)
+    layer: int = dataclasses.field(metadata={"static": True}, default=0)
+
+    @property
+    def valid(self) -> jax.Array:
+        return self.positions >= 0
+
+    def probe_probs(self, k: jax.Array | None = None) -> jax.Array:
+        """[Hkv, G, Np, R] softmax of the probe queries over the rows' keys (`k`, default the fresh ones),
+        causal by position, fp32; padding probes are all zero."""
+        k = self.k if k is None else k
+        hkv = k.shape[1]
+        rows = self.probe >= 0
+        pi = jnp.maximum(self.probe, 0)
+        qp = self.q[pi].astype(jnp.float32)  # [Np, Hq, D]
+        g = qp.shape[1] // hkv
+        qp = qp.reshape(qp.shape[0], hkv, g, -1)
+        logits = jnp.einsum("nhgd,rhd->hgnr", qp, k.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * (qp.shape[-1] ** -0.5)
+        qpos = self.positions[pi]
+        vis = (self.positions[None, :] >= 0) & (self.positions[None, :] <= qpos[:, None]) & rows[:, None]
+        logits = jnp.where(vis[None, None], logits, NEG)
+        m = jnp.max(logits, axis=-1, keepdims=True)
+        e = jnp.where(vis[None, None], jnp.exp(logits - m), 0.0)
+        return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def _check_int(policy, field: str, lo: int = 0) -> None:
+    v = getattr(policy, field)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{policy.name}: {field} must be an integer >= {lo} (got {v!r})")
+
+
+def _check_frac(policy, field: str) -> None:
+    v = getattr(policy, field)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not 0 <= v <= 1:
+        raise ValueError(f"{policy.name}: {field} must be a fraction in [0, 1] (got {v!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReusePolicy:
+    """Base of the reuse methods. `full_layers` = layers recomputed for every token before selection."""
+
+    name: ClassVar[str] = "base"
+    # Reuses segment K/V at all (False: the prompt is prefilled as plain text, segments are not looked up).
+    reuses: ClassVar[bool] = True
+    # The method's `score` picks extra rows at layer `full_layers` (else only the forced rows recompute).
+    selects: ClassVar[bool] = False
+    full_layers: int = 0
+
+    def __post_init__(self):
+        _check_int(self, "full_layers")
+
+    # ---- host side --------------------------------------------------------------------------------
+    def forced(self, lay: Layout) -> np.ndarray:
+        """[n] bool tokens recomputed in every sparse layer (default: the new text)."""
+        return lay.is_new.copy()
+
+    def num_selected(self, lay: Layout) -> int:
+        """Reused tokens `score` adds to the forced ones (static per prompt bucket)."""
+        return 0
+
+    # ---- device side (pure jnp) -------------------------------------------------------------------
+    def score(self, view: LayerView) -> jax.Array:
+        """[R] (or [R, Hkv] for per-head selection) higher = recompute; called at layer `full_layers`."""
+        raise NotImplementedError
+
+    def head_writes(self, view: LayerView, selected: jax.Array) -> jax.Array:
+        """[R, Hkv] bool: (row, KV head) whose fresh K/V replaces the cached one in this layer.
+        `selected` [R, Hkv] is the per-head choice made at the selection layer (all True by default)."""
+        return view.valid[:, None] & selected
+
+    def ffn_rows(self, view: LayerView, attn_probs_fn) -> jax.Array | None:
+        """[R] bool rows that get the FFN in this layer, or None for all. `attn_probs_fn()` returns the
+        probe attention over the rows' keys after this layer's writes ([Hkv, G, Np, R])."""
+        return None
+
+    def head_promote(self, view: LayerView) -> jax.Array | None:
+        """[Hkv] bool heads to recompute for every row in this layer (RedKnot's restore), or None."""
+        return None
+
+
+REUSE_POLICIES: dict[str, type] = {}
+
+
+def register_reuse(cls):
+    if cls.name in REUSE_POLICIES:
+        raise ValueError(f"reuse policy {cls.name!r} is registered twice")
+    REUSE_POLICIES[cls.name] = cls
+    return cls
+
+
+def get_reuse_policy(name: str, **fields) -> ReusePolicy:
+    """Builds the reuse method `name` with `fields`."""
+    if name not in REUSE_POLICIES:
+        raise ValueError(f"unknown reuse method {name!r}; choose from {sorted(REUSE_POLICIES)}")
+    cls = REUSE_POLICIES[name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"reuse method {name!r} has no field(s) {unknown}; fields: {sorted(known)}")
+    return cls(**fields)
+
+
+def resolve_reuse(policy) -> ReusePolicy:
+    """A ReusePolicy, or a registered name."""
+    if isinstance(policy, str):
+        return get_reuse_policy(policy)
+    if not isinstance(policy, ReusePolicy):
+        raise ValueError(f"reuse must be a method name or a ReusePolicy (got {type(policy).__name__})")
+    return policy

@@ -1,0 +1,80 @@
+"""RedKnot (Liu et al. 2026, arXiv:2606.06256): head-aware recovery + sparse FFN + edge-mass restore.
+
+Every token's hidden state is carried through every layer (global heads need the whole prompt), but K/V are
+rewritten per head: a *global* head (head-class map) gets fresh K/V for every token; a *local* head keeps
+the rotated cached K/V except where its window changed: the new text, its sink positions and the first
+`window` tokens of each segment (whose window reaches across the segment start) — "sink + window repaired".
+From layer `dense_until` on, the FFN runs only on the tokens that receive the most attention from the new
+text (smallest set holding `mass_thresh` of the probe mass, summed over heads), plus the last `recent_n`
+tokens and the new text; the others pass through the residual.
+
+Edge-mass restore (the paper names it, never defines it; our definition): for each local head, the probes'
+attention over fresh keys is measured at the window's edge — keys at distance >= (1 - `edge_frac`) *
+window from the query, sinks excluded, i.e. the oldest `edge_frac` of the window and everything past it.
+If the mean mass there exceeds `edge_thresh`, the head is promoted to full recompute in that layer.
+``edge_thresh >= 1`` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.policies.reuse.base import LayerView, Layout, ReusePolicy, _check_frac, _check_int, register_reuse
+
+
+@register_reuse
+@dataclasses.dataclass(frozen=True)
+class RedKnot(ReusePolicy):
+    name = "redknot"
+    dense_until: int = 2  # layers with a dense FFN (the paper's 20 of 32-80; 2 of 8 here)
+    mass_thresh: float = 0.5
+    recent_n: int = 128
+    edge_frac: float = 0.25
+    edge_thresh: float = 0.2
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int(self, "dense_until")
+        _check_int(self, "recent_n")
+        _check_frac(self, "mass_thresh")
+        _check_frac(self, "edge_frac")
+        if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
+            raise ValueError(f"{self.name}: edge_thresh must be >= 0 (got {self.edge_thresh!r})")
+
+    def forced(self, lay: Layout) -> np.ndarray:
+        return np.ones(lay.num_tokens, bool)  # every hidden state is carried
+
+    def head_promote(self, view: LayerView):
+        if self.edge_thresh >= 1:
+            return None
+        p = view.probe_probs()  # [Hkv, G, Np, R] over fresh keys
+        qpos = view.positions[jnp.maximum(view.probe, 0)]  # [Np]
+        dist = qpos[:, None] - view.positions[None, :]  # [Np, R]
+        edge = (dist[None] >= ((1 - self.edge_frac) * view.window)[:, None, None]) & (
+            view.positions[None, None, :] >= view.sink[:, None, None])  # [Hkv, Np, R]
+        mass = jnp.sum(p * edge[:, None], axis=-1)  # [Hkv, G, Np]
+        nprobe = jnp.maximum(jnp.sum(view.probe >= 0), 1)
+        mean = jnp.sum(jnp.mean(mass, axis=1), axis=-1) / nprobe  # [Hkv]
+        return ~view.is_global & (mean > self.edge_thresh)
+
+    def head_writes(self, view: LayerView, selected):
+        pos, off = view.positions[:, None], view.seg_offset[:, None]
+        repaired = view.is_new[:, None] | (pos < view.sink[None]) | ((off >= 0) & (off < view.window[None]))
+        return view.valid[:, None] & (view.is_global[None] | repaired)
+
+    def ffn_rows(self, view: LayerView, attn_probs_fn):
+        if view.layer < self.dense_until:
+            return None
+        mass = jnp.sum(attn_probs_fn(), axis=(0, 1, 2))  # [R] probe mass received
+        order = jnp.argsort(-mass)
+        csum = jnp.cumsum(mass[order]) / jnp.maximum(jnp.sum(mass), 1e-30)
+        keep_sorted = (csum - mass[order] / jnp.maximum(jnp.sum(mass), 1e-30)) < self.mass_thresh
+        top = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+        last = jnp.max(view.positions)
+        recent = view.positions > last - self.recent_n
+        return view.valid & (top | recent | view.is_new)
+
+

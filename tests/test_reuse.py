@@ -1,0 +1,188 @@
+"""Segment reuse through the engine: store contract, RoPE shift, method degenerate cases, bad input, no leaks."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache.allocator import PageAllocator
+from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
+from jaxkv.cache.segments import SegmentError, SegmentStore
+from jaxkv.engine.engine import Engine
+from jaxkv.models import llama, rope
+from jaxkv.policies.reuse import REUSE_POLICIES, get_reuse_policy
+from jaxkv.sampling import SamplingParams
+from pallas_kernels.rope_shift.api import rope_shift
+from tests.hf_tiny import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-reuse")))
+
+
+@pytest.fixture(scope="module")
+def pieces(model):
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (5, 19, 13, 7)]
+
+
+def make_engine(model, **kw):
+    cfg = model.config
+    eng = Engine(model, page_size=4, max_model_len=128, head_classes=all_global(cfg.num_layers, cfg.num_kv_heads),
+                 attn_impl="reference", **kw)
+    eng.reuser.keep_logits = True
+    return eng
+
+
+def run(eng, prefix, segments, suffix, reuse, **kw):
+    rid = eng.add_reuse_request(prefix, segments, suffix, reuse=reuse, sampling=GREEDY, **kw)
+    out = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+    return out, eng.reuser.stats[rid]
+
+
+def dense_last_logits(model, ids):
+    return np.asarray(model.logits(np.array([ids])))[0, -1]
+
+
+def test_rope_shift_of_a_segment_equals_keys_computed_at_the_new_position(model):
+    # Layer 0's keys depend only on the token and its position: K(p + d) = R(d) K(p) exactly (fp32).
+    cfg, p = model.config, model.params["layers"][0]
+    rng = np.random.default_rng(1)
+    toks = rng.integers(3, cfg.vocab_size, size=8)
+    x = llama.rms_norm(model.params["embed"][toks][None], p["attn_norm"], cfg.rms_norm_eps)
+
+    def keys(start):
+        _, k, _ = llama._qkv(p, cfg, x, jnp.arange(start, start + 8)[None], rope.inv_freq(cfg))
+        return np.asarray(k[0, :, 0])  # [8, D] KV head 0
+
+    k0, k37 = keys(0), keys(37)
+    pages = jnp.zeros((2, 8, cfg.head_dim)).at[0].set(k0)
+    pos = jnp.full((2, 8), -1, jnp.int32).at[0].set(jnp.arange(8))
+    kk, _, pp = rope_shift(pages, pages, pos, jnp.array([0]), jnp.array([1]), jnp.array([37]),
+                           jnp.asarray(rope.inv_freq(cfg)), implementation="reference")
+    np.testing.assert_allclose(np.asarray(kk[1]), k37, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(pp[1]), np.arange(37, 45))
+
+
+def test_full_and_engine_equal_dense_and_recompute_all_equals_full(model, pieces):
+    pre, s1, s2, suf = pieces
+    prompt = pre + s1 + s2 + suf
+    dense = dense_last_logits(model, prompt)
+    out_full, st = run(make_engine(model), pre, [s1, s2], suf, "full")
+    np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
+    # The ordinary step loop gives the same greedy tokens.
+    outs = jaxkv.generate(model, [prompt], GREEDY, page_size=4, attn_impl="reference",
+                          head_classes=all_global(model.config.num_layers, model.config.num_kv_heads))
+    assert outs[0].token_ids == out_full
+    # Every reuse method degenerates to full when everything is recomputed.
+    for name, fields in [("cacheblend", {"ratio": 1.0}), ("sparsex", {"ratio": 1.0}), ("epic", {"first": 64}),
+                         ("naive", {"full_layers": 99}), ("redknot", {"dense_until": 99, "edge_thresh": 0.0})]:
+        out, st = run(make_engine(model), pre, [s1, s2], suf, get_reuse_policy(name, **fields))
+        np.testing.assert_allclose(st.first_logits, dense, atol=1e-4, err_msg=name)
+        assert out == out_full, name
+
+
+def test_naive_reuse_at_position_zero_equals_full(model, pieces):
+    # A segment reused where it was prefilled (position 0, nothing before it) is exact; so is the copy
+    # of a segment after a page-aligned prefix (holes) when nothing before it changes its K/V.
+    _, s1, _, suf = pieces
+    dense = dense_last_logits(model, s1 + suf)
+    out, st = run(make_engine(model), [], [s1], suf, "naive")
+    np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
+    assert st.reused_tokens == len(s1) and st.recompute_fraction == 0.0
+
+
+def test_naive_is_approximate_and_recompute_fraction_orders_the_methods(model, pieces):
+    pre, s1, s2, suf = pieces
+    dense = dense_last_logits(model, pre + s1 + s2 + suf)
+    _, naive = run(make_engine(model), pre, [s1, s2], suf, "naive")
+    _, blend = run(make_engine(model), pre, [s1, s2], suf, get_reuse_policy("cacheblend", ratio=0.5))
+    assert np.abs(naive.first_logits - dense).max() > 1e-2  # context-blind reuse really differs
+    assert 0 < blend.recompute_fraction < 1
+    assert naive.recompute_fraction == 0.0
+
+
+def test_redknot_repairs_local_heads_only_near_segment_starts(model, pieces):
+    cfg = model.config
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    hc = HeadClassMap(L, H, tuple(tuple(HeadClass.global_() if h == 0 else HeadClass.local(2, 4)
+                                        for h in range(H)) for _ in range(L)))
+    eng = make_engine(model)
+    eng.reuser.__init__(eng, reuse_head_classes=hc, keep_logits=True)
+    pre, s1, s2, suf = pieces
+    _, st = run(eng, pre, [s1, s2], suf, get_reuse_policy("redknot", edge_thresh=1.0, dense_until=99))
+    n, new = st.prompt_tokens, len(pre) + len(suf)
+    # Global head: every token; local heads: new text + first 4 of each segment (sinks 0, 1 are new).
+    assert st.kv_writes == [n + (H - 1) * (new + 4 + 4)] * L
+
+
+def test_segment_store_namespaces_frozen_delete_and_errors(model, pieces):
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model)
+    a = eng.register_segment(s1, extra_key="tenant-a", frozen=True)
+    b = eng.register_segment(s1, extra_key="tenant-b")
+    assert a != b
+    ea, eb = eng.reuser.store.get(a, "tenant-a"), eng.reuser.store.get(b, "tenant-b")
+    assert not set(ea.pages.ravel()) & set(eb.pages.ravel())  # namespaces never share pages
+    with pytest.raises(SegmentError, match="unknown segment"):
+        eng.add_reuse_request(pre, ["seg-nope"], suf, sampling=GREEDY)
+    with pytest.raises(SegmentError, match="does not exist in namespace"):
+        eng.add_reuse_request(pre, [a], suf, sampling=GREEDY, extra_key="tenant-b")
+    with pytest.raises(SegmentError, match="context holds"):
+        eng.add_reuse_request(pre, [list(range(3, 3 + 200))], suf, sampling=GREEDY)
+    with pytest.raises(ValueError, match="unknown reuse method"):
+        eng.add_reuse_request(pre, [a], suf, reuse="nope", sampling=GREEDY, extra_key="tenant-a")
+    out, _ = run(eng, pre, [a], suf, "naive", extra_key="tenant-a")
+    assert len(out) == GREEDY.max_tokens
+    eng.delete_segment(a, "tenant-a")
+    with pytest.raises(SegmentError, match="was deleted"):
+        eng.add_reuse_request(pre, [a], suf, sampling=GREEDY, extra_key="tenant-a")
+    assert not eng._requests
+
+
+def test_pool_free_count_returns_to_start(model, pieces):
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model)
+    free0 = eng.allocator.num_free
+    for name in REUSE_POLICIES:
+        run(eng, pre, [s1, s2], suf, name)
+    seg = eng.register_segment(s2, frozen=True)
+    rid = eng.add_reuse_request(pre, [seg, s1], suf, reuse="sparsex", sampling=GREEDY)
+    eng.step()
+    eng.abort(rid)
+    eng.delete_segment(seg)
+    assert eng.allocator.num_free < free0  # s1, s2 stay cached (LRU) ...
+    eng.reuser.store.clear()
+    assert eng.allocator.num_free == free0  # ... and nothing else holds a page
+
+
+def test_lru_eviction_under_pressure_keeps_frozen_longest(model):
+    alloc = PageAllocator(12)
+    store = SegmentStore(alloc, 4, "m")
+    ids = []
+    for i, frozen in enumerate([True, False, False]):
+        ids.append(store.insert([i] * 4, None, alloc.allocate(4).reshape(2, 2, 1), frozen=frozen).segment_id)
+    store.acquire(store.get(ids[2]))
+    assert store.evict(4) == 4  # the idle ordinary entry goes first
+    assert ids[1] not in store and ids[0] in store and ids[2] in store
+    assert store.evict(4) == 4 and ids[0] not in store  # then the frozen one; the used one never
+    assert store.evict(4) == 0 and ids[2] in store
+
+
+def test_policy_fields_are_validated():
+    with pytest.raises(ValueError, match="ratio"):
+        get_reuse_policy("cacheblend", ratio=1.5)
+    with pytest.raises(ValueError, match="no field"):
+        get_reuse_policy("epic", ratio=0.1)
+    with pytest.raises(ValueError, match="full_layers"):
+        get_reuse_policy("sparsex", full_layers=-1)
+    assert dataclasses.replace(get_reuse_policy("redknot"), edge_thresh=1.0).edge_thresh == 1.0
