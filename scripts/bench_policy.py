@@ -1,0 +1,125 @@
+"""Decode throughput under a KV compression policy against the full cache, same engine, same run (issue 11).
+
+Random-weight Llama checkpoint saved with transformers (`bench_e2e.make_checkpoint`), loaded with
+`jaxkv.load`; a batch of prompts generates a long continuation (greedy, EOS ignored, fresh engine per run,
+prefix caching off). Each method runs twice and the second run is timed (the first compiles every page-list
+bucket the run reaches; a policy's compile run is shorter, `--policy-warm-new`, since its page lists stay
+short). The policy compresses at the end of prefill and every `decode_interval` generated
+tokens, so the cache each head holds stays near `budget x prompt` however long the generation grows;
+the full cache grows to prompt + generated. Weights are random, so the scores pick arbitrary tokens: this
+measures speed and memory, not quality (docs/eval.md has the quality table).
+
+    python scripts/bench_policy.py --out docs/benchmarks.md            # GPU: 1B shape, 32 x 2K -> 16K
+    python scripts/bench_policy.py --small                             # CPU smoke mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_e2e import make_checkpoint, write_section  # noqa: E402
+
+
+def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_interval):
+    """Fresh engine, one batch to completion -> (seconds, tokens generated, peak pages held)."""
+    import numpy as np
+
+    from jaxkv.cache.head_classes import all_global
+    from jaxkv.engine.engine import Engine
+    from jaxkv.policies import get_policy
+    from jaxkv.sampling import SamplingParams
+
+    cfg = model.config
+    pol = None
+    if policy != "full":
+        name, _, budget = policy.partition("@")
+        pol = get_policy(name, budget=float(budget), decode_interval=decode_interval)
+    eng = Engine(model, page_size=page_size, max_num_seqs=batch, max_model_len=prompt + new + 1,
+                 max_step_tokens=max(prompt, 512), enable_prefix_caching=False,
+                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), kv_cache_bytes=kv_cache_bytes,
+                 kv_policy=pol)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, prompt).tolist() for _ in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    free0 = eng.allocator.num_free
+    t0 = time.perf_counter()
+    for p in prompts:
+        eng.add_request(p, sp)
+    generated, peak = 0, 0
+    while eng.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in eng.step())
+        peak = max(peak, free0 - eng.allocator.num_free)
+    return time.perf_counter() - t0, generated, peak, eng.compressor.num_compressions
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode)")
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--methods", default="full,hardkv@0.125,snapkv@0.125,streaming_llm@0.125")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=16384)
+    ap.add_argument("--policy-warm-new", type=int, default=2048,
+                    help="a policy's compile run generates this many tokens (its compressed page lists stay in "
+                         "the buckets a short run reaches); the full cache's compile run is full length")
+    ap.add_argument("--decode-interval", type=int, default=512, help="policies compress every N new tokens")
+    ap.add_argument("--out", default=None, help="markdown file whose section is replaced")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.small:
+        args.shape, args.batch, args.prompt, args.new, args.decode_interval = "small", 4, 64, 48, 16
+    import jax
+
+    import jaxkv
+
+    dtype = "float32" if args.small else "bfloat16"
+    page_size = 16
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        make_checkpoint(args.shape, Path(tmp), args.prompt + args.new + 1)
+        model = jaxkv.load(tmp, dtype=dtype)
+        cfg = model.config
+        token_bytes = 2 * cfg.head_dim * (4 if args.small else 2) * cfg.num_layers * cfg.num_kv_heads
+        kv_cache_bytes = int(1.1 * args.batch * (args.prompt + args.new + 2 * page_size) * token_bytes)
+        for method in args.methods.split(","):
+            kw = dict(batch=args.batch, prompt=args.prompt, new=args.new, page_size=page_size,
+                      kv_cache_bytes=kv_cache_bytes, decode_interval=args.decode_interval)
+            warm = kw if method == "full" else dict(kw, new=min(args.new, args.policy_warm_new))
+            run(model, method, **warm)  # compiles
+            secs, gen, peak, ncomp = run(model, method, **kw)
+            page_bytes = page_size * 2 * cfg.head_dim * (4 if args.small else 2)
+            row = {"method": method, "seconds": secs, "tokens": gen, "tok_s": gen / secs,
+                   "peak_kv_gb": peak * page_bytes / 1e9, "compressions": ncomp}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    base = rows[0]["tok_s"] if rows and rows[0]["method"] == "full" else None
+    cmd = "python scripts/" + Path(__file__).name + " " + shlex.join(sys.argv[1:] if argv is None else argv)
+    lines = [f"`{cmd}` on {jax.devices()[0].device_kind}; {args.shape} shape, random weights ({dtype}), "
+             f"batch {args.batch}, {args.prompt}-token prompts, {args.new} generated each, greedy, "
+             f"policies compress every {args.decode_interval} new tokens; second run of each timed.", "",
+             "| method | wall s | tok/s | vs full | peak KV GB held | compressions |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['method']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | {ratio} | "
+                     f"{r['peak_kv_gb']:.2f} | {r['compressions']} |")
+    print("\n".join(lines))
+    if args.out:
+        write_section(Path(args.out), "Decode throughput under KV compression (issue 11)", "\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
