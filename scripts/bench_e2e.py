@@ -199,7 +199,8 @@ def agreement(model_dir: Path, small: bool, device: str) -> tuple[float, int]:
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwargs: dict) -> list[list[str]]:
+def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwargs: dict,
+                max_prompt: int = 1 << 30, no_hf: bool = False) -> list[list[str]]:
     import jax
     import torch
     from transformers import LlamaForCausalLM
@@ -208,7 +209,9 @@ def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwar
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    wls = [w for w in workloads(small) if not only or w.name in only]
+    wls = [w for w in workloads(small) if (not only or w.name in only) and w.prompt <= max_prompt]
+    if no_hf:
+        wls = [dataclasses.replace(w, hf=False) for w in wls]
     max_len = max([w.prompt + w.new for w in wls] + [256])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / shape
@@ -296,6 +299,8 @@ def main(argv=None) -> list[list[str]]:
                                                "headclass-allglobal,agree)")
     ap.add_argument("--out", default=None, help="markdown file whose 'End to end' section is replaced")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--max-prompt", type=int, default=1 << 30, help="skip workloads with longer prompts")
+    ap.add_argument("--no-hf", action="store_true", help="jaxkv rows only (no transformers timings)")
     ap.add_argument("--engine", default="{}",
                     help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
     args = ap.parse_args(argv)
@@ -309,7 +314,7 @@ def main(argv=None) -> list[list[str]]:
 
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine))
+        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine), args.max_prompt, args.no_hf)
     dev = jax.devices()[0]
     cmd = "python scripts/bench_e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                              else sys.argv[1:]))
