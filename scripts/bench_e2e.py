@@ -128,6 +128,16 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
                  head_classes=head_class_map(w.head_classes, cfg.num_layers, cfg.num_kv_heads),
                  kv_cache_bytes=kv_cache_bytes, **(engine_kwargs or {}))
     sp = SamplingParams(temperature=0.0, max_tokens=w.new, ignore_eos=True)
+    calls = []  # (start, end) of each ragged step call: splits the first token's time into host and call
+    run = eng.runner.run
+
+    def timed_run(batch):
+        start = time.perf_counter()
+        out = run(batch)
+        calls.append((start, time.perf_counter()))
+        return out
+
+    eng.runner.run = timed_run
     t0 = time.perf_counter()
     ids = [eng.add_request(p, sp) for p in prompts]
     toks = {i: [] for i in ids}
@@ -138,6 +148,11 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
                 ttft = time.perf_counter() - t0
             toks[out.request_id].extend(out.new_token_ids)
     total = time.perf_counter() - t0
+    if calls and w.batch == 1:
+        (start, end), last = calls[0], calls[-1][1]
+        print(f"  first token: host before the step call {(start - t0) * 1e3:.1f} ms, step call (upload + device "
+              f"+ sync) {(end - start) * 1e3:.1f} ms, {len(calls)} step calls in {(last - t0) * 1e3:.1f} ms",
+              flush=True)
     return total, ttft, [toks[i] for i in ids]
 
 

@@ -43,6 +43,7 @@ class DeviceTables:
         self._alloc_rows(max(int(rows), 1) + 1)
         self._idx: list[np.ndarray] = []  # pending page-table writes, in order (flat index, value)
         self._val: list[np.ndarray] = []
+        self._cleared = False  # -1 writes pending: an index may be written twice before the next flush
         self._reset: set[int] = set()  # rows whose counters the device takes from the host at the next flush
         self._pending: dict[int, int] = {}  # row -> tokens appended since its last dispatch
 
@@ -74,6 +75,7 @@ class DeviceTables:
         if lh.size:
             self._idx.append((self._row[seq_id] * self.L * self.H + lh) * self.max_pages + j)
             self._val.append(np.full(lh.size, -1, np.int32))
+            self._cleared = True
 
     def append(self, seq_id, n: int) -> None:
         row = self._row[seq_id]
@@ -99,7 +101,7 @@ class DeviceTables:
         if self._idx:
             idx = np.concatenate(self._idx).astype(np.int64)
             val = np.concatenate(self._val)
-            if len(self._idx) > 1:  # the last write of an index wins (a freed page slot taken again)
+            if self._cleared:  # the last write of an index wins (a freed page slot taken again)
                 _, last = np.unique(idx[::-1], return_index=True)
                 keep = np.sort(idx.size - 1 - last)
                 idx, val = idx[keep], val[keep]
@@ -113,7 +115,7 @@ class DeviceTables:
                              for r in rows]).reshape(-1).astype(np.int32)
         else:
             widx, wval = np.zeros(0, np.int64), np.zeros(0, np.int32)
-        self._idx, self._val, self._reset = [], [], set()
+        self._idx, self._val, self._reset, self._cleared = [], [], set(), False
         top = UPDATE_BUCKETS[-1]
         for lo in range(0, max(idx.size, widx.size), top):
             a, b = idx[lo:lo + top], widx[lo:lo + top]
