@@ -150,9 +150,9 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
     total = time.perf_counter() - t0
     if calls and w.batch == 1:
         (start, end), last = calls[0], calls[-1][1]
-        print(f"  first token: host before the step call {(start - t0) * 1e3:.1f} ms, step call (upload + device "
-              f"+ sync) {(end - start) * 1e3:.1f} ms, {len(calls)} step calls in {(last - t0) * 1e3:.1f} ms",
-              flush=True)
+        print(f"  first token: host before the step call {(start - t0) * 1e3:.1f} ms, step call (upload + "
+              f"device + sync) {(end - start) * 1e3:.1f} ms, {len(calls)} step calls in "
+              f"{(last - t0) * 1e3:.1f} ms", flush=True)
     return total, ttft, [toks[i] for i in ids]
 
 
@@ -329,7 +329,8 @@ def main(argv=None) -> list[list[str]]:
 
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine), args.max_prompt, args.no_hf)
+        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine), args.max_prompt,
+                            args.no_hf)
     dev = jax.devices()[0]
     cmd = "python scripts/bench_e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                              else sys.argv[1:]))

@@ -84,7 +84,8 @@ def test_multistep_decode_matches_recent_lengths_and_slots():
     for it in range(6):
         n = {"a": K, "b": 1 + it % K}
         host = {s: tables.append(s, np.arange(pos[s], pos[s] + n[s])) for s in pos}
-        pt, slots, lens, prev, active = map(np.asarray, dev.decode_meta(["a", "b"], [n["a"], n["b"]], 4, 16, K))
+        meta = dev.decode_meta(["a", "b"], [n["a"], n["b"]], 4, 16, K)
+        pt, slots, lens, prev, active = map(np.asarray, meta)
         np.testing.assert_array_equal(pt[:2], host_meta(tables, ["a", "b"], 16)[0])
         for row, s in enumerate(["a", "b"]):
             m = n[s]

@@ -128,7 +128,8 @@ class HeadPageTables:
         return {str(k): int(per_head[kinds == k].sum()) for k in np.unique(kinds)}
 
     # ---- mutation -----------------------------------------------------------------------------
-    def append(self, seq_id, positions, through_pool: bool = True, return_slots: bool = True) -> np.ndarray | None:
+    def append(self, seq_id, positions, through_pool: bool = True,
+               return_slots: bool = True) -> np.ndarray | None:
         """Reserves slots for new tokens of ``seq_id`` (created if unknown).
 
         ``positions`` is np.int32[n], strictly increasing and after the sequence's last position.
@@ -336,7 +337,8 @@ class HeadPageTables:
 
 
 def _ranges(start: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) of ``start[r] .. start[r] + count[r] - 1`` for every row r, row-major: O(rows + total)."""
+    """(row, column) of ``start[r] .. start[r] + count[r] - 1`` for every row r, row-major;
+    O(rows + total)."""
     count = np.asarray(count, np.int64)
     rows = np.repeat(np.arange(count.size), count)
     first = np.cumsum(count) - count  # offset of each row's first entry

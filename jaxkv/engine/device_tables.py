@@ -36,7 +36,8 @@ class DeviceTables:
         self.L, self.H = tables.num_layers, tables.num_kv_heads
         self.page_size = tables.page_size
         self.max_pages = int(max_pages)
-        self.heads = {"sink": jnp.asarray(tables.sink, jnp.int32), "ring": jnp.asarray(tables._ring, jnp.int32),
+        self.heads = {"sink": jnp.asarray(tables.sink, jnp.int32),
+                      "ring": jnp.asarray(tables._ring, jnp.int32),
                       "local": jnp.asarray(tables.local), "cap": jnp.asarray(tables.capacity, jnp.int32)}
         self._row: dict = {}  # seq_id -> row
         self._seq: dict[int, object] = {}  # row -> seq_id
