@@ -128,6 +128,16 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
                  head_classes=head_class_map(w.head_classes, cfg.num_layers, cfg.num_kv_heads),
                  kv_cache_bytes=kv_cache_bytes, **(engine_kwargs or {}))
     sp = SamplingParams(temperature=0.0, max_tokens=w.new, ignore_eos=True)
+    calls = []  # (start, end) of each ragged step call: splits the first token's time into host and call
+    run = eng.runner.run
+
+    def timed_run(batch):
+        start = time.perf_counter()
+        out = run(batch)
+        calls.append((start, time.perf_counter()))
+        return out
+
+    eng.runner.run = timed_run
     t0 = time.perf_counter()
     ids = [eng.add_request(p, sp) for p in prompts]
     toks = {i: [] for i in ids}
@@ -138,6 +148,11 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
                 ttft = time.perf_counter() - t0
             toks[out.request_id].extend(out.new_token_ids)
     total = time.perf_counter() - t0
+    if calls and w.batch == 1:
+        (start, end), last = calls[0], calls[-1][1]
+        print(f"  first token: host before the step call {(start - t0) * 1e3:.1f} ms, step call (upload + "
+              f"device + sync) {(end - start) * 1e3:.1f} ms, {len(calls)} step calls in "
+              f"{(last - t0) * 1e3:.1f} ms", flush=True)
     return total, ttft, [toks[i] for i in ids]
 
 
@@ -199,7 +214,8 @@ def agreement(model_dir: Path, small: bool, device: str) -> tuple[float, int]:
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwargs: dict) -> list[list[str]]:
+def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwargs: dict,
+                max_prompt: int = 1 << 30, no_hf: bool = False) -> list[list[str]]:
     import jax
     import torch
     from transformers import LlamaForCausalLM
@@ -208,7 +224,9 @@ def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwar
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    wls = [w for w in workloads(small) if not only or w.name in only]
+    wls = [w for w in workloads(small) if (not only or w.name in only) and w.prompt <= max_prompt]
+    if no_hf:
+        wls = [dataclasses.replace(w, hf=False) for w in wls]
     max_len = max([w.prompt + w.new for w in wls] + [256])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / shape
@@ -296,6 +314,8 @@ def main(argv=None) -> list[list[str]]:
                                                "headclass-allglobal,agree)")
     ap.add_argument("--out", default=None, help="markdown file whose 'End to end' section is replaced")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--max-prompt", type=int, default=1 << 30, help="skip workloads with longer prompts")
+    ap.add_argument("--no-hf", action="store_true", help="jaxkv rows only (no transformers timings)")
     ap.add_argument("--engine", default="{}",
                     help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
     args = ap.parse_args(argv)
@@ -309,7 +329,8 @@ def main(argv=None) -> list[list[str]]:
 
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine))
+        rows += bench_shape(shape, args.small, only, log, json.loads(args.engine), args.max_prompt,
+                            args.no_hf)
     dev = jax.devices()[0]
     cmd = "python scripts/bench_e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                              else sys.argv[1:]))

@@ -66,6 +66,10 @@ class HeadPageTables:
         self._rule_groups = [(bool(k[0]), int(k[1]), int(k[2]), np.flatnonzero(which.reshape(-1) == g))
                              for g, k in enumerate(keys)]  # heads sharing one ring rule (static)
         self._seqs: dict[Hashable, _Seq] = {}
+        # Optional listener mirroring every page-table / counter change (the engine's device-resident
+        # tables, jaxkv/engine/device_tables.py): new(seq_id), pages(seq_id, lh, j, ids), append(seq_id, n),
+        # reset(seq_id) (counters changed otherwise than by an append), release(seq_id, lh, j).
+        self.journal = None
 
     # ---- queries ------------------------------------------------------------------------------
     def __contains__(self, seq_id) -> bool:
@@ -124,7 +128,8 @@ class HeadPageTables:
         return {str(k): int(per_head[kinds == k].sum()) for k in np.unique(kinds)}
 
     # ---- mutation -----------------------------------------------------------------------------
-    def append(self, seq_id, positions, through_pool: bool = True) -> np.ndarray:
+    def append(self, seq_id, positions, through_pool: bool = True,
+               return_slots: bool = True) -> np.ndarray | None:
         """Reserves slots for new tokens of ``seq_id`` (created if unknown).
 
         ``positions`` is np.int32[n], strictly increasing and after the sequence's last position.
@@ -132,6 +137,8 @@ class HeadPageTables:
         ``through_pool=False``: the step attends over its own new K/V rather than the pool (a fresh prompt
         through head_class_prefill), so ``n`` may exceed ``max_step_tokens``; a local head's token whose
         ring slot a later token of the same append takes gets slot -1 (never written).
+        ``return_slots=False`` skips the slot array (the engine computes slots on the device) and returns
+        None; host work is then O(L x H + new pages).
         """
         positions = np.asarray(positions)
         if positions.ndim != 1:
@@ -151,20 +158,26 @@ class HeadPageTables:
         ids = self.allocator.allocate(int(add.sum()))  # OutOfPages here leaves everything untouched
         if new:
             self._seqs[seq_id] = seq
+            if self.journal is not None:
+                self.journal.new(seq_id)
         if target.max() > seq.table.shape[2]:
             cap = max(int(target.max()), 2 * seq.table.shape[2])
             grown = np.full((self.num_layers, self.num_kv_heads, cap), -1, np.int32)
             grown[:, :, :seq.table.shape[2]] = seq.table
             seq.table = grown
-        j = np.arange(seq.table.shape[2])
-        fresh = (j >= seq.npages[..., None]) & (j < target[..., None])
-        seq.table[fresh] = ids  # C order over (layer, head, page) matches allocation order
+        if ids.size:  # (flat head, page index) of each new page, C order over (layer, head, page) = ids order
+            lh, j = _ranges(seq.npages.reshape(-1), add.reshape(-1))
+            seq.table.reshape(-1, seq.table.shape[2])[lh, j] = ids
+            if self.journal is not None:
+                self.journal.pages(seq_id, lh, j, ids)
         seq.npages = target
 
-        slots = self._slots(seq, n, through_pool)
+        slots = self._slots(seq, n, through_pool) if return_slots else None
         seq.written = seq.written + n
         if n:
             seq.last_pos = int(positions[-1])
+        if self.journal is not None:
+            self.journal.append(seq_id, n)
         return slots
 
     def _slots(self, seq: _Seq, n: int, through_pool: bool) -> np.ndarray:
@@ -233,13 +246,16 @@ class HeadPageTables:
         if not shrink.any():
             return 0
         keep = np.where(shrink, -(-counts // self.page_size), seq.npages)
-        j = np.arange(seq.table.shape[2])
-        drop = (j >= keep[..., None]) & (j < seq.npages[..., None])
-        freed = seq.table[drop]
+        lh, j = _ranges(keep.reshape(-1), (seq.npages - keep).reshape(-1))
+        flat = seq.table.reshape(-1, seq.table.shape[2])
+        freed = flat[lh, j]
         self.allocator.decref(freed)
-        seq.table[drop] = -1
+        flat[lh, j] = -1
         seq.npages = keep
         seq.written = np.where(shrink, counts, seq.written)
+        if self.journal is not None:
+            self.journal.release_pages(seq_id, lh, j)
+            self.journal.reset(seq_id)
         return int(freed.size)
 
     def release(self, seq_id) -> None:
@@ -247,6 +263,9 @@ class HeadPageTables:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.allocator.decref(seq.table[seq.table >= 0])
+            if self.journal is not None:
+                lh, j = _ranges(np.zeros(seq.npages.size, np.int64), seq.npages.reshape(-1))
+                self.journal.release(seq_id, lh, j)
 
     def adopt_prefix(self, seq_id, pages_per_block: Sequence[np.ndarray], num_tokens: int) -> None:
         """Starts ``seq_id`` from shared full prefix pages (positions 0..num_tokens-1).
@@ -274,6 +293,7 @@ class HeadPageTables:
         seq.written[:] = num_tokens
         seq.last_pos = num_tokens - 1
         self._seqs[seq_id] = seq
+        self._journal_adopted(seq_id, seq, nb)
 
     def adopt_pages(self, seq_id, table, num_slots: int, last_pos: int) -> None:
         """Starts ``seq_id`` from a ready page list (segment reuse, `jaxkv.engine.reuse`).
@@ -298,9 +318,29 @@ class HeadPageTables:
         seq.written[:] = num_slots
         seq.last_pos = int(last_pos)
         self._seqs[seq_id] = seq
+        self._journal_adopted(seq_id, seq, n)
+
+    def _journal_adopted(self, seq_id, seq: _Seq, n: int) -> None:
+        if self.journal is None:
+            return
+        self.journal.new(seq_id)
+        lh, j = _ranges(np.zeros(seq.npages.size, np.int64), seq.npages.reshape(-1))
+        if lh.size:
+            self.journal.pages(seq_id, lh, j, seq.table[:, :, :n].reshape(-1))
+        self.journal.reset(seq_id)
 
     def _get(self, seq_id) -> _Seq:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
         return seq
+
+
+def _ranges(start: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of ``start[r] .. start[r] + count[r] - 1`` for every row r, row-major;
+    O(rows + total)."""
+    count = np.asarray(count, np.int64)
+    rows = np.repeat(np.arange(count.size), count)
+    first = np.cumsum(count) - count  # offset of each row's first entry
+    cols = np.asarray(start, np.int64)[rows] + np.arange(rows.size) - first[rows]
+    return rows, cols

@@ -22,6 +22,7 @@ from jaxkv.cache.tables import HeadPageTables
 from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
+from jaxkv.engine.device_tables import DeviceTables
 from jaxkv.engine.request import Request, RequestOutput, Status
 from jaxkv.engine.reuse import Reuser
 from jaxkv.engine.runner import DecodeBatch, ModelRunner, StepBatch
@@ -92,6 +93,9 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
                                      window, max_step_tokens)
+        # Page tables and per-head counters live on the device, updated from the host tables' journal;
+        # steps compute their slots and lengths there (jaxkv/engine/device_tables.py).
+        self.device_tables = DeviceTables(self.tables, self.max_pages_per_head, max_num_seqs)
         self.kv_policy = _resolve_policy(kv_policy, kv_budget, model)
         # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md), and
         # a compression policy rewrites pages in place, so it turns sharing off too.
@@ -103,7 +107,8 @@ class Engine:
         # kernels); its local heads keep only what their ring holds, so rings stay sized by max_step_tokens.
         fresh = (max_prefill_tokens or self.max_model_len) if self.runner.use_plan else 0
         self.scheduler = Scheduler(self.tables, self.allocator, self.prefix, max_num_seqs=max_num_seqs,
-                                   max_step_tokens=max_step_tokens, max_fresh_tokens=fresh)
+                                   max_step_tokens=max_step_tokens, max_fresh_tokens=fresh,
+                                   host_slots=False)
         self.page_size = page_size
         self.decode_steps = decode_steps
         self.compressor = Compressor(self)
@@ -260,62 +265,55 @@ class Engine:
         return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
 
     def _build_decode(self, chunks: list[Chunk]) -> DecodeBatch:
-        cfg = self.model.config
-        L, H, K = cfg.num_layers, cfg.num_kv_heads, self.decode_steps
+        K = self.decode_steps
         S = bucket_for(len(chunks), self._seq_buckets)
         seq_ids = [c.request.request_id for c in chunks]
         P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
         stops = [sorted(self._stop_ids(c.request)) for c in chunks]
         M = max(4, 1 << (max(len(x) for x in stops) - 1).bit_length())  # few buckets: 4, 8, 16, ...
+        page_table, slots, lengths, prev_lengths, active = self.device_tables.decode_meta(
+            seq_ids, [c.num_tokens for c in chunks], S, P, K)
         b = DecodeBatch(
-            tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
-            slots=np.full((K, S, L, H), -1, np.int32), lengths=np.zeros((K, S, L, H), np.int32),
-            prev_lengths=np.zeros((K, S, L, H), np.int32),
-            active=np.zeros((K, S), bool), page_table=np.full((S, L, H, P), -1, np.int32),
+            tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32), slots=slots, lengths=lengths,
+            prev_lengths=prev_lengths, active=active, page_table=page_table,
             stop_ids=np.full((S, M), -1, np.int32), temperature=np.zeros(S, np.float32),
             top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
             counters=np.zeros(S, np.int32))
         for row, c in enumerate(chunks):
-            req, n = c.request, c.num_tokens
+            req = c.request
             b.tokens[row] = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
             b.positions[row] = c.start
-            b.slots[:n, row] = c.slots
-            lens = self.tables.recent_lengths(req.request_id, n + 1)  # before step 0, after steps 0..n-1
-            b.lengths[:n, row], b.prev_lengths[:n, row] = lens[1:], lens[:-1]
-            b.active[:n, row] = True
             b.stop_ids[row, :len(stops[row])] = stops[row]
             sp = req.sampling
             b.temperature[row], b.top_k[row], b.top_p[row] = sp.temperature, sp.top_k, sp.top_p
             b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
-        self.tables.fill_step(seq_ids, b.page_table, np.zeros((S, L, H), np.int32))
         return b
 
     def _build_batch(self, chunks: list[Chunk]) -> StepBatch:
-        cfg = self.model.config
-        L, H = cfg.num_layers, cfg.num_kv_heads
         S = bucket_for(len(chunks), self._seq_buckets)
         T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets + self._fresh_buckets)
         seq_ids = [c.request.request_id for c in chunks]
         P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
         b = StepBatch(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32), q_seq=np.full(T, -1, np.int32),
-            slots=np.full((T, L, H), -1, np.int32), page_table=np.full((S, L, H, P), -1, np.int32),
-            lengths=np.zeros((S, L, H), np.int32), logits_index=np.zeros(S, np.int32),
+            slots=None, page_table=None, lengths=None, logits_index=np.zeros(S, np.int32),
             temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
             seeds=np.zeros(S, np.uint32), counters=np.zeros(S, np.int32))
+        tok_idx = np.zeros(T, np.int32)  # index of each token among its row's new tokens
         off = 0
         for row, c in enumerate(chunks):
             req, n = c.request, c.num_tokens
             b.tokens[off:off + n] = _ids(req, c.start, n)
             b.positions[off:off + n] = np.arange(c.start, c.start + n)
+            tok_idx[off:off + n] = np.arange(n)
             b.q_seq[off:off + n] = row
-            b.slots[off:off + n] = c.slots
             b.logits_index[row] = off + n - 1
             sp = req.sampling
             b.temperature[row], b.top_k[row], b.top_p[row] = sp.temperature, sp.top_k, sp.top_p
             b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
             off += n
-        self.tables.fill_step(seq_ids, b.page_table, b.lengths)
+        b.page_table, b.lengths, b.slots = self.device_tables.step_meta(
+            seq_ids, [c.num_tokens for c in chunks], S, P, b.q_seq, tok_idx)
         b.fresh = chunks[0].fresh or (self.runner.use_plan and len(chunks) == 1 and chunks[0].start == 0
                                       and chunks[0].num_tokens >= FRESH_MIN_TOKENS)
         return b

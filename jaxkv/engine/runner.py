@@ -202,7 +202,9 @@ def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False):
 def num_compilations() -> int:
     """Compiled variants of the device steps so far (one per bucket and model); tests use it to prove no
     retrace."""
-    return _step._cache_size() + _decode._cache_size()
+    from jaxkv.engine import device_tables  # the step metadata computed on the device
+
+    return _step._cache_size() + _decode._cache_size() + device_tables.num_compilations()
 
 
 class ModelRunner:

@@ -22,7 +22,7 @@ class Chunk:
     request: Request
     start: int  # first token index fed this step (== request.num_computed when scheduled)
     num_tokens: int
-    slots: np.ndarray  # [num_tokens, L, Hkv] int32
+    slots: np.ndarray | None  # [num_tokens, L, Hkv] int32 (None: the engine computes slots on the device)
     steps: int = 0  # > 0: a multi-step decode chunk, `num_tokens` decode steps reserved ahead
     fresh: bool = False  # alone in its step, positions 0..n-1: attends over its own K/V (head_class_prefill)
 
@@ -34,7 +34,7 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, tables, allocator, prefix_cache, *, max_num_seqs: int, max_step_tokens: int,
-                 max_fresh_tokens: int = 0):
+                 max_fresh_tokens: int = 0, host_slots: bool = True):
         self.tables = tables
         self.allocator = allocator
         self.prefix = prefix_cache
@@ -42,6 +42,7 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         # > 0: a waiting fresh prompt of at most this many tokens prefills alone in one step (prefill first).
         self.max_fresh_tokens = max_fresh_tokens
+        self.host_slots = host_slots  # False: chunks carry no slot arrays (device-resident tables)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
@@ -85,7 +86,7 @@ class Scheduler:
                 continue
             n = min(req.num_pending, budget)
             slots = self._reserve(req, n)
-            if slots is None:  # this request itself was preempted
+            if slots is _PREEMPTED:  # this request itself was preempted
                 continue
             chunks.append(Chunk(req, req.num_computed, n, slots))
             budget -= n
@@ -97,7 +98,7 @@ class Scheduler:
             n = min(req.num_pending, budget)
             if not self._make_room(self.tables.pages_needed(req.request_id, n), protect=None):
                 break  # head-of-line waits until pages free up
-            slots = self.tables.append(req.request_id, _positions(req, n))
+            slots = self.tables.append(req.request_id, _positions(req, n), return_slots=self.host_slots)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -118,7 +119,8 @@ class Scheduler:
             return [], req  # cached prefix, too long, or short enough for an ordinary step
         if not self._make_room(self.tables.pages_needed(req.request_id, n), protect=None):
             return [], req
-        slots = self.tables.append(req.request_id, _positions(req, n), through_pool=False)
+        slots = self.tables.append(req.request_id, _positions(req, n), through_pool=False,
+                                   return_slots=self.host_slots)
         self.waiting.popleft()
         req.status = Status.RUNNING
         self.running.append(req)
@@ -131,7 +133,7 @@ class Scheduler:
                 continue
             n = max(1, min(decode_steps, room(req) if room is not None else decode_steps))
             slots = self._reserve(req, n)
-            if slots is not None:
+            if slots is not _PREEMPTED:
                 chunks.append(Chunk(req, req.num_computed, n, slots, steps=n))
         return chunks
 
@@ -142,12 +144,13 @@ class Scheduler:
         req.num_computed = num_cached
         req.num_cached = num_cached
 
-    def _reserve(self, req: Request, n: int) -> np.ndarray | None:
+    def _reserve(self, req: Request, n: int):
+        """Slots of ``n`` more tokens of ``req`` (None without host slots), or _PREEMPTED."""
         need = self.tables.pages_needed(req.request_id, n)
         if not self._make_room(need, protect=req):
             self._preempt(req)
-            return None
-        return self.tables.append(req.request_id, _positions(req, n))
+            return _PREEMPTED
+        return self.tables.append(req.request_id, _positions(req, n), return_slots=self.host_slots)
 
     def _make_room(self, need: int, protect: Request | None) -> bool:
         """Frees pages until `need` fit: idle prefix-cache pages first, then the newest running request."""
@@ -171,6 +174,9 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+_PREEMPTED = object()  # _reserve's answer when the request itself had to go
 
 
 def _positions(req: Request, n: int) -> np.ndarray:

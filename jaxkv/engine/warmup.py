@@ -52,28 +52,31 @@ def variants(engine) -> list[tuple]:
 
 def precompile(engine, progress: bool = True) -> int:
     """Compiles (or loads from the persistent cache) every variant; returns how many. Logs one line."""
-    cfg = engine.model.config
-    L, H, K = cfg.num_layers, cfg.num_kv_heads, engine.decode_steps
+    K = engine.decode_steps
     todo = variants(engine)
     t0 = time.perf_counter()
     bar = tqdm(todo, desc="jaxkv: compiling step variants", disable=not progress)
+    dt = engine.device_tables
+    dt.warm()
     for kind, s, t, p, greedy, fresh in bar:
         temp = np.zeros(s, np.float32)
         if not greedy:
             temp[0] = 1.0
-        common = dict(page_table=np.full((s, L, H, p), -1, np.int32), temperature=temp,
-                      top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32),
-                      counters=np.zeros(s, np.int32))
+        common = dict(temperature=temp, top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
+                      seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32))
+        # The metadata as the engine passes it: device arrays from the device tables (all padding here).
         if kind == "step":
+            q_seq = np.full(t, -1, np.int32)
+            page_table, lengths, slots = dt.step_meta([], [], s, p, q_seq, np.zeros(t, np.int32))
             engine.runner.run(StepBatch(
-                tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), q_seq=np.full(t, -1, np.int32),
-                slots=np.full((t, L, H), -1, np.int32), lengths=np.zeros((s, L, H), np.int32),
-                logits_index=np.zeros(s, np.int32), fresh=fresh, **common))
+                tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), q_seq=q_seq, slots=slots,
+                page_table=page_table, lengths=lengths, logits_index=np.zeros(s, np.int32), fresh=fresh,
+                **common))
         else:
+            page_table, slots, lengths, prev_lengths, active = dt.decode_meta([], [], s, p, K)
             engine.runner.decode(DecodeBatch(
-                tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
-                slots=np.full((K, s, L, H), -1, np.int32), lengths=np.zeros((K, s, L, H), np.int32),
-                prev_lengths=np.zeros((K, s, L, H), np.int32),
-                active=np.zeros((K, s), bool), stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common))
+                tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32), slots=slots, lengths=lengths,
+                prev_lengths=prev_lengths, active=active, page_table=page_table,
+                stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common))
     log.info("jaxkv: %d step variants ready in %.1f s", len(todo), time.perf_counter() - t0)
     return len(todo)
