@@ -162,7 +162,8 @@ def test_body_over_the_limit_is_413_declared_or_streamed(server):
 
 
 def test_hostile_input_leaves_the_server_serving(server):
-    assert post(server, "completions", key="wrong", json={"model": server.name, "prompt": "hi"}).status_code == 401
+    wrong = post(server, "completions", key="wrong", json={"model": server.name, "prompt": "hi"})
+    assert wrong.status_code == 401
     r = client(server, "key-a").completions.create(model=server.name, prompt="hi", max_tokens=3,
                                                    extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3

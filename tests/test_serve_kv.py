@@ -83,7 +83,8 @@ def test_server_default_policy_is_visible(server):
 
 
 def test_per_request_policy_compresses_and_a_large_budget_equals_full(server):
-    before = (server.metric("jaxkv_kv_compressions_total"), server.metric("jaxkv_kv_pages_freed_by_compression_total"))
+    before = (server.metric("jaxkv_kv_compressions_total"),
+              server.metric("jaxkv_kv_pages_freed_by_compression_total"))
     full = complete(server)
     assert complete(server, kv_policy=None) == full  # explicit null: the full cache
     # A budget beyond the prompt keeps every token: greedy output equals the full cache's.
@@ -154,7 +155,8 @@ def test_segment_register_reuse_delete(server, tok):
     assert register(server, text=DOC) == seg  # content-addressed: registering again is idempotent
     listed = http(server, "GET", "segments").json()["data"]
     assert seg in [x["id"] for x in listed]
-    assert http(server, "GET", f"segments/{seg}").json()["num_tokens"] == len(tok.encode(DOC, add_special_tokens=False))
+    card = http(server, "GET", f"segments/{seg}").json()
+    assert card["num_tokens"] == len(tok.encode(DOC, add_special_tokens=False))
     assert server.metric("jaxkv_segments") >= 1
 
     question = " what is the answer"
@@ -180,7 +182,8 @@ def test_segment_register_reuse_delete(server, tok):
     assert "".join(ch.choices[0].text for ch in chunks) == plain
     r = client(server).chat.completions.create(model=server.name, max_tokens=4, messages=[
         {"role": "user", "content": [{"type": "text", "text": "read:"}, {"type": "segment", "id": seg},
-                                     {"type": "text", "text": question}]}], extra_body={"reuse": {"method": "epic"}})
+                                     {"type": "text", "text": question}]}],
+        extra_body={"reuse": {"method": "epic"}})
     assert r.usage.prompt_tokens > len(doc_ids)
 
     r = http(server, "DELETE", f"segments/{seg}")
@@ -196,13 +199,15 @@ def test_segment_register_reuse_delete(server, tok):
 def test_segments_are_invisible_to_other_tenants(server):
     text = "tenant secret " + DOC
     seg = register(server, "key-a", text=text, frozen=True)
-    assert [x["frozen"] for x in http(server, "GET", "segments", "key-a").json()["data"] if x["id"] == seg] == [True]
+    mine = http(server, "GET", "segments", "key-a").json()["data"]
+    assert [x["frozen"] for x in mine if x["id"] == seg] == [True]
     assert seg not in [x["id"] for x in http(server, "GET", "segments", "key-b").json()["data"]]
     assert http(server, "GET", f"segments/{seg}", "key-b").status_code == 404
     for key, salt in (("key-b", None), ("key-a", "other-salt")):  # another tenant, or another salt
         extra = {"reuse": {"segments": [seg]}, **({"cache_salt": salt} if salt else {})}
         with pytest.raises(openai.BadRequestError) as e:
-            client(server, key).completions.create(model=server.name, prompt="q", max_tokens=1, extra_body=extra)
+            client(server, key).completions.create(model=server.name, prompt="q", max_tokens=1,
+                                                   extra_body=extra)
         assert e.value.body["code"] == "segment_not_found"
         assert "team-a" not in e.value.body["message"]  # the owner's namespace is not revealed
     assert http(server, "DELETE", f"segments/{seg}", "key-b").status_code == 404  # cannot delete it either
@@ -231,7 +236,8 @@ BAD_REUSE = [  # (route, body fields, param)
      "reuse.method"),
     ("completions", {"prompt": "q", "reuse": {"segments": ["s"], "extra": 1}}, "reuse.extra"),
     ("completions", {"prompt": "q", "reuse": {"segments": ["s"]}, "kv_policy": "snapkv"}, "kv_policy"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "reuse": {"segments": ["s"]}}, "reuse"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "reuse": {"segments": ["s"]}},
+     "reuse"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "segment"}]}]},
      "messages[0].content[0]"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "segment", "id": "seg-nope"}]}]},
@@ -239,7 +245,8 @@ BAD_REUSE = [  # (route, body fields, param)
 ]
 
 
-@pytest.mark.parametrize("route,body,param", BAD_REUSE, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD_REUSE)])
+@pytest.mark.parametrize("route,body,param", BAD_REUSE,
+                         ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BAD_REUSE)])
 def test_bad_reuse_input_is_400(server, route, body, param):
     if route != "segments":
         body = {"model": server.name, "max_tokens": 1, **body}

@@ -216,7 +216,8 @@ def build_app(state: ServerState) -> FastAPI:
             method = K.request_reuse_method(req.reuse.method if req.reuse is not None else "naive")
             reuse = (method, segments, await _segment_tokens(state, segments, key, "messages"))
         elif req.reuse is not None:
-            raise P.RequestError("reuse needs segment content parts ({'type': 'segment', 'id': ...}).", "reuse")
+            raise P.RequestError("reuse needs segment content parts ({'type': 'segment', 'id': ...}).",
+                                 "reuse")
         jobs = await asyncio.to_thread(_chat_jobs, state, req, messages, marker, reuse)
         _set_policy(jobs, policy)
         return await _serve(state, request, req, jobs, True, key, arrival)
@@ -316,12 +317,13 @@ def _segment_card(e) -> dict:
             "in_use": e.refcount, "hits": e.hits}
 
 
-async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | None, param: str) -> list[list[int]]:
+async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | None,
+                         param: str) -> list[list[int]]:
     """The tokens of each named segment in namespace `key` (looked up on the engine thread)."""
     _check_reuse_enabled(state)
+    name = (lambda i: f"{param}[{i}]") if param == "reuse.segments" else (lambda i: param)
     return await state.loop.call(
-        lambda eng: [list(_lookup(eng, s, key, f"{param}[{i}]" if param == "reuse.segments" else param).tokens)
-                     for i, s in enumerate(seg_ids)])
+        lambda eng: [list(_lookup(eng, s, key, name(i)).tokens) for i, s in enumerate(seg_ids)])
 
 
 def _set_policy(jobs: list[_Job], policy) -> None:
@@ -446,7 +448,7 @@ def _completion_jobs(state: ServerState, req, reuse: tuple | None = None) -> lis
             raise P.RequestError("prompt is empty after tokenization.", "prompt")
         max_tokens = P.resolve_max_tokens(req.max_tokens, explicit, len(full), state.max_model_len)
         if req.echo:
-            echo = state.decode(full) if spec is not None else (text if text is not None else state.decode(ids))
+            echo = text if text is not None and spec is None else state.decode(full)
         else:
             echo = ""
         new = _jobs(state, req, pi, full, max_tokens, echo, len(jobs))
@@ -471,8 +473,8 @@ def _chat_jobs(state: ServerState, req, messages: list[dict], marker: str = "",
         parts = text.split(marker)
         if (len(parts) != 2 * len(seg_ids) + 1 or parts[1::2] != [str(i) for i in range(len(seg_ids))]
                 or any(parts[2:-1:2])):
-            raise P.RequestError("Segment content parts must be adjacent (one run of segments in one message) "
-                                 "and kept by the chat template.", "messages")
+            raise P.RequestError("Segment content parts must be adjacent (one run of segments in one "
+                                 "message) and kept by the chat template.", "messages")
         prefix = _encode_within(state, parts[0], False, "messages")
         suffix = _encode_within(state, parts[-1], False, "messages")
         ids = prefix + [t for seg in seg_tokens for t in seg] + suffix

@@ -41,7 +41,7 @@ def build_policy(name: str, fields: dict):
 
 
 def parse_policy_args(items: list[str]) -> dict:
-    """``["window=32", "pooling=max"]`` -> {"window": 32, "pooling": "max"} (values are JSON, else strings)."""
+    """``["window=32", "pooling=max"]`` -> {"window": 32, "pooling": "max"} (JSON values, else strings)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -49,8 +49,8 @@ class ServeMetrics:
                                     "reason (the error code, e.g. queue_full, body_too_large).", ["reason"])
         self._last_preemptions = 0
         # KV compression policies and segment reuse (docs/serving.md).
-        self.compressions = c("jaxkv_kv_compressions", "Compression passes run by the KV policies (one device "
-                              "call compresses every due request of one policy).")
+        self.compressions = c("jaxkv_kv_compressions", "Compression passes run by the KV policies (one "
+                              "device call compresses every due request of one policy).")
         self.pages_freed = c("jaxkv_kv_pages_freed_by_compression", "KV pages freed by compression.")
         self.segments = g("jaxkv_segments", "Segments in the segment store (all namespaces).")
         self.segment_pages = g("jaxkv_segment_pages", "KV pages referenced by the segment store.")

@@ -72,7 +72,7 @@ class ReuseSpec(_Closed):
 
     segments: list[str] = Field(default_factory=list)  # segment ids from POST /v1/segments
     method: str | dict[str, Any] = "naive"  # a reuse method name, or {"name": ..., fields}
-    prefix: str | list[int] | None = None  # completions only: text (with BOS) or token ids before the segments
+    prefix: str | list[int] | None = None  # completions only: text (with BOS) or ids before the segments
 
 
 class SegmentRequest(_Closed):
@@ -260,8 +260,8 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
     if req.response_format is not None and req.response_format.get("type") != "text":
         raise RequestError("Only response_format {'type': 'text'} is supported.", "response_format")
     if req.reuse is not None and (req.reuse.segments or req.reuse.prefix is not None):
-        raise RequestError("In a chat request segments are content parts ({'type': 'segment', 'id': ...}) of a "
-                           "message; reuse takes only the method here.", "reuse")
+        raise RequestError("In a chat request segments are content parts ({'type': 'segment', 'id': ...}) "
+                           "of a message; reuse takes only the method here.", "reuse")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         if req.max_tokens != req.max_completion_tokens:
             raise RequestError("Pass only one of max_tokens and max_completion_tokens.", "max_tokens")
