@@ -118,6 +118,10 @@ BAD_POLICY = [
     ({"kv_policy": {"budget": 0.5}}, "needs a 'name'"),
     ({"kv_policy": {"name": "full", "budget": 0.5}}, "takes no fields"),
     ({"kv_policy": 5}, "kv_policy"),
+    ({"kv_policy": {"name": "pyramidkv", "beta": [1]}}, "beta must be an integer"),  # unhashable
+    ({"kv_policy": {"name": "rkv", "kernel": 2.5}}, "kernel must be an integer"),
+    ({"kv_policy": {"name": "hardkv", "calibration": "x"}}, "cannot be set"),
+    ({"kv_policy": {"name": "snapkv", "window": 10**6}}, "at most max_model_len"),  # sizes a buffer
 ]
 
 

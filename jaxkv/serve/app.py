@@ -180,11 +180,11 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_common(req)
         P.check_completion_extras(req)
         _check_choices(state, _num_prompts(req.prompt) * (req.n or 1))
-        policy = K.request_policy(req)
+        policy = K.request_policy(req, state.max_model_len)
         key = _extra_key(tenant, req.cache_salt)
         reuse = None
         if req.reuse is not None:
-            method = K.request_reuse_method(req.reuse.method)
+            method = K.request_reuse_method(req.reuse.method, state.max_model_len)
             reuse = (method, req.reuse.segments,
                      await _segment_tokens(state, req.reuse.segments, key, "reuse.segments"))
         # Tokenizing (up to a whole body's worth of text) runs off the event loop.
@@ -201,7 +201,7 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_common(req)
         P.check_chat_extras(req)
         _check_choices(state, req.n or 1)
-        policy = K.request_policy(req)
+        policy = K.request_policy(req, state.max_model_len)
         key = _extra_key(tenant, req.cache_salt)
         segments: list[str] = []
         marker = f"\x00{uuid.uuid4().hex}\x00"  # stands for a segment part in the rendered template
@@ -213,7 +213,8 @@ def build_app(state: ServerState) -> FastAPI:
             if "kv_policy" in req.model_fields_set and req.kv_policy is not None:
                 raise P.RequestError("kv_policy cannot be combined with segment reuse (pass null or leave it "
                                      "out).", "kv_policy")
-            method = K.request_reuse_method(req.reuse.method if req.reuse is not None else "naive")
+            method = K.request_reuse_method(req.reuse.method if req.reuse is not None else "naive",
+                                            state.max_model_len)
             reuse = (method, segments, await _segment_tokens(state, segments, key, "messages"))
         elif req.reuse is not None:
             raise P.RequestError("reuse needs segment content parts ({'type': 'segment', 'id': ...}).",
@@ -345,7 +346,8 @@ def _openapi(app: FastAPI) -> dict:
         return app.openapi_schema
     schema = get_openapi(title="jaxkv", version="0.1.0", routes=app.routes)
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
-    bodies = (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest))
+    bodies = (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest),
+              ("/v1/segments", P.SegmentRequest))
     for path, cls in bodies:
         js = cls.model_json_schema(ref_template="#/components/schemas/{model}")
         comps.update(js.pop("$defs", {}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from jaxkv.serve.protocol import RequestError
 
@@ -28,12 +29,38 @@ def reuse_methods() -> list[str]:
     return sorted(REUSE_POLICIES)
 
 
+def check_field_types(cls, fields: dict, what: str) -> None:
+    """Every given field must have its default's type (an int where the default is an int, a number where it
+    is a float, ...): policies are static arguments of jitted passes, so a list, dict or stray type that a
+    method's own checks let through would fail inside the engine, not here. Fields whose default is None
+    (internal state such as HARD-KV's loaded calibration) cannot be set."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for key, value in fields.items():
+        if key not in defaults:
+            continue  # the registry names unknown fields
+        d = defaults[key]
+        if isinstance(d, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(d, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(d, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        elif isinstance(d, str):
+            ok = isinstance(value, str)
+        else:
+            raise ValueError(f"{what}: field {key!r} cannot be set here")
+        if not ok:
+            kind = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string"}[type(d)]
+            raise ValueError(f"{what}: {key} must be {kind} (default {d!r}; got {value!r})")
+
+
 def build_policy(name: str, fields: dict):
     """A compression policy by name with its fields (budget, window, ...); ValueError naming the problem."""
-    from jaxkv.policies import get_policy
+    from jaxkv.policies import POLICIES, get_policy
 
     if not isinstance(name, str) or name not in compression_policies():
         raise ValueError(f"unknown KV policy {name!r}; choose from {compression_policies()}")
+    check_field_types(POLICIES[name], fields, name)
     try:
         return get_policy(name, **fields)
     except TypeError as e:  # a field of the wrong kind that the dataclass itself rejects
@@ -66,7 +93,17 @@ def describe(policy) -> dict | None:
     return out
 
 
-def request_policy(req):
+def _bounded(obj, limit: int, param: str):
+    """Integer fields (window, sink, kernel, block, ...) size host and device buffers: a client may not set
+    one beyond the context (`limit` = max_model_len). Budgets (floats) need no bound."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if type(f.default) is int and isinstance(v, int) and abs(v) > limit:
+            raise RequestError(f"{param}: {f.name} must be at most max_model_len ({limit}) (got {v}).", param)
+    return obj
+
+
+def request_policy(req, limit: int):
     """The request's `kv_policy`: DEFAULT (left out), None (`null`: the full cache) or a policy object.
 
     Accepted: ``"snapkv"`` (its default budget) or ``{"name": "snapkv", "budget": 0.25, ...fields}``.
@@ -89,14 +126,15 @@ def request_policy(req):
             raise RequestError(f"kv_policy {name!r} (the full cache) takes no fields.", "kv_policy")
         return None
     try:
-        return build_policy(name, fields)
+        policy = build_policy(name, fields)
     except ValueError as e:
         raise RequestError(f"Invalid kv_policy: {e}.", "kv_policy") from None
+    return _bounded(policy, limit, "kv_policy")
 
 
-def request_reuse_method(value):
+def request_reuse_method(value, limit: int):
     """The reuse method of a request: a name or {"name": ..., fields}; RequestError naming reuse.method."""
-    from jaxkv.policies.reuse import get_reuse_policy
+    from jaxkv.policies.reuse import REUSE_POLICIES, get_reuse_policy
 
     if isinstance(value, str):
         name, fields = value, {}
@@ -106,9 +144,12 @@ def request_reuse_method(value):
     try:
         if not isinstance(name, str):
             raise ValueError(f"a method name is needed; choose from {reuse_methods()}")
-        return get_reuse_policy(name, **fields)
+        if name in REUSE_POLICIES:
+            check_field_types(REUSE_POLICIES[name], fields, name)
+        method = get_reuse_policy(name, **fields)
     except (ValueError, TypeError) as e:
         raise RequestError(f"Invalid reuse method: {e}.", "reuse.method") from None
+    return _bounded(method, limit, "reuse.method")
 
 
 def segment_not_found(seg_id: str, param: str | None = None, status: int = 400) -> RequestError:
