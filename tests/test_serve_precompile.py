@@ -20,7 +20,7 @@ _TRACED_STEP = re.compile(r"Finished tracing (_step|_decode) ")
 
 def test_precompiled_server_with_a_default_policy(tmp_path):
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
-    s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16",
+    s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16", "--num-pages", "64",
                        "--max-num-seqs", "1", "--max-step-tokens", "8", "--precompile",
                        "--kv-policy", "snapkv", "--kv-budget", "0.25",
                        "--kv-policy-arg", "window=8"], env={"JAX_LOG_COMPILES": "1"})
@@ -37,10 +37,10 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
 
         c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
 
-        def text(**extra):
-            r = c.completions.create(model=s.name, prompt=PROMPT, max_tokens=16, temperature=0,
+        def text(prompt=PROMPT, max_tokens=16, **extra):
+            r = c.completions.create(model=s.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                      extra_body={"ignore_eos": True, **extra})
-            assert r.usage.completion_tokens == 16
+            assert r.usage.completion_tokens == max_tokens
             return r.choices[0].text
 
         # A sampled request: the warm-up request is greedy, so without --precompile this one would trace
@@ -58,6 +58,19 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         assert text() != full  # the server's policy: a quarter of the prompt's K/V
         assert s.metric("jaxkv_kv_compressions_total") == 1
         assert s.metric("jaxkv_kv_pages_freed_by_compression_total") > 0
+        assert s.metric("jaxkv_kv_pages_in_use") == 0
+
+        # Segment reuse under a server-wide policy: `full` recomputes everything, so with `kv_policy: null`
+        # it is the plain full-cache answer; left out, the server's policy compresses it too (the engine
+        # does so after the request's first decode call, so it must generate more than 16 tokens).
+        # (A page-aligned layout of 2 pages + 24 tokens fits the 4 pages of the 64-token context.)
+        seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
+        reuse = {"segments": [seg], "method": "full", "prefix": []}
+        plain = text(prompt=PROMPT[:32], kv_policy=None)
+        assert text(prompt=PROMPT[16:32], reuse=reuse, kv_policy=None) == plain
+        assert s.metric("jaxkv_kv_compressions_total") == 1
+        text(prompt=PROMPT[16:32], reuse=reuse, max_tokens=24)
+        assert s.metric("jaxkv_kv_compressions_total") == 2
         assert s.metric("jaxkv_kv_pages_in_use") == 0
     finally:
         s.stop()

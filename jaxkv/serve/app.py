@@ -328,9 +328,8 @@ async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | Non
 
 
 def _set_policy(jobs: list[_Job], policy) -> None:
-    for j in jobs:
-        if j.reuse is None:
-            j.kv_policy = policy
+    for j in jobs:  # reuse jobs: DEFAULT or None only (a policy object was refused with the request)
+        j.kv_policy = policy
 
 
 _ERROR_TYPES = {408: "timeout_error", 429: "rate_limit_error"}

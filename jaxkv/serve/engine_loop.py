@@ -155,10 +155,10 @@ class EngineLoop:
                 else:
                     eng.add_request(list(prompt_ids), sampling, request_id=request_id, extra_key=extra_key,
                                     kv_policy=kv_policy)
-                    if kv_policy is None and eng.kv_policy is not None:
-                        # The full cache despite the engine's policy: the engine has no argument for this,
-                        # and the request is not scheduled before this thread's next step.
-                        eng._requests[request_id].kv_policy = None
+                if kv_policy is None and eng.kv_policy is not None:
+                    # The full cache despite the engine's policy: the engine has no argument for this, and
+                    # the request is neither scheduled nor admitted before this thread's next step.
+                    eng._requests[request_id].kv_policy = None
             except BaseException as e:
                 self._tracks.pop(request_id, None)
                 self._count(-1)

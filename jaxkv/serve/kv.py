@@ -11,9 +11,8 @@ import dataclasses
 import json
 import math
 
+from jaxkv.serve.engine_loop import DEFAULT_POLICY as DEFAULT  # `kv_policy` left out: the server's
 from jaxkv.serve.protocol import RequestError
-
-DEFAULT = "default"  # a request that leaves `kv_policy` out: the server's policy applies
 
 
 def compression_policies() -> list[str]:
