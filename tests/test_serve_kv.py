@@ -284,3 +284,34 @@ def test_reuse_request_the_engine_drops_is_400_not_a_hang(server):
     assert server.metric("jaxkv_kv_pages_in_use") == 0
     for s in segs:
         assert http(server, "DELETE", f"segments/{s}").status_code == 200
+
+
+def test_windowed_heads_refuse_reuse_clearly(ckpt):
+    # In-process (httpx's ASGI transport): the refusal comes before the engine is asked anything.
+    import asyncio
+
+    import jaxkv
+    from jaxkv.cache.head_classes import HeadClass, HeadClassMap
+    from jaxkv.engine.engine import Engine
+    from jaxkv.serve.app import build_app
+    from jaxkv.serve.server import build_state
+
+    model = jaxkv.load(ckpt, dtype="float32")
+    cfg = model.config
+    rows = [[HeadClass.local(4, 32) if (layer, h) == (0, 0) else HeadClass.global_()
+             for h in range(cfg.num_kv_heads)] for layer in range(cfg.num_layers)]
+    engine = Engine(model, num_pages=64, max_model_len=MAX_MODEL_LEN,
+                    head_classes=HeadClassMap(cfg.num_layers, cfg.num_kv_heads, rows))
+    app = build_app(build_state(model, engine, "tiny"))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/info"), await c.post("/v1/segments", json={"text": "a note"}),
+                    await c.post("/v1/completions", json={"model": "tiny", "prompt": "q",
+                                                          "reuse": {"segments": ["seg-x"]}}))
+
+    info, seg, comp = asyncio.run(main())
+    assert info.json()["segment_reuse"] is False
+    for r in (seg, comp):
+        assert r.status_code == 400 and r.json()["error"]["code"] == "reuse_unavailable", r.text
+        assert "--head-classes global" in r.json()["error"]["message"]
