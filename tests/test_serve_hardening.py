@@ -162,6 +162,8 @@ def test_body_over_the_limit_is_413_declared_or_streamed(server):
 
 
 def test_hostile_input_leaves_the_server_serving(server):
+    wrong = post(server, "completions", key="wrong", json={"model": server.name, "prompt": "hi"})
+    assert wrong.status_code == 401
     r = client(server, "key-a").completions.create(model=server.name, prompt="hi", max_tokens=3,
                                                    extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
@@ -242,8 +244,8 @@ def test_request_past_its_deadline_is_408_and_frees_its_pages(app):
     state = app[1]
     state.limits.request_timeout = 1e-9  # the deadline has passed before the first token can arrive
     try:
-        plain, streamed, = run(app, ("POST", "/v1/completions", body(max_tokens=64)),
-                               ("POST", "/v1/completions", body(max_tokens=64, stream=True)))
+        plain, streamed, = run(app, ("POST", "/v1/completions", body(max_tokens=112)),
+                               ("POST", "/v1/completions", body(max_tokens=112, stream=True)))
     finally:
         state.limits.request_timeout = None
     assert plain.status_code == 408 and plain.json()["error"]["code"] == "request_timeout"
@@ -253,7 +255,9 @@ def test_request_past_its_deadline_is_408_and_frees_its_pages(app):
     assert events[-1] == "data: [DONE]"
     ok, = run(app, ("POST", "/v1/completions", body()))
     assert ok.status_code == 200
-    assert metric(app, "jaxkv_requests_aborted_total", reason="timeout") == 2
+    # An engine that finished a request before the abort reached its thread (a loaded machine can stall the
+    # event loop for the ~50 ms that 112 tokens of the tiny model take) counts no abort for it.
+    assert 1 <= metric(app, "jaxkv_requests_aborted_total", reason="timeout") <= 2
     assert metric(app, "jaxkv_kv_pages_in_use") == 0 and state.loop.num_inflight == 0
 
 

@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generation-config", action=argparse.BooleanOptionalAction, default=True,
                    help="use the checkpoint's generation_config.json temperature/top_p/top_k as defaults")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the first step before accepting requests")
+                   help="run one tiny request through the engine before accepting requests")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="largest request body; a larger one is refused with 413 from its Content-Length, "
                         "before it is read (0: no limit)")
@@ -54,6 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "tenant: prompts share cached KV pages only within one tenant")
     p.add_argument("--api-keys-file", default=None,
                    help='JSON object {"key": "namespace"}: keys mapping to one namespace share its cache')
+    # ---- KV compression policies, segment reuse, precompile (issues 9, 10, 11; docs/serving.md) ----
+    p.add_argument("--kv-policy", default=None, metavar="NAME",
+                   help="compression policy for every request (a request may override it with its "
+                        "'kv_policy' field); default: none, the full cache. Names: see docs/policies.md")
+    p.add_argument("--kv-budget", type=float, default=None, metavar="F",
+                   help="the policy's budget: a fraction of the prompt (<= 1) or tokens per head (> 1)")
+    p.add_argument("--kv-policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="another field of the policy, e.g. --kv-policy-arg window=32 (repeatable; values "
+                        "are JSON, else strings)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step variant before accepting requests (no compile stall while "
+                        "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
+                        "large --max-model-len / --max-step-tokens)")
+    # ---- end of the serve2 block ----
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     args = p.parse_args(argv)
@@ -67,6 +81,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--port must be in [0, 65535] (got {args.port})")
     if not Path(args.model).is_dir():
         p.error(f"--model {args.model} is not a directory")
+    args.kv_policy_obj = None
+    if args.kv_policy is None and (args.kv_budget is not None or args.kv_policy_arg):
+        p.error("--kv-budget and --kv-policy-arg need --kv-policy")
+    if args.kv_policy is not None:
+        from jaxkv.serve.kv import build_policy, parse_policy_args
+
+        try:
+            fields = parse_policy_args(args.kv_policy_arg)
+            if args.kv_budget is not None:
+                fields["budget"] = args.kv_budget
+            args.kv_policy_obj = build_policy(args.kv_policy, fields)
+        except ValueError as e:
+            p.error(f"--kv-policy: {e}")
     return args
 
 
@@ -82,7 +109,7 @@ def main(argv=None) -> int:
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
     from jaxkv.serve.app import ServeLimits
-    from jaxkv.serve.server import build_state, load_api_keys, serve, warm_up
+    from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
 
     dtype = args.dtype
     if dtype == "auto":
@@ -95,7 +122,7 @@ def main(argv=None) -> int:
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
-                        enable_prefix_caching=args.enable_prefix_caching)
+                        enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj)
         name = args.served_model_name or Path(args.model).resolve().name
         limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
                              request_timeout=args.request_timeout or None,
@@ -106,12 +133,22 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # bad checkpoint, head-class file, engine sizes
         print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
         return 2
+    backend = jax.default_backend()
+    if args.precompile or (args.precompile is None and backend != "cpu"):
+        n, took = precompile(engine)
+        state.info["precompiled_variants"] = n
+        print(f"jaxkv: precompiled {n} step variants in {took:.1f}s", flush=True)
+    else:
+        state.info["precompiled_variants"] = 0
     if args.warmup:
         warm_up(engine)
+    policy = "none" if engine.kv_policy is None else (
+        f"{engine.kv_policy.name} (budget {engine.kv_policy.budget:g})")
     classes = ", ".join(f"{n} {k}" for k, n in engine.head_classes.counts().items() if n)
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots, KV heads: {classes}, "
-          f"prefix caching {'on' if engine.prefix is not None else 'off'}", flush=True)
+          f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
+          f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}", flush=True)
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
           started_at=started)
     return 0

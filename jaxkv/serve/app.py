@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.engine.detok import TextStream
+from jaxkv.serve import kv as K
 from jaxkv.serve import protocol as P
-from jaxkv.serve.engine_loop import EngineDeadError, EngineLoop, EngineStepError
+from jaxkv.serve.engine_loop import EngineDeadError, EngineLoop, EngineStepError, RequestFailed
 from jaxkv.serve.metrics import CONTENT_TYPE, ServeMetrics
 
 log = logging.getLogger("jaxkv.serve")
@@ -64,6 +66,9 @@ class ServerState:
     limits: ServeLimits = field(default_factory=ServeLimits)
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant namespace; empty: no auth
     created: int = field(default_factory=P.now)
+    kv_policy: object | None = None  # the engine's compression policy (a request may override it)
+    reuse_enabled: bool = False  # segment reuse needs every head global (docs/serving.md)
+    info: dict = field(default_factory=dict)  # more for GET /info (page size, precompiled variants, ...)
 
 
 @dataclass
@@ -82,6 +87,8 @@ class _Job:
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     finished: bool = False
     finish_reason: str | None = None
+    kv_policy: object = K.DEFAULT  # K.DEFAULT (the server's), None (full cache) or a CompressPolicy
+    reuse: tuple | None = None  # (prefix ids, segment ids, suffix ids, ReusePolicy) of a reuse request
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -116,6 +123,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _engine_step(_, e: EngineStepError):
         return error(500, str(e), "internal_error", code="engine_error")
 
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(_, e: RequestFailed):
+        return error(400, _public(str(e)), code="request_failed")
+
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_, e: EngineDeadError):
         return error(503, str(e), "internal_error", code="engine_dead")
@@ -138,7 +149,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     def model_card():
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxkv",
-                "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}
+                "root": state.model_name, "parent": None, "max_model_len": state.max_model_len,
+                "kv_policy": K.describe(state.kv_policy)}
+
+    @app.get("/info")
+    async def info():
+        """What a client may want to know before sending extensions (no secrets: open like /health)."""
+        return {"model": state.model_name, "max_model_len": state.max_model_len,
+                "kv_policy": K.describe(state.kv_policy), "kv_policies": K.compression_policies(),
+                "segment_reuse": state.reuse_enabled, "reuse_methods": K.reuse_methods(), **state.info}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -161,9 +180,17 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_common(req)
         P.check_completion_extras(req)
         _check_choices(state, _num_prompts(req.prompt) * (req.n or 1))
+        policy = K.request_policy(req, state.max_model_len)
+        key = _extra_key(tenant, req.cache_salt)
+        reuse = None
+        if req.reuse is not None:
+            method = K.request_reuse_method(req.reuse.method, state.max_model_len)
+            reuse = (method, req.reuse.segments,
+                     await _segment_tokens(state, req.reuse.segments, key, "reuse.segments"))
         # Tokenizing (up to a whole body's worth of text) runs off the event loop.
-        jobs = await asyncio.to_thread(_completion_jobs, state, req)
-        return await _serve(state, request, req, jobs, False, _extra_key(tenant, req.cache_salt), arrival)
+        jobs = await asyncio.to_thread(_completion_jobs, state, req, reuse)
+        _set_policy(jobs, policy)
+        return await _serve(state, request, req, jobs, False, key, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -174,10 +201,135 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_common(req)
         P.check_chat_extras(req)
         _check_choices(state, req.n or 1)
-        jobs = await asyncio.to_thread(_chat_jobs, state, req)
-        return await _serve(state, request, req, jobs, True, _extra_key(tenant, req.cache_salt), arrival)
+        policy = K.request_policy(req, state.max_model_len)
+        key = _extra_key(tenant, req.cache_salt)
+        segments: list[str] = []
+        marker = f"\x00{uuid.uuid4().hex}\x00"  # stands for a segment part in the rendered template
+        messages = P.chat_messages(req, segments, marker)
+        reuse = None
+        if len(segments) > P.MAX_SEGMENTS:
+            raise P.RequestError(f"At most {P.MAX_SEGMENTS} segment parts are allowed.", "messages")
+        if segments:
+            if "kv_policy" in req.model_fields_set and req.kv_policy is not None:
+                raise P.RequestError("kv_policy cannot be combined with segment reuse (pass null or leave it "
+                                     "out).", "kv_policy")
+            method = K.request_reuse_method(req.reuse.method if req.reuse is not None else "naive",
+                                            state.max_model_len)
+            reuse = (method, segments, await _segment_tokens(state, segments, key, "messages"))
+        elif req.reuse is not None:
+            raise P.RequestError("reuse needs segment content parts ({'type': 'segment', 'id': ...}).",
+                                 "reuse")
+        jobs = await asyncio.to_thread(_chat_jobs, state, req, messages, marker, reuse)
+        _set_policy(jobs, policy)
+        return await _serve(state, request, req, jobs, True, key, arrival)
+
+    # ------------------------------------------------------------------------------------ segments
+
+    @app.post("/v1/segments")
+    async def create_segment(request: Request):
+        tenant = _tenant(state, request)
+        req = P.parse(P.SegmentRequest, await _read_body(request, state.limits.max_body_bytes))
+        P.check_cache_salt(req.cache_salt)
+        _check_reuse_enabled(state)
+        if (req.text is None) == (req.tokens is None):
+            raise P.RequestError("Pass exactly one of 'text' and 'tokens'.", "text")
+        if req.text is not None:
+            tokens = await asyncio.to_thread(_encode_within, state, req.text, req.add_special_tokens, "text")
+        else:
+            tokens = list(req.tokens)
+            bad = [t for t in tokens if not 0 <= t < state.vocab_size]
+            if bad:
+                raise P.RequestError(f"tokens must lie in [0, {state.vocab_size}) (got {bad[0]}).", "tokens")
+        param = "text" if req.text is not None else "tokens"
+        if not tokens:
+            raise P.RequestError("The segment is empty (after tokenization).", param)
+        if len(tokens) >= state.max_model_len:
+            raise P.RequestError(f"The segment has {len(tokens)} tokens; a prompt holds at most "
+                                 f"{state.max_model_len - 1}.", param, "context_length_exceeded")
+        key = _extra_key(tenant, req.cache_salt)
+        frozen = req.frozen
+
+        def register(eng):
+            from jaxkv.cache.allocator import OutOfPages
+
+            try:
+                return _segment_card(eng.reuser.register(tokens, key, frozen))
+            except OutOfPages as e:
+                raise P.RequestError(f"The KV pool has no room for this segment now ({e}); retry later or "
+                                     "delete segments.", None, "kv_pool_full", 503) from None
+            except ValueError as e:
+                raise P.RequestError(_public(str(e)), param) from None
+
+        return await state.loop.call(register)
+
+    @app.get("/v1/segments")
+    async def list_segments(request: Request, cache_salt: str | None = None):
+        key = _extra_key(_tenant(state, request), _salt(cache_salt))
+        data = await state.loop.call(lambda eng: [_segment_card(e) for e in eng.reuser.store.entries(key)])
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/segments/{segment_id}")
+    async def get_segment(segment_id: str, request: Request, cache_salt: str | None = None):
+        key = _extra_key(_tenant(state, request), _salt(cache_salt))
+        return await state.loop.call(lambda eng: _segment_card(_lookup(eng, segment_id, key, None, 404)))
+
+    @app.delete("/v1/segments/{segment_id}")
+    async def delete_segment(segment_id: str, request: Request, cache_salt: str | None = None):
+        key = _extra_key(_tenant(state, request), _salt(cache_salt))
+
+        def delete(eng):
+            _lookup(eng, segment_id, key, None, 404)
+            eng.delete_segment(segment_id, key)
+            return {"id": segment_id, "object": "segment.deleted", "deleted": True}
+
+        return await state.loop.call(delete)
 
     return app
+
+
+def _salt(cache_salt: str | None) -> str | None:
+    P.check_cache_salt(cache_salt)
+    return cache_salt
+
+
+def _check_reuse_enabled(state: ServerState) -> None:
+    if not state.reuse_enabled:
+        raise P.RequestError("Segment reuse needs every KV head to keep its full history; this server runs "
+                             "windowed (local) heads. Start it with --head-classes global.", "reuse",
+                             "reuse_unavailable")
+
+
+def _public(message: str) -> str:
+    """An engine message without the namespace (tenant) it names."""
+    return re.sub(r" (does not exist )?in namespace .*$", " does not exist here", message)
+
+
+def _lookup(eng, seg_id: str, key: str | None, param: str | None, status: int = 400):
+    from jaxkv.cache.segments import SegmentError
+
+    try:
+        return eng.reuser.store.get(seg_id, key)
+    except SegmentError:
+        raise K.segment_not_found(seg_id, param, status) from None
+
+
+def _segment_card(e) -> dict:
+    return {"id": e.segment_id, "object": "segment", "num_tokens": e.length, "frozen": e.frozen,
+            "in_use": e.refcount, "hits": e.hits}
+
+
+async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | None,
+                         param: str) -> list[list[int]]:
+    """The tokens of each named segment in namespace `key` (looked up on the engine thread)."""
+    _check_reuse_enabled(state)
+    name = (lambda i: f"{param}[{i}]") if param == "reuse.segments" else (lambda i: param)
+    return await state.loop.call(
+        lambda eng: [list(_lookup(eng, s, key, name(i)).tokens) for i, s in enumerate(seg_ids)])
+
+
+def _set_policy(jobs: list[_Job], policy) -> None:
+    for j in jobs:  # reuse jobs: DEFAULT or None only (a policy object was refused with the request)
+        j.kv_policy = policy
 
 
 _ERROR_TYPES = {408: "timeout_error", 429: "rate_limit_error"}
@@ -193,7 +345,8 @@ def _openapi(app: FastAPI) -> dict:
         return app.openapi_schema
     schema = get_openapi(title="jaxkv", version="0.1.0", routes=app.routes)
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
-    bodies = (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest))
+    bodies = (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest),
+              ("/v1/segments", P.SegmentRequest))
     for path, cls in bodies:
         js = cls.model_json_schema(ref_template="#/components/schemas/{model}")
         comps.update(js.pop("$defs", {}))
@@ -273,32 +426,78 @@ def _encode_within(state: ServerState, text: str, special: bool, param: str) -> 
     return list(state.encode(text, special))
 
 
-def _completion_jobs(state: ServerState, req) -> list[_Job]:
-    prompts = _completion_prompts(req.prompt, state)
+def _completion_jobs(state: ServerState, req, reuse: tuple | None = None) -> list[_Job]:
+    """Jobs of a completion request; with `reuse` = (method, segment ids, segment tokens) every prompt is
+    the suffix after ``prefix | segments``."""
+    prompts = _completion_prompts(req.prompt, state, special=reuse is None, allow_empty=reuse is not None)
     explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+    head, spec = [], None
+    if reuse is not None:
+        method, seg_ids, seg_tokens = reuse
+        prefix = req.reuse.prefix
+        if isinstance(prefix, list):
+            _check_ids(state, prefix, "reuse.prefix")
+            prefix_ids = list(prefix)
+        else:  # the prompt's start: BOS (when the tokenizer adds one) and the prefix text
+            prefix_ids = _encode_within(state, prefix or "", True, "reuse.prefix")
+        head = prefix_ids + [t for seg in seg_tokens for t in seg]
+        spec = (prefix_ids, list(seg_ids), method)
     jobs = []
     for pi, (text, ids) in enumerate(prompts):
-        max_tokens = P.resolve_max_tokens(req.max_tokens, explicit, len(ids), state.max_model_len)
-        echo = (text if text is not None else state.decode(ids)) if req.echo else ""
-        jobs += _jobs(state, req, pi, ids, max_tokens, echo, len(jobs))
+        full = head + ids
+        if not full:
+            raise P.RequestError("prompt is empty after tokenization.", "prompt")
+        max_tokens = P.resolve_max_tokens(req.max_tokens, explicit, len(full), state.max_model_len)
+        if req.echo:
+            echo = text if text is not None and spec is None else state.decode(full)
+        else:
+            echo = ""
+        new = _jobs(state, req, pi, full, max_tokens, echo, len(jobs))
+        if spec is not None:
+            for j in new:
+                j.reuse = (spec[0], spec[1], ids, spec[2])
+        jobs += new
     return jobs
 
 
-def _chat_jobs(state: ServerState, req) -> list[_Job]:
-    messages = P.chat_messages(req)
+def _chat_jobs(state: ServerState, req, messages: list[dict], marker: str = "",
+               reuse: tuple | None = None) -> list[_Job]:
     try:
         text = state.chat_text(messages)
     except Exception as e:  # jinja2 raise_exception (e.g. roles must alternate) and template errors
         raise P.RequestError(f"Could not apply the chat template: {e}", "messages") from None
-    ids = _encode_within(state, text, False, "messages")
+    spec = None
+    if reuse is None:
+        ids = _encode_within(state, text, False, "messages")
+    else:  # the rendered prompt around the (adjacent) segment parts: prefix | segments | suffix
+        method, seg_ids, seg_tokens = reuse
+        parts = text.split(marker)
+        if (len(parts) != 2 * len(seg_ids) + 1 or parts[1::2] != [str(i) for i in range(len(seg_ids))]
+                or any(parts[2:-1:2])):
+            raise P.RequestError("Segment content parts must be adjacent (one run of segments in one "
+                                 "message) and kept by the chat template.", "messages")
+        prefix = _encode_within(state, parts[0], False, "messages")
+        suffix = _encode_within(state, parts[-1], False, "messages")
+        ids = prefix + [t for seg in seg_tokens for t in seg] + suffix
+        spec = (prefix, list(seg_ids), suffix, method)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = P.resolve_max_tokens(requested, requested is not None, len(ids), state.max_model_len,
                                       param, "messages")
-    return _jobs(state, req, 0, ids, max_tokens, "", 0)
+    jobs = _jobs(state, req, 0, ids, max_tokens, "", 0)
+    for j in jobs:
+        j.reuse = spec
+    return jobs
 
 
-def _completion_prompts(prompt, state: ServerState) -> list[tuple[str | None, list[int]]]:
+def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise P.RequestError(f"token ids must lie in [0, {state.vocab_size}) (got {bad[0]}).", param)
+
+
+def _completion_prompts(prompt, state: ServerState, special: bool = True,
+                        allow_empty: bool = False) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt of a completion request."""
     if isinstance(prompt, str):
         items = [prompt]
@@ -310,8 +509,8 @@ def _completion_prompts(prompt, state: ServerState) -> list[tuple[str | None, li
     for i, p in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = _encode_within(state, p, True, param)
-            if not ids:
+            ids = _encode_within(state, p, special, param)
+            if not ids and not allow_empty:
                 raise P.RequestError("prompt is empty after tokenization.", param)
             out.append((p, ids))
         else:
@@ -372,11 +571,17 @@ async def _submit(state: ServerState, jobs: list[_Job], q: asyncio.Queue, extra_
             added += 1
             job.request_id = uuid.uuid4().hex  # set first: a cancelled submit still aborts it
             await state.loop.add(job.prompt_ids, job.sampling, q, job.index, extra_key, reserved=True,
-                                 request_id=job.request_id)
-    except ValueError as e:  # the engine refused (pool too small for this request, ...)
+                                 request_id=job.request_id, kv_policy=job.kv_policy, reuse=job.reuse)
+            if job.reuse is not None:
+                state.metrics.observe_reuse(job.reuse[3].name)
+    except P.RequestError:
         state.loop.release(len(jobs) - added)
         _abort(state, jobs, "error")
-        raise P.RequestError(str(e)) from None
+        raise
+    except ValueError as e:  # the engine refused (pool too small for this request, a segment, ...)
+        state.loop.release(len(jobs) - added)
+        _abort(state, jobs, "error")
+        raise P.RequestError(_public(str(e))) from None
     except BaseException:
         state.loop.release(len(jobs) - added)
         _abort(state, jobs, "error")
@@ -395,6 +600,8 @@ def _abort_reason(e: BaseException) -> str:
         return "timeout"
     if isinstance(e, (EngineStepError, EngineDeadError)):
         return "engine_error"
+    if isinstance(e, RequestFailed):
+        return "error"
     return "client"
 
 
@@ -557,5 +764,8 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
     except EngineDeadError as e:
         _abort(state, jobs, "engine_error")
         yield fail(503, str(e), "internal_error", "engine_dead")
+    except RequestFailed as e:
+        _abort(state, jobs, "error")
+        yield fail(400, _public(str(e)), "invalid_request_error", "request_failed")
     finally:  # the client disconnected (generator closed) or we finished: free what is still running
         _abort(state, jobs, "client")

@@ -1,7 +1,8 @@
 """Runs `Engine.step()` in one background thread and fans outputs out to asyncio queues.
 
 The engine is not thread-safe, so it is touched only by this thread: HTTP handlers send commands
-(add, abort) through a queue, the thread applies them between steps, steps while anything is
+(add, abort, and `call` for anything else: segment registration, deletion, listing) through a queue, the
+thread applies them between steps, steps while anything is
 unfinished, and hands each `RequestOutput` to the event loop of the request that owns it. One HTTP
 request may own several engine requests (`n > 1`, batched prompts); they share one queue and are told
 apart by their choice index.
@@ -27,6 +28,11 @@ log = logging.getLogger("jaxkv.serve")
 
 
 MAX_CONSECUTIVE_FAILURES = 8
+DEFAULT_POLICY = "default"  # `add(kv_policy=...)` left out: the engine's own policy
+
+
+class RequestFailed(RuntimeError):
+    """The engine dropped this request before it ran (e.g. a segment it names was deleted meanwhile)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -97,14 +103,35 @@ class EngineLoop:
         if n:
             self._count(-n)
 
+    async def call(self, fn):
+        """`fn(engine)` on the engine thread between two steps (never during one); returns its result or
+        raises what it raised. For engine calls other than add / abort (segments, introspection)."""
+        if not self.alive:
+            raise EngineDeadError(self.error or "engine thread is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def cmd():
+            try:
+                result = fn(self._engine)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(fut)
+
     async def add(self, prompt_ids: list[int], sampling, out: asyncio.Queue, index: int,
-                  extra_key: str | None = None, reserved: bool = False, request_id: str | None = None) -> str:
+                  extra_key: str | None = None, reserved: bool = False, request_id: str | None = None,
+                  kv_policy=DEFAULT_POLICY, reuse: tuple | None = None) -> str:
         """Submit one engine request whose outputs go to `out` as `(index, RequestOutput)`.
 
         `extra_key` namespaces the prefix cache (tenant isolation); `reserved`: its in-flight unit was
         taken by `try_reserve`. A caller that may be cancelled passes its own `request_id` so that it
-        can abort the request whatever happens. Raises what `Engine.add_request` raises (ValueError
-        for a request the engine refuses).
+        can abort the request whatever happens. `kv_policy`: DEFAULT_POLICY (the engine's), None (the
+        full cache) or a CompressPolicy. `reuse`: (prefix ids, segment ids, suffix ids, ReusePolicy) for
+        `Engine.add_reuse_request` (then `prompt_ids` is the whole prompt, for the metrics). Raises what the
+        engine raises (ValueError for a request it refuses).
         """
         if not reserved:
             self._count(+1)
@@ -118,8 +145,20 @@ class EngineLoop:
         def cmd():
             try:
                 self._tracks[request_id] = track
-                self._engine.add_request(list(prompt_ids), sampling, request_id=request_id,
-                                         extra_key=extra_key)
+                eng = self._engine
+                if reuse is not None:
+                    prefix, segments, suffix, method = reuse
+                    eng.add_reuse_request(prefix, segments, suffix, reuse=method, sampling=sampling,
+                                          request_id=request_id, extra_key=extra_key)
+                elif kv_policy is DEFAULT_POLICY:
+                    eng.add_request(list(prompt_ids), sampling, request_id=request_id, extra_key=extra_key)
+                else:
+                    eng.add_request(list(prompt_ids), sampling, request_id=request_id, extra_key=extra_key,
+                                    kv_policy=kv_policy)
+                if kv_policy is None and eng.kv_policy is not None:
+                    # The full cache despite the engine's policy: the engine has no argument for this, and
+                    # the request is neither scheduled nor admitted before this thread's next step.
+                    eng._requests[request_id].kv_policy = None
             except BaseException as e:
                 self._tracks.pop(request_id, None)
                 self._count(-1)
@@ -181,7 +220,7 @@ class EngineLoop:
             log.error("engine thread died:\n%s", self.error)
             err = EngineDeadError("the engine failed while serving this request; see the server log")
             for t in self._tracks.values():
-                t.loop.call_soon_threadsafe(t.queue.put_nowait, (t.index, err))
+                _post(t, (t.index, err))
             self._count(-len(self._tracks))
             self._tracks.clear()
 
@@ -198,6 +237,9 @@ class EngineLoop:
             blamed = list(self._tracks)
         else:
             blamed = [r.request_id for r in sched.running] or [r.request_id for r in list(sched.waiting)[:1]]
+            reuser = getattr(self._engine, "reuser", None)
+            if reuser is not None and reuser.waiting:  # a reuse prefill runs first in a step: its head too
+                blamed.insert(0, reuser.waiting[0].req.request_id)
         err = EngineStepError(f"the engine failed on a step running this request: {type(e).__name__}: {e}")
         for rid in blamed:
             self._engine.abort(rid)
@@ -207,7 +249,7 @@ class EngineLoop:
             self._count(-1)
             if self._metrics is not None:
                 self._metrics.observe_aborted("engine_error")
-            track.loop.call_soon_threadsafe(track.queue.put_nowait, (track.index, err))
+            _post(track, (track.index, err))
 
     def _apply_commands(self, block: bool) -> None:
         cmds = []
@@ -237,15 +279,34 @@ class EngineLoop:
                 first = track.last is None
                 self._metrics.observe_tokens(first, now - (track.arrival if first else track.last), n_new)
                 track.last = now
+            item = out
             if out.finished:
                 del self._tracks[out.request_id]
                 self._count(-1)
+                if out.finish_reason == "abort":  # dropped by the engine itself, not by us
+                    item = RequestFailed(out.text or "the engine dropped the request")
+                    if self._metrics is not None:
+                        self._metrics.observe_aborted("error")
                 if self._metrics is not None:
                     elapsed = now - track.arrival
                     self._metrics.observe_finished(out.finish_reason, track.prompt_tokens, elapsed)
-            track.loop.call_soon_threadsafe(track.queue.put_nowait, (track.index, out))
+            if not _post(track, (track.index, item)):
+                if not out.finished:  # its event loop is gone (the server is shutting down): stop it
+                    self._tracks.pop(out.request_id, None)
+                    self._count(-1)
+                    self._engine.abort(out.request_id)
 
     def _refresh_stats(self) -> None:
         self.last_stats = self._engine.stats()
         if self._metrics is not None:
             self._metrics.set_stats(self.last_stats)
+            self._metrics.set_kv_stats(self._engine)
+
+
+def _post(track: _Track, item) -> bool:
+    """Hand `item` to the request's event loop; False when that loop is closed (its server stopped)."""
+    try:
+        track.loop.call_soon_threadsafe(track.queue.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed": nobody is waiting for this request any more
+        return False
+    return True

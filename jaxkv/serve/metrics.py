@@ -48,6 +48,15 @@ class ServeMetrics:
         self.rejected_by_reason = c("jaxkv_requests_rejected", "HTTP requests refused with an error, by "
                                     "reason (the error code, e.g. queue_full, body_too_large).", ["reason"])
         self._last_preemptions = 0
+        # KV compression policies and segment reuse (docs/serving.md).
+        self.compressions = c("jaxkv_kv_compressions", "Compression passes run by the KV policies (one "
+                              "device call compresses every due request of one policy).")
+        self.pages_freed = c("jaxkv_kv_pages_freed_by_compression", "KV pages freed by compression.")
+        self.segments = g("jaxkv_segments", "Segments in the segment store (all namespaces).")
+        self.segment_pages = g("jaxkv_segment_pages", "KV pages referenced by the segment store.")
+        self.reuse_requests = c("jaxkv_reuse_requests", "Generations that reused segments, by method.",
+                                ["method"])
+        self._last_kv = (0, 0)
 
         self.ttft = h("jaxkv_time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
         self.itl = h("jaxkv_inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
@@ -76,6 +85,27 @@ class ServeMetrics:
             self.preemptions_total.labels(m).inc(s.num_preemptions - self._last_preemptions)
             self._last_preemptions = s.num_preemptions
         self.pages_free.labels(m).set(s.pages_total - s.pages_in_use)
+        for counter in (self.compressions, self.pages_freed):  # present (at 0) from the start
+            counter.labels(m)
+
+    def set_kv_stats(self, engine) -> None:
+        """Counters of the engine's compressor and segment store (engine thread)."""
+        m = self._model
+        comp = getattr(engine, "compressor", None)
+        if comp is not None:
+            n, freed = comp.num_compressions, comp.pages_freed
+            if n > self._last_kv[0]:
+                self.compressions.labels(m).inc(n - self._last_kv[0])
+            if freed > self._last_kv[1]:
+                self.pages_freed.labels(m).inc(freed - self._last_kv[1])
+            self._last_kv = (max(n, self._last_kv[0]), max(freed, self._last_kv[1]))
+        reuser = getattr(engine, "reuser", None)
+        if reuser is not None:
+            self.segments.labels(m).set(len(reuser.store))
+            self.segment_pages.labels(m).set(reuser.store.num_pages)
+
+    def observe_reuse(self, method: str) -> None:
+        self.reuse_requests.labels(self._model, method).inc()
 
     def set_inflight(self, n: int) -> None:
         self.inflight.labels(self._model).set(n)

@@ -21,6 +21,7 @@ MAX_STOP_CHARS = 512  # per stop string: held-back text while a stop could still
 MAX_STOP_TOKEN_IDS = 256
 MAX_CHOICES = 64  # prompts x n of one request: more is a batch job, not one request
 MAX_CACHE_SALT_CHARS = 256
+MAX_SEGMENTS = 64  # segments one reuse request names
 INT32_MAX = 2**31 - 1  # top_k and token ids travel to the device as int32
 SEED_MOD = 2**63
 SEED_RANGE = (-(2**63), 2**64)
@@ -60,6 +61,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class _Closed(BaseModel):
+    """Extension objects: an unknown field there is a typo, refused with 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ReuseSpec(_Closed):
+    """Extension `reuse`: the prompt is ``prefix | segments | prompt`` with the segments' cached K/V."""
+
+    segments: list[str] = Field(default_factory=list)  # segment ids from POST /v1/segments
+    method: str | dict[str, Any] = "naive"  # a reuse method name, or {"name": ..., fields}
+    prefix: str | list[int] | None = None  # completions only: text (with BOS) or ids before the segments
+
+
+class SegmentRequest(_Closed):
+    """POST /v1/segments: register a segment (its K/V prefilled once) under the caller's namespace."""
+
+    text: str | None = None
+    tokens: list[int] | None = None
+    add_special_tokens: bool = False  # text only: a segment sits mid-prompt, so no BOS by default
+    cache_salt: str | None = None  # a namespace within the caller's tenant, as on the generation routes
+    frozen: bool = False  # a knowledge-base entry: evicted only when nothing else can go
+
+
 class _CommonRequest(_Strict):
     model: str
     temperature: float | None = None
@@ -77,6 +102,8 @@ class _CommonRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None  # extension (vLLM): prefix-cache namespace within the caller's tenant
+    kv_policy: str | dict[str, Any] | None = None  # extension: compression policy; null = full cache
+    reuse: ReuseSpec | None = None  # extension: segment reuse
 
 
 class CompletionRequest(_CommonRequest):
@@ -91,6 +118,11 @@ class CompletionRequest(_CommonRequest):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+
+class SegmentPart(_Strict):
+    type: Literal["segment"]
+    id: str
 
 
 class ChatMessage(_Strict):
@@ -185,11 +217,19 @@ def check_common(req: _CommonRequest) -> None:
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed "
                            f"(got {len(req.stop_token_ids)}).", "stop_token_ids")
-    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
-        raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                           "characters.", "cache_salt")
+    check_cache_salt(req.cache_salt)
+    if req.reuse is not None:
+        if "kv_policy" in req.model_fields_set and req.kv_policy is not None:
+            raise RequestError("kv_policy cannot be combined with segment reuse (pass null or leave it out).",
+                               "kv_policy")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                           "characters.", "cache_salt")
 
 
 def check_completion_extras(req: CompletionRequest) -> None:
@@ -200,6 +240,8 @@ def check_completion_extras(req: CompletionRequest) -> None:
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise RequestError("best_of is not supported by this server (it must equal n).", "best_of")
+    if req.reuse is not None and not 1 <= len(req.reuse.segments) <= MAX_SEGMENTS:
+        raise RequestError(f"reuse.segments must name 1 to {MAX_SEGMENTS} segment ids.", "reuse.segments")
     if isinstance(req.prompt, list) and not req.prompt:
         raise RequestError("prompt must not be empty.", "prompt")
     if isinstance(req.prompt, list) and any(isinstance(p, list) and not p for p in req.prompt):
@@ -217,13 +259,19 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
         raise RequestError("tool_choice is not supported by this server.", "tool_choice")
     if req.response_format is not None and req.response_format.get("type") != "text":
         raise RequestError("Only response_format {'type': 'text'} is supported.", "response_format")
+    if req.reuse is not None and (req.reuse.segments or req.reuse.prefix is not None):
+        raise RequestError("In a chat request segments are content parts ({'type': 'segment', 'id': ...}) "
+                           "of a message; reuse takes only the method here.", "reuse")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         if req.max_tokens != req.max_completion_tokens:
             raise RequestError("Pass only one of max_tokens and max_completion_tokens.", "max_tokens")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as plain dicts for the chat template; content parts must be text."""
+def chat_messages(req: ChatCompletionRequest, segments: list[str] | None = None,
+                  marker: str = "") -> list[dict[str, str]]:
+    """Messages as plain dicts for the chat template; content parts must be text, or segments
+    (``{"type": "segment", "id": ...}``): each is appended to `segments` and stands in the text as
+    ``marker + index + marker`` (the caller splits the rendered prompt there)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -232,11 +280,21 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "segment" and segments is not None:
+                    try:
+                        seg = SegmentPart.model_validate(part)
+                    except ValidationError:
+                        raise RequestError("A segment content part is {'type': 'segment', 'id': SEGMENT_ID}.",
+                                           f"messages[{i}].content[{j}]") from None
+                    texts.append(f"{marker}{len(segments)}{marker}")
+                    segments.append(seg.id)
+                    continue
                 try:
                     texts.append(TextPart.model_validate(part).text)
                 except ValidationError:
-                    raise RequestError("Only text content parts ({'type': 'text', 'text': ...}) are "
-                                       "supported.", f"messages[{i}].content[{j}]") from None
+                    raise RequestError("Only text content parts ({'type': 'text', 'text': ...}) and segments "
+                                       "({'type': 'segment', 'id': ...}) are supported.",
+                                       f"messages[{i}].content[{j}]") from None
             content = "".join(texts)
         msg = {"role": m.role, "content": content}
         if m.name is not None:

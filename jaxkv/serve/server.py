@@ -85,6 +85,11 @@ def build_state(model, engine, served_model_name: str, use_generation_config: bo
         sampling_defaults=sampling_defaults(model.generation_config) if use_generation_config else {},
         limits=limits,
         api_keys=api_keys or {},
+        kv_policy=engine.kv_policy,
+        reuse_enabled=not bool(engine.tables.local.any()),
+        info={"page_size": engine.page_size, "max_num_seqs": engine.scheduler.max_num_seqs,
+              "prefix_caching": engine.prefix is not None,
+              "head_classes": {k: n for k, n in engine.head_classes.counts().items() if n}},
     )
 
 
@@ -97,6 +102,14 @@ def warm_up(engine, prompt_len: int = 8) -> None:
     while engine.has_unfinished():
         engine.step()
     engine.abort(rid)
+
+
+def precompile(engine, progress: bool = True) -> tuple[int, float]:
+    """`Engine.precompile()`: every step variant compiled (or loaded from the persistent compilation cache)
+    before the server accepts requests, so no request waits on a compile. Returns (variants, seconds)."""
+    t0 = time.perf_counter()
+    n = engine.precompile(progress=progress)
+    return n, time.perf_counter() - t0
 
 
 def serve(state: ServerState, host: str, port: int, log_level: str = "info", access_log: bool = False,

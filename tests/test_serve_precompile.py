@@ -1,0 +1,76 @@
+"""`python -m jaxkv.serve --precompile` (issue 9 item 4) with a server-wide KV policy (issue 11): every step
+variant is compiled before the ready line, so serving traces (compiles) no step function. A real server
+subprocess on a tiny random checkpoint, sized so the precompile stays a few variants on CPU (4 variants,
+~10 s cold on 2 cores; the persistent compilation cache makes a rerun faster).
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+from hf_tiny import make_tiny_checkpoint
+
+from jaxkv.serve.launch import ServerProcess
+
+PROMPT = list(range(5, 45))  # 40 token ids: 5 chunks of 8
+_TRACED_STEP = re.compile(r"Finished tracing (_step|_decode) ")
+
+
+def test_precompiled_server_with_a_default_policy(tmp_path):
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
+    s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16", "--num-pages", "64",
+                       "--max-num-seqs", "1", "--max-step-tokens", "8", "--precompile",
+                       "--kv-policy", "snapkv", "--kv-budget", "0.25",
+                       "--kv-policy-arg", "window=8"], env={"JAX_LOG_COMPILES": "1"})
+    try:
+        startup = "".join(s.log)
+        assert re.search(r"jaxkv: precompiled 4 step variants in \d+\.\d+s", startup), startup
+        assert "KV policy snapkv (budget 0.25)" in startup
+        assert _TRACED_STEP.search(startup)  # the compile log is on: precompile traced the steps
+        info = httpx.get(s.base + "/info").json()
+        assert info["precompiled_variants"] == 4
+        card = httpx.get(s.url + "/models").json()["data"][0]
+        assert card["kv_policy"]["name"] == "snapkv" and card["kv_policy"]["budget"] == 0.25
+        assert card["kv_policy"]["window"] == 8
+
+        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+
+        def text(prompt=PROMPT, max_tokens=16, **extra):
+            r = c.completions.create(model=s.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, **extra})
+            assert r.usage.completion_tokens == max_tokens
+            return r.choices[0].text
+
+        # A sampled request: the warm-up request is greedy, so without --precompile this one would trace
+        # (compile) a sampled prefill step and a sampled decode step while serving.
+        seen = len(s.log)
+        c.completions.create(model=s.name, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1,
+                             extra_body={"ignore_eos": True, "kv_policy": None})
+        traced = [line for line in s.log[seen:] if _TRACED_STEP.search(line)]
+        assert traced == [], f"a step compiled while serving: {traced}"
+
+        full = text(kv_policy=None)  # the full cache despite the server's policy
+
+        assert text(kv_policy={"name": "snapkv", "budget": 1000}) == full  # keeps every token
+        assert s.metric("jaxkv_kv_compressions_total") == 0
+        assert text() != full  # the server's policy: a quarter of the prompt's K/V
+        assert s.metric("jaxkv_kv_compressions_total") == 1
+        assert s.metric("jaxkv_kv_pages_freed_by_compression_total") > 0
+        assert s.metric("jaxkv_kv_pages_in_use") == 0
+
+        # Segment reuse under a server-wide policy: `full` recomputes everything, so with `kv_policy: null`
+        # it is the plain full-cache answer; left out, the server's policy compresses it too (the engine
+        # does so after the request's first decode call, so it must generate more than 16 tokens).
+        # (A page-aligned layout of 2 pages + 24 tokens fits the 4 pages of the 64-token context.)
+        seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
+        reuse = {"segments": [seg], "method": "full", "prefix": []}
+        plain = text(prompt=PROMPT[:32], kv_policy=None)
+        assert text(prompt=PROMPT[16:32], reuse=reuse, kv_policy=None) == plain
+        assert s.metric("jaxkv_kv_compressions_total") == 1
+        text(prompt=PROMPT[16:32], reuse=reuse, max_tokens=24)
+        assert s.metric("jaxkv_kv_compressions_total") == 2
+        assert s.metric("jaxkv_kv_pages_in_use") == 0
+    finally:
+        s.stop()
