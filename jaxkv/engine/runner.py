@@ -99,9 +99,9 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
         if fresh_heads is not None:
             heads = fresh_heads if tp else (fresh_heads,)
-            out = tp_shard.per_shard(
-                [functools.partial(_prefill, sink=h[layer][0], window=h[layer][1], scale=scale) for h in heads],
-                q[0], k[0], v[0])
+            branches = [functools.partial(_prefill, sink=h[layer][0], window=h[layer][1], scale=scale)
+                        for h in heads]
+            out = tp_shard.per_shard(branches, q[0], k[0], v[0])
         elif plan is not None:
             out, _ = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos,
                                                b["page_table"][:, layer], scale=scale)
@@ -278,6 +278,9 @@ def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):
     """Per-shard static (sink, window) tuples per layer for head_class_prefill; one entry when all shards
     hold the same classes (no per-shard branch)."""
     per = sink.shape[1] // tp
-    shards = tuple(tuple((tuple(int(x) for x in sk[s * per:(s + 1) * per]), tuple(int(x) for x in wd[s * per:(s + 1) * per]))
+    def ints(a):
+        return tuple(int(x) for x in a)
+
+    shards = tuple(tuple((ints(sk[s * per:(s + 1) * per]), ints(wd[s * per:(s + 1) * per]))
                          for sk, wd in zip(sink, window)) for s in range(tp))
     return shards[:1] if all(sh == shards[0] for sh in shards) else shards
