@@ -240,15 +240,16 @@ class ModelRunner:
         self.params = model.params
         self.mesh = mesh  # tensor parallel over KV heads (jaxkv.parallel): params + pool sharded on "tp"
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
-        self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
+        if mesh is None:
+            self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
         self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
         # Static per-layer head classes for head_class_prefill of fresh prompts.
         self.fresh_heads = tuple((tuple(int(x) for x in sk), tuple(int(x) for x in wd))
                                  for sk, wd in zip(np.asarray(sink), np.asarray(window)))
         if mesh is not None:
-            from jaxkv.parallel.mesh import shard_params, shard_pool, tp_size
+            from jaxkv.parallel.mesh import init_sharded_pool, shard_params, tp_size
             self.params = shard_params(self.params, self.cfg, mesh)
-            self.pool = shard_pool(self.pool, mesh)
+            self.pool = init_sharded_pool(num_pages, page_size, self.cfg.head_dim, dtype, mesh)
             self.fresh_heads = _split_heads(np.asarray(sink), np.asarray(window), tp_size(mesh))
         self.attn_impl = attn_impl
         # The multi-layer plan is the Pallas kernel's; the jnp twin takes the contract's arguments per layer.

@@ -97,12 +97,21 @@ def param_specs(params: dict, cfg, tp: int):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def put(a, sharding):
+    """One array onto `sharding`: host arrays through `make_array_from_callback` (each process hands over
+    only its own devices' blocks, so this works under `jax.distributed` too), device arrays by device_put."""
+    if isinstance(a, jax.Array):
+        return a if a.sharding == sharding else jax.device_put(a, sharding)
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+
 def shard_params(params: dict, cfg, mesh: Mesh) -> dict:
     """Places a parameter tree (host or device arrays) on the mesh by the table."""
     tp = tp_size(mesh)
     check_divisible(cfg, tp)
     specs = param_specs(params, cfg, tp)
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+    return jax.tree.map(lambda a, s: put(a, NamedSharding(mesh, s)), params, specs)
 
 
 def pool_specs(pool):
@@ -110,9 +119,19 @@ def pool_specs(pool):
     return dataclasses.replace(pool, **{f: spec(a) for f, a in POOL_AXES.items()})
 
 
-def shard_pool(pool, mesh: Mesh):
-    specs = pool_specs(pool)
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), pool, specs)
+def pool_shardings(pool_or_specs, mesh: Mesh):
+    specs = pool_specs(pool_or_specs)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def init_sharded_pool(num_pages: int, page_size: int, head_dim: int, dtype, mesh: Mesh):
+    """An empty pool created directly in its shards (never whole on one device)."""
+    from jaxkv.cache.pool import init_pool
+
+    shape = jax.eval_shape(lambda: init_pool(num_pages, page_size, head_dim, dtype))
+    make = jax.jit(lambda: init_pool(num_pages, page_size, head_dim, dtype),
+                   out_shardings=pool_shardings(shape, mesh))
+    return make()
 
 
 def batch_specs(batch: dict) -> dict:
