@@ -31,8 +31,9 @@ import numpy as np  # noqa: E402
 def tiny_config():
     from jaxkv.config import ModelConfig
 
-    return ModelConfig(family="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                       num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=256)
+    return ModelConfig(family="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-5,
+                       max_position_embeddings=256)
 
 
 def generate(mesh) -> list[list[int]]:
@@ -55,7 +56,8 @@ def generate(mesh) -> list[list[int]]:
                     enable_prefix_caching=False, head_classes=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (7, 23, 40)]
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)) for p in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids = [engine.add_request(p, greedy) for p in prompts]
     got = {i: [] for i in ids}
     while engine.has_unfinished():
         for o in engine.step():
@@ -109,12 +111,14 @@ def main():
     for i in range(args.num_processes):
         env = dict(os.environ)
         if args.cpu_devices:
-            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.cpu_devices}")
+            flags = f"--xla_force_host_platform_device_count={args.cpu_devices}"
+            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, __file__, "--worker", str(i), "--num-processes", str(args.num_processes),
                "--coordinator", f"127.0.0.1:{port}", "--cpu-devices", str(args.cpu_devices)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         for i, o in enumerate(outs):
@@ -126,12 +130,12 @@ def main():
         env["JAX_PLATFORMS"] = "cpu"
     else:
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    ref_out = subprocess.run([sys.executable, __file__, "--reference"], env=env, capture_output=True, text=True,
-                             timeout=600)
+    ref_out = subprocess.run([sys.executable, __file__, "--reference"], env=env, capture_output=True,
+                             text=True, timeout=600)
     ref = json.loads([ln for ln in ref_out.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     same = result["tokens"] == ref["tokens"]
-    print(f"{result['processes']} processes, {result['devices']} devices ({result['kind']}), tp mesh over all: "
-          f"greedy tokens equal to one device: {same}")
+    print(f"{result['processes']} processes, {result['devices']} devices ({result['kind']}), tp mesh over "
+          f"all: greedy tokens equal to one device: {same}")
     print("tokens:", result["tokens"][0])
     sys.exit(0 if same else 1)
 
