@@ -400,7 +400,8 @@ def main():
     lines = [f"### {args.shape} shape, batch {args.batch}, {args.context} context", "",
              f"Command: `{cmd}`", "",
              f"Device: {len(jax.devices())} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-             f"Python {platform.python_version()}. Random {np.dtype(dtype).name} weights created in their shards; "
+             f"Python {platform.python_version()}. Random {np.dtype(dtype).name} weights created in their "
+             "shards; "
              f"decode = the engine's multi-step decode ({args.steps} steps per call, page size "
              f"{args.page_size}), timed over {args.iters} calls after a warm-up; floor = (weights per shard "
              f"+ the slowest shard's KV bytes) / {COPY_BW / 1e12:.1f} TB/s.", "",
