@@ -133,9 +133,13 @@ def engine_for(model, hc, *, batch: int, context: int, steps: int, page_size: in
     probe = Engine(model, num_pages=cfg.num_layers * cfg.num_kv_heads * 2 * tp, page_size=page_size,
                    max_num_seqs=batch, max_model_len=max_len, max_step_tokens=steps, head_classes=hc,
                    enable_prefix_caching=False, decode_steps=steps, kv_cache_bytes=0, attn_impl=ATTN_IMPL)
-    per_seq = probe.tables.pages_needed(None, context + steps)
+    # Pages per (layer, head) of one sequence, in placed order; the pool is split evenly over the shards,
+    # so it is sized by the shard that needs most (a contiguous placement of clustered global heads
+    # needs more there: placement balances memory as well as time).
+    per_head = probe.tables._pages_for(np.full((cfg.num_layers, cfg.num_kv_heads), context + steps))
+    per_shard = per_head.reshape(cfg.num_layers, tp, -1).sum(axis=(0, 2)).max()
     del probe
-    num_pages = batch * per_seq + cfg.num_layers * cfg.num_kv_heads * 2 * tp
+    num_pages = tp * (batch * int(per_shard) + cfg.num_layers * cfg.num_kv_heads * 2)
     return Engine(model, num_pages=num_pages, page_size=page_size, max_num_seqs=batch, max_model_len=max_len,
                   max_step_tokens=steps, head_classes=hc, enable_prefix_caching=False, decode_steps=steps,
                   attn_impl=ATTN_IMPL)
