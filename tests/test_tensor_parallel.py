@@ -123,6 +123,14 @@ def test_sharded_allocator_keeps_heads_in_their_shard():
         a.allocate(1)  # the head of every page is required
 
 
+def test_sharded_allocator_admission_follows_the_observed_split():
+    a = ShardedPageAllocator(40, 2, 4)  # 20 pages per shard, heads 0-1 on shard 0
+    a.allocate(12, heads=[0] * 9 + [2] * 3)  # a 3:1 split: shard 0 has 11 free, shard 1 17
+    assert a.num_free == 28
+    assert a.can_allocate(12)  # ~ 9 + 3 more fit
+    assert not a.can_allocate(20)  # ~ 15 on shard 0 do not, although 28 pages are free in total
+
+
 def test_tp_greedy_tokens_identical_across_tp_1_2_4(ckpt):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}

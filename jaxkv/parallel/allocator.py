@@ -30,6 +30,7 @@ class ShardedPageAllocator:
         self.pages_per_shard = self.num_pages // self.num_shards
         self.heads_per_shard = num_kv_heads // num_shards
         self.shards = [PageAllocator(self.pages_per_shard) for _ in range(self.num_shards)]
+        self._taken = np.ones(self.num_shards, np.float64)  # pages handed out per shard so far (+1 prior)
 
     @property
     def num_free(self) -> int:
@@ -39,9 +40,12 @@ class ShardedPageAllocator:
         return [a.num_free for a in self.shards]
 
     def can_allocate(self, n: int) -> bool:
-        """Admission by a summed footprint: assumes the footprint splits evenly over the shards (what the
-        balanced placement aims at); an uneven split can still raise OutOfPages in `allocate`."""
-        return n <= self.num_free and -(-n // self.num_shards) <= min(a.num_free for a in self.shards)
+        """Admission by a summed footprint (the scheduler's unit): the footprint is assumed to split over
+        the shards as all allocations so far did (even before the first; the balanced placement keeps it
+        near even). A request whose split differs can still raise OutOfPages in `allocate`."""
+        share = self._taken / self._taken.sum()
+        return n <= self.num_free and all(int(np.ceil(n * share[s])) <= a.num_free
+                                          for s, a in enumerate(self.shards))
 
     def allocate(self, n: int, heads=None) -> np.ndarray:
         if n < 0:
@@ -56,6 +60,7 @@ class ShardedPageAllocator:
             if c > self.shards[s].num_free:
                 raise OutOfPages(f"shard {s}: asked for {c} pages, {self.shards[s].num_free} of "
                                  f"{self.pages_per_shard} are free")
+        self._taken += counts
         ids = np.empty(n, np.int32)
         for s, c in enumerate(counts):
             if c:
