@@ -123,9 +123,10 @@ def load(path: str | Path, dtype="float32", *, mesh=None, placement: str = "bala
         from jaxkv.cache.head_classes import HeadClassMap, load_or_default
         from jaxkv.parallel import place_and_shard
 
-        hc = head_classes if isinstance(head_classes, HeadClassMap) or head_classes is None else \
-            HeadClassMap.load(head_classes)
-        hc = hc or load_or_default(path, cfg.num_layers, cfg.num_kv_heads)
+        if head_classes is None:
+            hc = load_or_default(path, cfg.num_layers, cfg.num_kv_heads)
+        else:
+            hc = head_classes if isinstance(head_classes, HeadClassMap) else HeadClassMap.load(head_classes)
         params, perm = place_and_shard(params, cfg, mesh, hc, placement)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]

@@ -279,9 +279,7 @@ def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):
     """Per-shard static (sink, window) tuples per layer for head_class_prefill; one entry when all shards
     hold the same classes (no per-shard branch)."""
     per = sink.shape[1] // tp
-    def ints(a):
-        return tuple(int(x) for x in a)
-
-    shards = tuple(tuple((ints(sk[s * per:(s + 1) * per]), ints(wd[s * per:(s + 1) * per]))
+    shards = tuple(tuple((tuple(int(x) for x in sk[s * per:(s + 1) * per]),
+                          tuple(int(x) for x in wd[s * per:(s + 1) * per]))
                          for sk, wd in zip(sink, window)) for s in range(tp))
     return shards[:1] if all(sh == shards[0] for sh in shards) else shards
