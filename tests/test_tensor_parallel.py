@@ -147,3 +147,15 @@ def test_tp_greedy_tokens_identical_across_tp_1_2_4(ckpt):
             assert runs[tp]["tokens"] == ref, (name, tp)
             assert runs[tp]["all_freed"] and runs[tp]["in_range"] and runs[tp]["pool_sharded"], (name, tp)
     assert out["pallas_mixed"]["4"]["fresh"]  # the head_class_prefill path ran per shard
+
+
+@pytest.mark.slow
+def test_multiprocess_tp_over_jax_distributed_matches_one_device():
+    """2 processes x 2 CPU devices through jax.distributed (gloo): a TP 4 mesh over both processes gives
+    the one-device greedy tokens (scripts/tp_multiprocess.py; on GPU it runs one process per GPU)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, str(ROOT / "scripts" / "tp_multiprocess.py"), "--num-processes", "2", "--cpu-devices", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 processes, 4 devices" in proc.stdout and "equal to one device: True" in proc.stdout
