@@ -155,7 +155,8 @@ def test_multiprocess_tp_over_jax_distributed_matches_one_device():
     the one-device greedy tokens (scripts/tp_multiprocess.py; on GPU it runs one process per GPU)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, str(ROOT / "scripts" / "tp_multiprocess.py"), "--num-processes", "2", "--cpu-devices", "2"]
+    script = str(ROOT / "scripts" / "tp_multiprocess.py")
+    cmd = [sys.executable, script, "--num-processes", "2", "--cpu-devices", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 processes, 4 devices" in proc.stdout and "equal to one device: True" in proc.stdout
