@@ -14,6 +14,7 @@ import json
 import struct
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,8 @@ class Model:
     generation_config: dict
     model_id: str
     path: Path
+    mesh: Any = None  # tensor parallel over KV heads (jaxkv.parallel); None = one device
+    kv_head_perm: Any = None  # [L, Hkv] placed KV-head order (position j holds checkpoint head perm[l, j])
 
     def logits(self, token_ids) -> np.ndarray:
         """Dense forward over positions 0..T-1: token ids [T] or [B, T] -> np.float32[B, T, vocab]."""
@@ -93,10 +96,14 @@ def load_config(path: Path) -> tuple[ModelConfig, dict]:
         raise UnsupportedConfigError(f"{path / 'config.json'}: {e}") from e
 
 
-def load(path: str | Path, dtype="float32") -> Model:
+def load(path: str | Path, dtype="float32", *, mesh=None, placement: str = "balanced",
+         head_classes=None) -> Model:
     """Load a Hugging Face checkpoint directory or a jaxkv.convert output directory.
 
     dtype: parameter dtype on device ("float32", "bfloat16", or a jnp dtype); norms/RoPE/softmax stay fp32.
+    mesh: a `jaxkv.parallel.make_mesh(tp)` mesh: parameters are sharded over its "tp" axis after the KV
+    heads are permuted by `placement` ("balanced" spreads the global heads of `head_classes` -- default
+    the model's head_classes.json -- evenly over the shards; "contiguous" keeps checkpoint order).
     """
     path = Path(path)
     if not path.is_dir():
@@ -107,8 +114,20 @@ def load(path: str | Path, dtype="float32") -> Model:
         from jaxkv.convert import restore_params
 
         params = restore_params(path, cfg, dt)
-    else:
+    elif mesh is None:
         params = jax.tree.map(lambda a: jnp.asarray(a, dt), read_hf_params(path, cfg))
+    else:  # stay on the host until each shard goes to its device
+        params = jax.tree.map(lambda a: np.asarray(a).astype(dt), read_hf_params(path, cfg))
+    perm = None
+    if mesh is not None:
+        from jaxkv.cache.head_classes import HeadClassMap, load_or_default
+        from jaxkv.parallel import place_and_shard
+
+        if head_classes is None:
+            hc = load_or_default(path, cfg.num_layers, cfg.num_kv_heads)
+        else:
+            hc = head_classes if isinstance(head_classes, HeadClassMap) else HeadClassMap.load(head_classes)
+        params, perm = place_and_shard(params, cfg, mesh, hc, placement)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
     return Model(
@@ -118,6 +137,8 @@ def load(path: str | Path, dtype="float32") -> Model:
         read_json(path / "generation_config.json", required=False),
         f"{path.resolve().name}-{digest}",
         path,
+        mesh,
+        perm,
     )
 
 

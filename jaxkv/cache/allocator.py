@@ -30,8 +30,9 @@ class PageAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= self._top
 
-    def allocate(self, n: int) -> np.ndarray:
-        """Returns ``n`` fresh page ids (np.int32[n]) with reference count 1; raises OutOfPages."""
+    def allocate(self, n: int, heads=None) -> np.ndarray:
+        """Returns ``n`` fresh page ids (np.int32[n]) with reference count 1; raises OutOfPages.
+        ``heads`` (the KV head of each page) matters only to jaxkv.parallel's ShardedPageAllocator."""
         if n < 0:
             raise ValueError(f"allocate: n must be >= 0 (got {n})")
         if n > self._top:

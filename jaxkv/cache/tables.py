@@ -155,7 +155,8 @@ class HeadPageTables:
             raise ValueError(f"append: positions must increase and follow position {seq.last_pos}")
         target = self._pages_for(seq.written + n)
         add = target - seq.npages
-        ids = self.allocator.allocate(int(add.sum()))  # OutOfPages here leaves everything untouched
+        heads = np.repeat(np.tile(np.arange(self.num_kv_heads), self.num_layers), add.ravel())
+        ids = self.allocator.allocate(int(add.sum()), heads=heads)  # OutOfPages leaves everything untouched
         if new:
             self._seqs[seq_id] = seq
             if self.journal is not None:

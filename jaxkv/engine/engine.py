@@ -82,6 +82,10 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.head_classes = _resolve_head_classes(head_classes, model)
+        mesh, tp = getattr(model, "mesh", None), 1  # tensor parallel over KV heads (docs/parallel.md)
+        if mesh is not None:
+            from jaxkv.parallel import setup_engine
+            self.head_classes, tp = setup_engine(model, self.head_classes, kv_policy)
         sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
         self._kinds = self.head_classes.kinds()
         self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
@@ -89,8 +93,13 @@ class Engine:
             itemsize = np.dtype(kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype).itemsize
             per_page = page_size * (2 * cfg.head_dim * itemsize + 4)  # K + V + int32 slot position
             want = max_num_seqs * cfg.num_layers * cfg.num_kv_heads * self.max_pages_per_head
-            num_pages = max(cfg.num_layers * cfg.num_kv_heads * 2, min(want, kv_cache_bytes // per_page))
-        self.allocator = PageAllocator(num_pages)
+            num_pages = max(cfg.num_layers * cfg.num_kv_heads * 2, min(want, tp * kv_cache_bytes // per_page))
+        if mesh is not None:
+            from jaxkv.parallel.allocator import ShardedPageAllocator
+            num_pages = -(-num_pages // tp) * tp
+            self.allocator = ShardedPageAllocator(num_pages, tp, cfg.num_kv_heads)
+        else:
+            self.allocator = PageAllocator(num_pages)
         self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
                                      window, max_step_tokens)
         # Page tables and per-head counters live on the device, updated from the host tables' journal;
@@ -102,7 +111,7 @@ class Engine:
         sharable = enable_prefix_caching and bool((window == 0).all()) and self.kv_policy is None
         self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
-                                  kv_dtype=kv_dtype, attn_impl=attn_impl)
+                                  kv_dtype=kv_dtype, attn_impl=attn_impl, mesh=mesh)
         # A fresh prompt longer than a step prefills alone through head_class_prefill (with the Pallas
         # kernels); its local heads keep only what their ring holds, so rings stay sized by max_step_tokens.
         fresh = (max_prefill_tokens or self.max_model_len) if self.runner.use_plan else 0

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxkv.cache.pool import init_pool, write_kv
 from jaxkv.models import llama
+from jaxkv.parallel import shard as tp_shard
 from jaxkv.sampling import sample
 from pallas_kernels.head_class_prefill.api import head_class_prefill
 from pallas_kernels.paged_attention.api import (
@@ -83,8 +84,10 @@ def _sample(logits, b, greedy: bool):
     return sample(logits, b["temperature"], b["top_k"], b["top_p"], b["seeds"], b["counters"])
 
 
-def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None):
-    """Shared body of a step: per layer write K/V then attend; sample one token per row."""
+def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None,
+                    tp: bool = False):
+    """Shared body of a step: per layer write K/V then attend; sample one token per row. `tp`: runs per
+    shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple per shard."""
     scale = cfg.head_dim ** -0.5
     plan = None
     if use_plan and fresh_heads is None:
@@ -95,8 +98,10 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
     def attend(layer, q, k, v, pool):
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
         if fresh_heads is not None:
-            sink, window = fresh_heads[layer]
-            out, _ = head_class_prefill(q[0], k[0], v[0], sink, window, scale=scale)
+            heads = fresh_heads if tp else (fresh_heads,)
+            branches = [functools.partial(_prefill, sink=h[layer][0], window=h[layer][1], scale=scale)
+                        for h in heads]
+            out = tp_shard.per_shard(branches, q[0], k[0], v[0])
         elif plan is not None:
             out, _ = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos,
                                                b["page_table"][:, layer], scale=scale)
@@ -107,10 +112,19 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
                 implementation=attn_impl)
         return out[None], pool
 
-    hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool)
-    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
-    tokens, logprobs = _sample(logits, b, greedy)
+    hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool,
+                                 reduce=tp_shard.reduce if tp else None)
+    tokens, logprobs = _sample(_logits(params, cfg, hidden[0, b["logits_index"]], tp), b, greedy)
     return tokens, logprobs, pool
+
+
+def _prefill(q, k, v, *, sink, window, scale):
+    return head_class_prefill(q, k, v, sink, window, scale=scale)[0]
+
+
+def _logits(params, cfg, hidden, tp: bool):
+    logits = llama.lm_head(params, cfg, hidden)
+    return tp_shard.gather_logits(logits, cfg.vocab_size) if tp else logits
 
 
 def _merge_own(out, lse, q, k, v, scale):
@@ -128,7 +142,7 @@ def _merge_own(out, lse, q, k, v, scale):
     return merged.astype(q.dtype)
 
 
-def _forward_deferred(params, pool, b, cfg, greedy: bool):
+def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     """A decode step (one token per row) that writes every layer's K/V with one scatter after the forward.
 
     Each layer attends the pool as it was before the step (`prev_lengths`: the new slot is not yet valid)
@@ -147,32 +161,46 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool):
         return _merge_own(out, lse, q[0], k[0], v[0], scale)[None], (pool, ks + (k[0],), vs + (v[0],))
 
     hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,
-                                           (pool, (), ()))
+                                           (pool, (), ()), reduce=tp_shard.reduce if tp else None)
     n_layers, (t, hkv, d) = len(ks), ks[0].shape
     rows = n_layers * t  # layer-major: row l * T + i is token i of layer l
     pool = write_kv(pool, jnp.stack(ks).reshape(rows, hkv, d), jnp.stack(vs).reshape(rows, hkv, d),
                     jnp.tile(b["positions"], n_layers), b["slots"].transpose(1, 0, 2).reshape(rows, hkv))
-    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
-    tokens, logprobs = _sample(logits, b, greedy)
+    tokens, logprobs = _sample(_logits(params, cfg, hidden[0, b["logits_index"]], tp), b, greedy)
     return tokens, logprobs, pool
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh"),
                    donate_argnames=("pool",))
-def _step(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None):
+def _step(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None, mesh=None):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
     `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin
     elsewhere); `fresh_heads` (static per-layer (sink, window) tuples) routes a fresh prompt through
-    head_class_prefill.
+    head_class_prefill. `mesh`: tensor parallel over KV heads, the body runs per shard (jaxkv.parallel).
     """
+    if mesh is not None:
+        body = functools.partial(_tp_sample, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy,
+                                 fresh_heads=fresh_heads)
+        return tp_shard.tp_call(body, mesh, params, pool, b, cfg, (None, None, "pool"))
     return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy"),
+def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads):
+    return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=True)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "mesh"),
                    donate_argnames=("pool",))
-def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False):
+def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False, mesh=None):
     """K decode steps in one lax.scan; -> tokens [K, S], logprobs [K, S], ran [K, S] bool, pool."""
+    if mesh is not None:
+        body = functools.partial(_decode_body, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy, tp=True)
+        return tp_shard.tp_call(body, mesh, params, pool, d, cfg, (None, None, None, "pool"))
+    return _decode_body(params, pool, d, cfg, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy)
+
+
+def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False):
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
 
@@ -186,9 +214,9 @@ def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False):
              "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
              "counters": d["counters"] + k, "sink": d["sink"], "window": d["window"]}
         if use_plan:
-            tokens, logprobs, pool = _forward_deferred(params, pool, b, cfg, greedy)
+            tokens, logprobs, pool = _forward_deferred(params, pool, b, cfg, greedy, tp)
         else:
-            tokens, logprobs, pool = _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy)
+            tokens, logprobs, pool = _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, tp=tp)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live)
 
@@ -209,21 +237,29 @@ def num_compilations() -> int:
 
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
-                 kv_dtype=None, attn_impl: str | None = None):
+                 kv_dtype=None, attn_impl: str | None = None, mesh=None):
         self.cfg = model.config
         self.params = model.params
+        self.mesh = mesh  # tensor parallel over KV heads (jaxkv.parallel): params + pool sharded on "tp"
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
-        self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
+        if mesh is None:
+            self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
         self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
         # Static per-layer head classes for head_class_prefill of fresh prompts.
         self.fresh_heads = tuple((tuple(int(x) for x in sk), tuple(int(x) for x in wd))
                                  for sk, wd in zip(np.asarray(sink), np.asarray(window)))
+        if mesh is not None:
+            from jaxkv.parallel.mesh import init_sharded_pool, shard_params, tp_size
+            self.params = shard_params(self.params, self.cfg, mesh)
+            self.pool = init_sharded_pool(num_pages, page_size, self.cfg.head_dim, dtype, mesh)
+            self.fresh_heads = _split_heads(np.asarray(sink), np.asarray(window), tp_size(mesh))
         self.attn_impl = attn_impl
         # The multi-layer plan is the Pallas kernel's; the jnp twin takes the contract's arguments per layer.
         self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
 
     def _kw(self, greedy: bool) -> dict:
-        return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy))
+        return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy),
+                    mesh=self.mesh)
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
@@ -239,3 +275,13 @@ class ModelRunner:
         tokens, logprobs, ran, self.pool = _decode(self.params, self.pool, {**arrays, **self._heads},
                                                    **self._kw(not batch.temperature.any()))
         return np.asarray(tokens), np.asarray(logprobs), np.asarray(ran)
+
+
+def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):
+    """Per-shard static (sink, window) tuples per layer for head_class_prefill; one entry when all shards
+    hold the same classes (no per-shard branch)."""
+    per = sink.shape[1] // tp
+    shards = tuple(tuple((tuple(int(x) for x in sk[s * per:(s + 1) * per]),
+                          tuple(int(x) for x in wd[s * per:(s + 1) * per]))
+                         for sk, wd in zip(sink, window)) for s in range(tp))
+    return shards[:1] if all(sh == shards[0] for sh in shards) else shards

@@ -50,32 +50,36 @@ def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
 
 
 def forward(
-    params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: AttendFn, state: State
+    params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: AttendFn, state: State,
+    reduce: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, State]:
     """tokens, positions int32[B, T] -> (hidden [B, T, hidden] after the final norm, state).
 
-    `attend(layer, q, k, v, state)` receives q, k after q/k-norm and RoPE at `positions`.
+    `attend(layer, q, k, v, state)` receives q, k after q/k-norm and RoPE at `positions`. `reduce` (tensor
+    parallelism, jaxkv.parallel) sums the shards' partial O and down projections.
     """
     freqs = rope.inv_freq(cfg)
     x = params["embed"][tokens]
     for i, p in enumerate(params["layers"]):
-        x, state = decoder_layer(p, cfg, i, x, positions, freqs, attend, state)
+        x, state = decoder_layer(p, cfg, i, x, positions, freqs, attend, state, reduce)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
 
 
 def decoder_layer(
     p: dict, cfg: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
-    state: State,
+    state: State, reduce: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, State]:
     """One pre-norm decoder layer on the residual stream x [B, T, hidden] (callers that need the hidden
     state between layers, e.g. a retrieval head tapping the first layers, loop over this themselves)."""
     q, k, v = _qkv(p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, freqs)
     out, state = attend(layer, q, k, v, state)
     out = out.reshape(*out.shape[:2], -1) @ p["wo"]
+    if reduce is not None:
+        out = reduce(out)
     x = x + (out + p["bo"] if cfg.o_bias else out)
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    return x, state
+    mlp = (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return x + (reduce(mlp) if reduce is not None else mlp), state
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -26,6 +26,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV pool size in pages (one page = page_size slots of one layer and KV head); "
                         "default: the engine's (about 1 GiB of KV)")
     p.add_argument("--page-size", type=int, default=16, help="cache slots per page")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model and KV pages over this many devices by KV head (docs/parallel.md)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one step")
     p.add_argument("--max-step-tokens", type=int, default=512,
                    help="tokens (prefill chunks + decodes) per step")
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     import jaxkv
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
+    from jaxkv.parallel.mesh import make_mesh
     from jaxkv.serve.app import ServeLimits
     from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
 
@@ -115,7 +118,9 @@ def main(argv=None) -> int:
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
-        model = jaxkv.load(args.model, dtype=dtype)
+        tp = args.tensor_parallel_size
+        model = jaxkv.load(args.model, dtype=dtype, mesh=make_mesh(tp) if tp > 1 else None,
+                           head_classes=None if args.head_classes in (None, "global") else args.head_classes)
         head_classes = args.head_classes
         if head_classes == "global":
             head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
