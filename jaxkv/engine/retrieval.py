@@ -1,0 +1,359 @@
+"""Engine side of the retrieval policies (SpeContext, Quest): decode attention reads a per-head selection.
+
+A request whose `kv_policy` is a `RetrievalPolicy` (engine-wide or per request) prefills with full
+attention and keeps its full KV in the pool; each of its decode steps runs a separate jitted variant of the
+multi-step decode (`_decode_retrieval`, a `lax.scan` over K steps like `runner._decode`) in which:
+
+* **shared** policies (SpeContext): layers ``[0, tap_layer)`` run the normal paged attention; after them
+  the policy writes the step's retrieval-head key into its state and scores every past position per KV
+  head; `select` picks the top-B (plus forced tokens); every later layer gathers exactly those slots of
+  its own (layer, KV head) page list from the pool and attends over them;
+* **layer-wise** policies (Quest): in each layer from ``dense_layers`` on, the per-page key min/max of
+  the head's page list is computed from the pool, the page upper bounds of the layer's query rank the
+  pages, and attention runs over the top pages only.
+
+Heads the head-class map makes local (sink + window rings) keep their ring attention; the selection
+applies to the global heads (where a slot's storage index is its position).
+
+Where the retrieval head's keys live: one device array per stateful policy class, ``[max_num_seqs,
+max_pages_per_head * page_size, Hkv, Dr]`` float32 (a row per running request, slot = position), made on
+first use. Rows are handed out on a request's first step and taken back when it no longer runs. The
+ragged step (prefill chunks) runs `_step_tap` whenever a chunk of a stateful retrieval request is in it:
+the same step as the runner's, plus the head's key write at the tap layer. A decode token of a retrieval
+request that the scheduler put into a ragged step (next to other requests' prefill) is split off and run
+through `_decode_retrieval` with K = 1, so every generated token after the first reads the selection.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.pool import write_kv
+from jaxkv.models import llama, rope
+from jaxkv.policies.retrieve.base import RetrievalPolicy, overlap
+from pallas_kernels.head_class_prefill.api import head_class_prefill
+from pallas_kernels.paged_attention.api import paged_attention
+
+
+def is_retrieval(req) -> bool:
+    return isinstance(req.kv_policy, RetrievalPolicy)
+
+
+def gathered_attention(q, k, v, kpos, q_pos, *, window: int, scale: float):
+    """One query per row over gathered slots: q [S, Hq, D], k/v [S, Hkv, N, D], kpos [S, Hkv, N] (-1 =
+    empty), q_pos [S] -> out [S, Hq, D] (softmax in fp32; a row that sees nothing returns 0)."""
+    s, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(s, hkv, hq // hkv, d)
+    logits = jnp.einsum("shgd,shnd->shgn", qg, k.astype(jnp.float32)) * scale
+    p = q_pos[:, None, None]
+    vis = (kpos >= 0) & (kpos <= p)
+    if window:
+        vis &= kpos > p - window
+    logits = jnp.where(vis[:, :, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    out = jnp.einsum("shgn,shnd->shgd", e / jnp.where(den > 0, den, 1.0), v.astype(jnp.float32))
+    return out.reshape(s, hq, d).astype(q.dtype)
+
+
+def _selected(pool, pt, sel_idx, sel_mask):
+    """Slots of the selected positions of one layer: pt [S, Hkv, P] page list, sel_idx [S, Hkv, B]
+    positions (== storage index on a global head) -> (k, v [S, Hkv, B, D], kpos [S, Hkv, B])."""
+    ps = pool.page_size
+    page = jnp.take_along_axis(pt, sel_idx // ps, axis=-1)
+    valid = sel_mask & (page >= 0)
+    flat = jnp.where(valid, page * ps + sel_idx % ps, 0)
+    d = pool.k.shape[-1]
+    k = pool.k.reshape(-1, d)[flat]
+    v = pool.v.reshape(-1, d)[flat]
+    kpos = jnp.where(valid, pool.pos.reshape(-1)[flat], -1)
+    return k, v, kpos
+
+
+def _quest_pages(policy, pool, pt, lengths, q, q_pos):
+    """Quest's read set of one layer, page min/max on the fly from the pool: pt [S, Hkv, P], lengths
+    [S, Hkv] -> (k, v [S, Hkv, n * ps, D], kpos [S, Hkv, n * ps])."""
+    from jaxkv.policies.retrieve.quest import page_bounds
+
+    ps = pool.page_size
+    s, hkv, p = pt.shape
+    ptc = jnp.maximum(pt, 0)
+    j = jnp.arange(p * ps, dtype=jnp.int32).reshape(p, ps)
+    valid = (j < lengths[..., None, None]) & (pt >= 0)[..., None]  # [S, Hkv, P, ps]
+    kmin, kmax = page_bounds(pool.k[ptc], valid)
+    scores = policy.page_scores(q, kmin, kmax)
+    idx, count = policy.select_pages(scores, lengths, ps, q_pos)  # [S, Hkv, n]
+    pages = jnp.take_along_axis(ptc, idx, axis=-1)
+    keep = (jnp.arange(idx.shape[-1]) < count[..., None])[..., None] & jnp.take_along_axis(
+        valid, idx[..., None], axis=2)  # [S, Hkv, n, ps]
+    d = pool.k.shape[-1]
+    k = pool.k[pages].reshape(s, hkv, -1, d)
+    v = pool.v[pages].reshape(s, hkv, -1, d)
+    kpos = jnp.where(keep, pool.pos[pages], -1).reshape(s, hkv, -1)
+    return k, v, kpos
+
+
+def _sample(logits, b, greedy):
+    from jaxkv.engine.runner import _sample as sample
+
+    return sample(logits, b, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads"),
+                   donate_argnames=("pool", "rstate"))
+def _step_tap(params, pool, b, rstate, head, cfg, policy, attn_impl=None, greedy=False, fresh_heads=None):
+    """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
+    head_class_prefill) plus the retrieval state's key write at the policy's tap layer."""
+    scale = cfg.head_dim ** -0.5
+    freqs = rope.inv_freq(cfg)
+    tap = policy.tap_layer(head)
+    rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
+
+    def attend(layer, q, k, v, pool):
+        pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
+        if fresh_heads is not None:
+            sink, window = fresh_heads[layer]
+            out, _ = head_class_prefill(q[0], k[0], v[0], sink, window, scale=scale)
+        else:
+            out, _ = paged_attention(
+                q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
+                b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
+                implementation=attn_impl)
+        return out[None], pool
+
+    x = params["embed"][b["tokens"]][None]
+    pos = b["positions"][None]
+    for i, p in enumerate(params["layers"]):
+        if i == tap:
+            rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
+        x, pool = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, pool)
+    hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+    tokens, logprobs = _sample(logits, b, greedy)
+    return tokens, logprobs, pool, rstate
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers"),
+                   donate_argnames=("pool", "rstate"))
+def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None, greedy=False,
+                      local_layers=()):
+    """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
+    tokens, logprobs, ran [K, S], per-step selection stats [K, S, 2] (slots selected, slots already
+    selected the step before; shared policies), pool, rstate."""
+    s = d["tokens"].shape[0]
+    rows = jnp.arange(s, dtype=jnp.int32)
+    scale = cfg.head_dim ** -0.5
+    freqs = rope.inv_freq(cfg)
+    pt_all = d["page_table"]  # [S, L, Hkv, P]
+    n_slots = pt_all.shape[-1] * pool.page_size
+    shared = not policy.layer_wise
+    first = policy.tap_layer(head) if shared else policy.dense_layers
+    hkv = cfg.num_kv_heads
+    local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
+
+    def body(carry, xs):
+        pool, rstate, tok, done, prev_idx, prev_cnt = carry
+        k, slots, lengths, active = xs
+        live = active & ~done
+        positions = d["positions"] + k
+        q_seq = jnp.where(live, rows, -1)
+        slots = jnp.where(live[:, None, None], slots, -1)
+        pos2 = positions[:, None]
+        sel = {}
+
+        def attend(layer, q, kk, vv, pool):
+            pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
+            qq = q[:, 0]
+
+            def full():
+                out, _ = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], lengths[:, layer],
+                                         q_seq, positions, d["sink"][layer], d["window"][layer], scale=scale,
+                                         implementation=attn_impl)
+                return out
+
+            if layer < first:
+                return full()[:, None], pool
+            if shared:
+                ks, vs, kpos = _selected(pool, pt_all[:, layer], sel["idx"], sel["mask"])
+            else:
+                ks, vs, kpos = _quest_pages(policy, pool, pt_all[:, layer], lengths[:, layer], qq, positions)
+            kpos = jnp.where(live[:, None, None], kpos, -1)
+            out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
+            if layer in local_mask:  # ring heads keep their sink + window attention
+                g = cfg.num_heads // hkv
+                out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], full(), out)
+            return out[:, None], pool
+
+        x = params["embed"][tok][:, None]
+        stats = jnp.zeros((s, 2), jnp.int32)
+        for i, p in enumerate(params["layers"]):
+            if shared and i == first:
+                hrow = jnp.where(live, d["head_rows"], -1)
+                rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, hrow)
+                hs = rstate[jnp.maximum(d["head_rows"], 0), :n_slots] if rstate is not None else None
+                scores, _ = policy.scores(head, hs, x, pos2)
+                now = policy.select(scores, positions)
+                sel["idx"], sel["mask"] = now.idx, now.mask()
+                held = overlap(type(now)(prev_idx, prev_cnt), now)
+                stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1)], -1)
+                prev_idx, prev_cnt = now.idx, jnp.where(live[:, None], now.count, 0)
+            x, pool = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, pool)
+        hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
+             "counters": d["counters"] + k}
+        tokens, logprobs = _sample(llama.lm_head(params, cfg, hidden[:, 0]), b, greedy)
+        stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
+        stats = jnp.where(live[:, None], stats, 0)
+        carry = (pool, rstate, jnp.where(live, tokens, tok), done | (live & stop), prev_idx, prev_cnt)
+        return carry, (tokens, logprobs, live, stats)
+
+    budget = policy.budget if shared else 1
+    carry = (pool, rstate, d["tokens"], jnp.zeros((s,), bool), jnp.zeros((s, hkv, budget), jnp.int32),
+             jnp.zeros((s, hkv), jnp.int32))
+    steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
+    xs = (steps, d["slots"], d["lengths"], d["active"])
+    (pool, rstate, _, _, _, _), (tokens, logprobs, ran, stats) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, stats, pool, rstate
+
+
+def num_compilations() -> int:
+    return _step_tap._cache_size() + _decode_retrieval._cache_size()
+
+
+class Retriever:
+    """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
+        self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
+        self._rows: dict = {}  # request id -> state row
+        window = np.asarray(engine.runner._heads["window"])
+        self.local_layers = tuple((layer, tuple(int(x) for x in window[layer]))
+                                  for layer in range(window.shape[0]) if (window[layer] > 0).any())
+        # Selection statistics of the shared policies since start (the host tier's transfer model).
+        self.steps = 0  # decode steps that read a selection (per request)
+        self.slots_selected = 0  # sum over those steps of selected slots, summed over KV heads
+        self.slots_new = 0  # of those, slots not selected the step before (a diff prefetch loads these)
+
+    # ---- policies, params, state ------------------------------------------------------------------
+    def params_for(self, policy: RetrievalPolicy):
+        key = type(policy)
+        if key not in self._params:
+            self._params[key] = policy.load_params(self.engine.model)
+        return self._params[key]
+
+    def _state_for(self, policy: RetrievalPolicy):
+        key = type(policy)
+        if key not in self._state:
+            eng = self.engine
+            slots = eng.max_pages_per_head * eng.page_size
+            self._state[key] = policy.init_state(self.params_for(policy), eng.scheduler.max_num_seqs, slots)
+        return self._state[key]
+
+    def _row(self, req) -> int:
+        rid = req.request_id
+        if rid not in self._rows:
+            running = {r.request_id for r in self.engine.scheduler.running}
+            for other in [o for o in self._rows if o not in running]:
+                del self._rows[other]
+            used = set(self._rows.values())
+            self._rows[rid] = next(i for i in range(self.engine.scheduler.max_num_seqs) if i not in used)
+        return self._rows[rid]
+
+    def active(self, chunks) -> bool:
+        return any(is_retrieval(c.request) for c in chunks)
+
+    # ---- ragged steps -----------------------------------------------------------------------------
+    def run(self, chunks) -> tuple[np.ndarray, np.ndarray]:
+        """A ragged step with retrieval requests in it; tokens, logprobs aligned with `chunks`."""
+        eng = self.engine
+        tokens = np.zeros(len(chunks), np.int32)
+        logprobs = np.zeros(len(chunks), np.float32)
+        dec = [i for i, c in enumerate(chunks) if is_retrieval(c.request) and c.samples and c.num_tokens == 1
+               and c.start >= len(c.request.prompt_ids)]
+        rest = [i for i in range(len(chunks)) if i not in dec]
+        if rest:
+            sub = [chunks[i] for i in rest]
+            t, lp = self._ragged(sub)
+            tokens[rest], logprobs[rest] = t[:len(sub)], lp[:len(sub)]
+        if dec:
+            t, lp, _ = self.decode([chunks[i] for i in dec])
+            tokens[dec], logprobs[dec] = t[0], lp[0]
+        return tokens, logprobs
+
+    def _ragged(self, chunks):
+        eng, runner = self.engine, self.engine.runner
+        b = eng._build_batch(chunks)
+        stateful = {type(c.request.kv_policy): c.request.kv_policy for c in chunks if is_retrieval(c.request)
+                    and self._state_for(c.request.kv_policy) is not None}
+        if not stateful:
+            return runner.run(b)
+        if len(stateful) > 1:
+            raise NotImplementedError("one stateful retrieval policy class per engine step")
+        (key, policy), = stateful.items()
+        rows = np.full(b.temperature.shape[0], -1, np.int32)
+        for row, c in enumerate(chunks):
+            if is_retrieval(c.request) and type(c.request.kv_policy) is key:
+                rows[row] = self._row(c.request)
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "fresh"}
+        fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
+        tokens, logprobs, runner.pool, self._state[key] = _step_tap(
+            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, self._state[key],
+            self.params_for(policy), cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl,
+            greedy=not b.temperature.any(), fresh_heads=fresh)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def decode(self, chunks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decode chunks grouped by policy (no policy: the runner's decode); [K, len(chunks)] arrays."""
+        eng = self.engine
+        k = max(c.num_tokens for c in chunks)
+        tokens = np.zeros((k, len(chunks)), np.int32)
+        logprobs = np.zeros((k, len(chunks)), np.float32)
+        ran = np.zeros((k, len(chunks)), bool)
+        groups: dict = {}
+        for i, c in enumerate(chunks):
+            groups.setdefault(c.request.kv_policy if is_retrieval(c.request) else None, []).append(i)
+        for policy, idx in groups.items():
+            sub = [chunks[i] for i in idx]
+            b = eng._build_decode(sub)
+            for f in ("slots", "lengths", "prev_lengths", "active"):
+                setattr(b, f, getattr(b, f)[:k])
+            if policy is None:
+                t, lp, r = eng.runner.decode(b)
+            else:
+                t, lp, r = self._decode(policy, sub, b)
+            n = len(sub)
+            tokens[:, idx], logprobs[:, idx], ran[:, idx] = t[:, :n], lp[:, :n], r[:, :n]
+        return tokens, logprobs, ran
+
+    def _decode(self, policy, chunks, b):
+        runner = self.engine.runner
+        head = self.params_for(policy)
+        state = self._state_for(policy)
+        rows = np.full(b.tokens.shape[0], -1, np.int32)
+        if state is not None:
+            for row, c in enumerate(chunks):
+                rows[row] = self._row(c.request)
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
+        tokens, logprobs, ran, stats, runner.pool, state = _decode_retrieval(
+            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, state, head,
+            cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
+            local_layers=self.local_layers)
+        if state is not None:
+            self._state[type(policy)] = state
+        ran, stats = np.asarray(ran), np.asarray(stats)
+        if not policy.layer_wise:
+            later = ran.copy()
+            later[0] = False  # the first step of a call has no previous selection in this call
+            self.steps += int(later.sum())
+            self.slots_selected += int(stats[..., 0][later].sum())
+            self.slots_new += int((stats[..., 0] - stats[..., 1])[later].sum())
+        return np.asarray(tokens), np.asarray(logprobs), ran
