@@ -333,3 +333,119 @@ def test_distil_and_eval_scripts_end_to_end(toy, tmp_path, capsys):
         assert row["recall"][sel]["4096"][:2] == pytest.approx([1.0, 1.0], abs=1e-5)  # B > context: all
         assert 0.0 < row["recall"][sel]["16"][1] < 1.0
     assert row["spec_4096"] == row["full"]
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+def _engine_run(model, requests, *, after=None, **kw):
+    """Runs `requests` [(prompt, kv_policy, kv_budget)] through one Engine (fp32, greedy); `after` =
+    {step index: [(prompt, policy, budget)]} adds requests once that many steps ran. -> token lists, engine."""
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import SamplingParams
+
+    kw = {"page_size": 4, "max_model_len": 128, "max_num_seqs": 4, "max_step_tokens": 16,
+          "enable_prefix_caching": False, **kw}
+    eng = Engine(model, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids, got, step = [], {}, 0
+
+    def add(batch):
+        for prompt, pol, budget in batch:
+            ids.append(eng.add_request(prompt, sp, kv_policy=pol, kv_budget=budget))
+            got[ids[-1]] = []
+
+    add(requests)
+    while eng.has_unfinished() or (after and step <= max(after)):
+        add((after or {}).get(step, []))
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        step += 1
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    return [got[i] for i in ids], eng
+
+
+def _prompt(model, n, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(10, model.config.vocab_size, n)]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_engine_full_budget_equals_full_attention(toy, decode_steps):
+    model, _ = toy
+    ids = _prompt(model, 50, 0)
+    (full,), _ = _engine_run(model, [(ids, None, None)], decode_steps=decode_steps)
+    (got,), eng = _engine_run(model, [(ids, None, None)], kv_policy="specontext", kv_budget=256,
+                              decode_steps=decode_steps)
+    assert got == full and len(got) == 12
+    ref = _full_reference(model, ids + got)
+    assert got == [int(ref[len(ids) - 1 + i].argmax()) for i in range(len(got))]
+    # Everything is selected: each step's selection holds the previous one plus the new token.
+    assert eng.retriever.steps > 0 and eng.retriever.slots_new == eng.retriever.steps * model.config.num_kv_heads
+
+
+def test_engine_small_budget_equals_dense_masked_oracle(toy):
+    """Small budget: the engine's tokens equal the library decode over a dense cache (itself checked
+    against a dense forward masked to the selected positions above)."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    for seed in (0, 1):
+        ids = _prompt(model, 50, seed)
+        want = decode.generate(model, pol, head, ids, 12)["token_ids"]
+        (got,), _ = _engine_run(model, [(ids, None, None)], kv_policy=pol)
+        assert got == want
+        (full,), _ = _engine_run(model, [(ids, None, None)])
+        assert got != full  # the budget matters on this toy
+
+
+def test_engine_per_request_override_and_mixed_steps(toy):
+    """Per-request policies next to a full-cache request; the second prompt's prefill chunks share steps
+    with the first request's decode tokens (split off into the retrieval decode); state rows are reused."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    a, b, c = _prompt(model, 50, 0), _prompt(model, 40, 1), _prompt(model, 30, 2)
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    got, eng = _engine_run(model, [(a, pol, None)], after={3: [(b, None, None), (c, "specontext", 6)]},
+                           decode_steps=2)
+    assert got[0] == decode.generate(model, pol, head, a, 12)["token_ids"]
+    (full_b,), _ = _engine_run(model, [(b, None, None)])
+    assert got[1] == full_b
+    assert got[2] == decode.generate(model, sc.SpeContext(budget=6), head, c, 12)["token_ids"]
+    assert eng.kv_policy is None and eng.prefix is None
+
+
+def test_engine_retrieval_errors(toy, tmp_path):
+    import shutil
+
+    from jaxkv.engine.engine import Engine
+
+    model, _ = toy
+    with pytest.raises(ValueError, match="tokens per KV head"):
+        Engine(model, max_model_len=64, kv_policy="specontext", kv_budget=0.5)
+    eng = Engine(model, max_model_len=64, page_size=4)
+    with pytest.raises(ValueError, match="tokens per KV head"):
+        eng.add_request([11, 12], kv_policy="specontext", kv_budget=10.5)
+    with pytest.raises(ValueError, match="kv_budget needs a kv_policy"):
+        eng.add_request([11, 12], kv_budget=8)
+    with pytest.raises(ValueError, match="exceeds the budget"):
+        eng.add_request([11, 12], kv_policy=sc.SpeContext(budget=4, sink=2, recent=2))
+    bare = tmp_path / "bare"
+    shutil.copytree(model.path, bare, ignore=shutil.ignore_patterns(sc.HEAD_DIR))
+    import jaxkv
+
+    with pytest.raises(ValueError, match="not a retrieval head directory"):
+        Engine(jaxkv.load(bare), max_model_len=64, kv_policy="specontext")
+
+
+def test_engine_retrieval_decode_does_not_retrace(toy):
+    from jaxkv.engine import retrieval
+
+    model, _ = toy
+    ids = _prompt(model, 50, 3)
+    _engine_run(model, [(ids, None, None)], kv_policy="specontext", kv_budget=8, decode_steps=4)
+    n = retrieval.num_compilations()
+    _engine_run(model, [(_prompt(model, 52, 4), None, None)], kv_policy="specontext", kv_budget=8,
+                decode_steps=4)
+    assert retrieval.num_compilations() == n

@@ -145,7 +145,8 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
                       local_layers=()):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], per-step selection stats [K, S, 2] (slots selected, slots already
-    selected the step before; shared policies), pool, rstate."""
+    selected the step before, from ``d["prev_idx"], d["prev_cnt"]`` at step 0; shared policies), the
+    last selection (idx [S, Hkv, B], count [S, Hkv]), pool, rstate."""
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
     scale = cfg.head_dim ** -0.5
@@ -202,7 +203,8 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
                 sel["idx"], sel["mask"] = now.idx, now.mask()
                 held = overlap(type(now)(prev_idx, prev_cnt), now)
                 stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1)], -1)
-                prev_idx, prev_cnt = now.idx, jnp.where(live[:, None], now.count, 0)
+                prev_idx = jnp.where(live[:, None, None], now.idx, prev_idx)
+                prev_cnt = jnp.where(live[:, None], now.count, prev_cnt)
             x, pool = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, pool)
         hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
@@ -213,13 +215,11 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
         carry = (pool, rstate, jnp.where(live, tokens, tok), done | (live & stop), prev_idx, prev_cnt)
         return carry, (tokens, logprobs, live, stats)
 
-    budget = policy.budget if shared else 1
-    carry = (pool, rstate, d["tokens"], jnp.zeros((s,), bool), jnp.zeros((s, hkv, budget), jnp.int32),
-             jnp.zeros((s, hkv), jnp.int32))
+    carry = (pool, rstate, d["tokens"], jnp.zeros((s,), bool), d["prev_idx"], d["prev_cnt"])
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["active"])
-    (pool, rstate, _, _, _, _), (tokens, logprobs, ran, stats) = jax.lax.scan(body, carry, xs)
-    return tokens, logprobs, ran, stats, pool, rstate
+    (pool, rstate, _, _, last_idx, last_cnt), (tokens, logprobs, ran, stats) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, stats, (last_idx, last_cnt), pool, rstate
 
 
 def num_compilations() -> int:
@@ -234,6 +234,8 @@ class Retriever:
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
+        self._prev: dict = {}  # policy -> (idx [rows, Hkv, B], count [rows, Hkv]): each row's last selection
+        self._prev_owner: dict = {}  # (policy, row) -> request id whose selection the row holds
         window = np.asarray(engine.runner._heads["window"])
         self.local_layers = tuple((layer, tuple(int(x) for x in window[layer]))
                                   for layer in range(window.shape[0]) if (window[layer] > 0).any())
@@ -343,16 +345,35 @@ class Retriever:
             for row, c in enumerate(chunks):
                 rows[row] = self._row(c.request)
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
-        tokens, logprobs, ran, stats, runner.pool, state = _decode_retrieval(
-            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, state, head,
+        hkv = runner.cfg.num_kv_heads
+        if policy not in self._prev:
+            r, width = self.engine.scheduler.max_num_seqs, 1 if policy.layer_wise else policy.budget
+            self._prev[policy] = (jnp.zeros((r, hkv, width), jnp.int32), jnp.zeros((r, hkv), jnp.int32))
+        held_idx, held_cnt = self._prev[policy]
+        known = np.array([row < len(chunks) and rows[row] >= 0 and self._prev_owner.get(
+            (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
+        rc = np.maximum(rows, 0)
+        prev_idx = held_idx[rc]
+        prev_cnt = jnp.where(jnp.asarray(known)[:, None], held_cnt[rc], 0)
+        arrays.update(head_rows=rows, prev_idx=prev_idx, prev_cnt=prev_cnt)
+        tokens, logprobs, ran, stats, last, runner.pool, state = _decode_retrieval(
+            runner.params, runner.pool, {**arrays, **runner._heads}, state, head,
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
             local_layers=self.local_layers)
         if state is not None:
             self._state[type(policy)] = state
         ran, stats = np.asarray(ran), np.asarray(stats)
         if not policy.layer_wise:
+            n = len(chunks)
+            if state is not None:
+                self._prev[policy] = (held_idx.at[rows[:n]].set(last[0][:n]),
+                                      held_cnt.at[rows[:n]].set(last[1][:n]))
+                for row, c in enumerate(chunks):
+                    self._prev_owner[(policy, int(rows[row]))] = c.request.request_id
             later = ran.copy()
-            later[0] = False  # the first step of a call has no previous selection in this call
+            for row in range(n):  # a request's first selected step has no previous selection
+                if not known[row]:
+                    later[np.argmax(ran[:, row]), row] = False
             self.steps += int(later.sum())
             self.slots_selected += int(stats[..., 0][later].sum())
             self.slots_new += int((stats[..., 0] - stats[..., 1])[later].sum())
