@@ -1,6 +1,7 @@
 """Quest through the engine: page upper bounds, full budget == full attention, small budget == a dense
 oracle that picks pages from a dense cache, per-request override, errors."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -166,3 +167,32 @@ def test_per_request_override(toy):
     assert got[1] == _run(toy, [(b, None, None)])[0]
     with pytest.raises(ValueError, match="tokens per KV head"):
         _run(toy, [(a, "quest", 0.25)])
+
+
+def test_maintained_page_bounds_equal_the_pool(toy):
+    """The engine's per-page min/max (updated at every write, reset at a page's first slot) equals the
+    bounds recomputed from the pool, also on pages a finished full-cache request used before."""
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import SamplingParams
+
+    eng = Engine(toy, page_size=4, max_model_len=128, max_num_seqs=4, max_step_tokens=16,
+                 enable_prefix_caching=False, decode_steps=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eng.add_request(_prompt(toy, 40, 5), sp)
+    while eng.has_unfinished():
+        eng.step()
+    rid = eng.add_request(_prompt(toy, 37, 6), dataclasses.replace(sp, max_tokens=20), kv_policy="quest",
+                          kv_budget=8)
+    for _ in range(8):
+        eng.step()
+    assert rid in eng.tables
+    ps = eng.page_size
+    lists, lengths = eng.tables.page_lists(rid), eng.tables.lengths(rid)
+    kmin, kmax = (np.asarray(a) for a in eng.retriever._summary)
+    pool_k = np.asarray(eng.runner.pool.k)
+    for layer, row in enumerate(lists):
+        for h, pages in enumerate(row):
+            for j, page in enumerate(pages):
+                n = min(ps, int(lengths[layer, h]) - j * ps)
+                np.testing.assert_array_equal(kmin[page], pool_k[page, :n].min(0))
+                np.testing.assert_array_equal(kmax[page], pool_k[page, :n].max(0))

@@ -76,17 +76,37 @@ def _selected(pool, pt, sel_idx, sel_mask):
     return k, v, kpos
 
 
-def _quest_pages(policy, pool, pt, lengths, q, q_pos):
-    """Quest's read set of one layer, page min/max on the fly from the pool: pt [S, Hkv, P], lengths
-    [S, Hkv] -> (k, v [S, Hkv, n * ps, D], kpos [S, Hkv, n * ps])."""
-    from jaxkv.policies.retrieve.quest import page_bounds
+def init_summary(pool):
+    """Per-page key bounds (kmin, kmax) [num_pages, D] in the pool's dtype (empty: +inf / -inf)."""
+    n, _, d = pool.k.shape
+    return (jnp.full((n, d), jnp.inf, pool.k.dtype), jnp.full((n, d), -jnp.inf, pool.k.dtype))
 
+
+def update_summary(summary, k, slots, page_size: int):
+    """Folds one layer's new keys k [T, Hkv, D] at flat slots [T, Hkv] (-1 = skipped) into the per-page
+    bounds. A write at a page's offset 0 is the page's first (the engine fills a global head's pages in
+    order), so it resets the page (a page reused after another sequence freed it starts clean)."""
+    kmin, kmax = summary
+    n, d = kmin.shape
+    flat = slots.reshape(-1)
+    page = jnp.where(flat >= 0, flat // page_size, n)  # out of bounds: dropped
+    first = jnp.where((flat >= 0) & (flat % page_size == 0), page, n)
+    kk = k.reshape(-1, d).astype(kmin.dtype)
+    kmin = kmin.at[first].set(jnp.inf, mode="drop").at[page].min(kk, mode="drop")
+    kmax = kmax.at[first].set(-jnp.inf, mode="drop").at[page].max(kk, mode="drop")
+    return kmin, kmax
+
+
+def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
+    """Quest's read set of one layer from the maintained per-page bounds: pt [S, Hkv, P], lengths [S, Hkv]
+    -> (k, v [S, Hkv, n * ps, D], kpos [S, Hkv, n * ps]). Reads 2 x D bound values per page, then the
+    K/V of the selected pages only."""
     ps = pool.page_size
     s, hkv, p = pt.shape
     ptc = jnp.maximum(pt, 0)
     j = jnp.arange(p * ps, dtype=jnp.int32).reshape(p, ps)
     valid = (j < lengths[..., None, None]) & (pt >= 0)[..., None]  # [S, Hkv, P, ps]
-    kmin, kmax = page_bounds(pool.k[ptc], valid)
+    kmin, kmax = summary[0][ptc].astype(jnp.float32), summary[1][ptc].astype(jnp.float32)
     scores = policy.page_scores(q, kmin, kmax)
     idx, count = policy.select_pages(scores, lengths, ps, q_pos)  # [S, Hkv, n]
     pages = jnp.take_along_axis(ptc, idx, axis=-1)
@@ -106,17 +126,22 @@ def _sample(logits, b, greedy):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads"),
-                   donate_argnames=("pool", "rstate"))
-def _step_tap(params, pool, b, rstate, head, cfg, policy, attn_impl=None, greedy=False, fresh_heads=None):
+                   donate_argnames=("pool", "rstate", "summary"))
+def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
+              fresh_heads=None):
     """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
-    head_class_prefill) plus the retrieval state's key write at the policy's tap layer."""
+    head_class_prefill) plus the retrieval state's key write at the tap layer of `policy` (None: no
+    state) and, with `summary`, the per-page key bounds of every key written."""
     scale = cfg.head_dim ** -0.5
     freqs = rope.inv_freq(cfg)
-    tap = policy.tap_layer(head)
+    tap = policy.tap_layer(head) if policy is not None else -1
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
 
-    def attend(layer, q, k, v, pool):
+    def attend(layer, q, k, v, state):
+        pool, summary = state
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
+        if summary is not None:
+            summary = update_summary(summary, k[0], b["slots"][:, layer], pool.page_size)
         if fresh_heads is not None:
             sink, window = fresh_heads[layer]
             out, _ = head_class_prefill(q[0], k[0], v[0], sink, window, scale=scale)
@@ -125,23 +150,23 @@ def _step_tap(params, pool, b, rstate, head, cfg, policy, attn_impl=None, greedy
                 q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
                 b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
                 implementation=attn_impl)
-        return out[None], pool
+        return out[None], (pool, summary)
 
     x = params["embed"][b["tokens"]][None]
     pos = b["positions"][None]
     for i, p in enumerate(params["layers"]):
         if i == tap:
             rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
-        x, pool = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, pool)
+        x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, (pool, summary))
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
     tokens, logprobs = _sample(logits, b, greedy)
-    return tokens, logprobs, pool, rstate
+    return tokens, logprobs, pool, rstate, summary
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers"),
-                   donate_argnames=("pool", "rstate"))
-def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None, greedy=False,
+                   donate_argnames=("pool", "rstate", "summary"))
+def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
                       local_layers=()):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], per-step selection stats [K, S, 2] (slots selected, slots already
@@ -159,7 +184,7 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
     local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
 
     def body(carry, xs):
-        pool, rstate, tok, done, prev_idx, prev_cnt = carry
+        (pool, summary), rstate, tok, done, prev_idx, prev_cnt = carry
         k, slots, lengths, active = xs
         live = active & ~done
         positions = d["positions"] + k
@@ -168,8 +193,11 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
         pos2 = positions[:, None]
         sel = {}
 
-        def attend(layer, q, kk, vv, pool):
+        def attend(layer, q, kk, vv, state):
+            pool, summary = state
             pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
+            if summary is not None:
+                summary = update_summary(summary, kk[:, 0], slots[:, layer], pool.page_size)
             qq = q[:, 0]
 
             def full():
@@ -179,17 +207,18 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
                 return out
 
             if layer < first:
-                return full()[:, None], pool
+                return full()[:, None], (pool, summary)
             if shared:
                 ks, vs, kpos = _selected(pool, pt_all[:, layer], sel["idx"], sel["mask"])
             else:
-                ks, vs, kpos = _quest_pages(policy, pool, pt_all[:, layer], lengths[:, layer], qq, positions)
+                ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
+                                            positions)
             kpos = jnp.where(live[:, None, None], kpos, -1)
             out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
             if layer in local_mask:  # ring heads keep their sink + window attention
                 g = cfg.num_heads // hkv
                 out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], full(), out)
-            return out[:, None], pool
+            return out[:, None], (pool, summary)
 
         x = params["embed"][tok][:, None]
         stats = jnp.zeros((s, 2), jnp.int32)
@@ -205,21 +234,23 @@ def _decode_retrieval(params, pool, d, rstate, head, cfg, policy, attn_impl=None
                 stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1)], -1)
                 prev_idx = jnp.where(live[:, None, None], now.idx, prev_idx)
                 prev_cnt = jnp.where(live[:, None], now.count, prev_cnt)
-            x, pool = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, pool)
+            x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, (pool, summary))
         hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
              "counters": d["counters"] + k}
         tokens, logprobs = _sample(llama.lm_head(params, cfg, hidden[:, 0]), b, greedy)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         stats = jnp.where(live[:, None], stats, 0)
-        carry = (pool, rstate, jnp.where(live, tokens, tok), done | (live & stop), prev_idx, prev_cnt)
+        carry = ((pool, summary), rstate, jnp.where(live, tokens, tok), done | (live & stop), prev_idx,
+                 prev_cnt)
         return carry, (tokens, logprobs, live, stats)
 
-    carry = (pool, rstate, d["tokens"], jnp.zeros((s,), bool), d["prev_idx"], d["prev_cnt"])
+    carry = ((pool, summary), rstate, d["tokens"], jnp.zeros((s,), bool), d["prev_idx"], d["prev_cnt"])
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["active"])
-    (pool, rstate, _, _, last_idx, last_cnt), (tokens, logprobs, ran, stats) = jax.lax.scan(body, carry, xs)
-    return tokens, logprobs, ran, stats, (last_idx, last_cnt), pool, rstate
+    ((pool, summary), rstate, _, _, last_idx, last_cnt), (tokens, logprobs, ran, stats) = jax.lax.scan(
+        body, carry, xs)
+    return tokens, logprobs, ran, stats, (last_idx, last_cnt), pool, rstate, summary
 
 
 def num_compilations() -> int:
@@ -234,6 +265,7 @@ class Retriever:
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
+        self._summary = None  # per-page key bounds (kmin, kmax) [num_pages, D], made on first use
         self._prev: dict = {}  # policy -> (idx [rows, Hkv, B], count [rows, Hkv]): each row's last selection
         self._prev_owner: dict = {}  # (policy, row) -> request id whose selection the row holds
         window = np.asarray(engine.runner._heads["window"])
@@ -290,26 +322,39 @@ class Retriever:
             tokens[dec], logprobs[dec] = t[0], lp[0]
         return tokens, logprobs
 
+    def _summary_for(self, policy):
+        """The per-page key bounds when `policy` reads them (Quest), else None."""
+        if not getattr(policy, "page_summary", False):
+            return None
+        if self._summary is None:
+            self._summary = init_summary(self.engine.runner.pool)
+        return self._summary
+
     def _ragged(self, chunks):
         eng, runner = self.engine, self.engine.runner
         b = eng._build_batch(chunks)
-        stateful = {type(c.request.kv_policy): c.request.kv_policy for c in chunks if is_retrieval(c.request)
-                    and self._state_for(c.request.kv_policy) is not None}
-        if not stateful:
+        pols = [c.request.kv_policy for c in chunks if is_retrieval(c.request)]
+        stateful = {type(p): p for p in pols if self._state_for(p) is not None}
+        summary = next((self._summary_for(p) for p in pols if self._summary_for(p) is not None), None)
+        if not stateful and summary is None:
             return runner.run(b)
         if len(stateful) > 1:
             raise NotImplementedError("one stateful retrieval policy class per engine step")
-        (key, policy), = stateful.items()
+        (key, policy), = stateful.items() if stateful else [(None, None)]
         rows = np.full(b.temperature.shape[0], -1, np.int32)
         for row, c in enumerate(chunks):
             if is_retrieval(c.request) and type(c.request.kv_policy) is key:
                 rows[row] = self._row(c.request)
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "fresh"}
         fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
-        tokens, logprobs, runner.pool, self._state[key] = _step_tap(
-            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, self._state[key],
-            self.params_for(policy), cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl,
-            greedy=not b.temperature.any(), fresh_heads=fresh)
+        tokens, logprobs, runner.pool, state, summary = _step_tap(
+            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, self._state.get(key),
+            self.params_for(policy) if policy is not None else None, summary, cfg=runner.cfg, policy=policy,
+            attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh)
+        if key is not None:
+            self._state[key] = state
+        if summary is not None:
+            self._summary = summary
         return np.asarray(tokens), np.asarray(logprobs)
 
     # ---- decode -----------------------------------------------------------------------------------
@@ -356,12 +401,14 @@ class Retriever:
         prev_idx = held_idx[rc]
         prev_cnt = jnp.where(jnp.asarray(known)[:, None], held_cnt[rc], 0)
         arrays.update(head_rows=rows, prev_idx=prev_idx, prev_cnt=prev_cnt)
-        tokens, logprobs, ran, stats, last, runner.pool, state = _decode_retrieval(
-            runner.params, runner.pool, {**arrays, **runner._heads}, state, head,
+        tokens, logprobs, ran, stats, last, runner.pool, state, summary = _decode_retrieval(
+            runner.params, runner.pool, {**arrays, **runner._heads}, state, head, self._summary_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
             local_layers=self.local_layers)
         if state is not None:
             self._state[type(policy)] = state
+        if summary is not None:
+            self._summary = summary
         ran, stats = np.asarray(ran), np.asarray(stats)
         if not policy.layer_wise:
             n = len(chunks)

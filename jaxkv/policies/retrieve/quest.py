@@ -9,8 +9,9 @@ layer-wise retrieval policy (`layer_wise = True`); the paper keeps the first two
 (``dense_layers``). The page holding the current token is always read, as are pages holding a position
 ``< sink`` or ``>= pos - recent``.
 
-The engine (jaxkv/engine/retrieval.py) computes the per-page min/max on the fly from the pool at decode
-(docs/policies.md says why and what it costs); `page_bounds` is the pure function it uses.
+The engine (jaxkv/engine/retrieval.py) maintains the per-page min/max beside the pool (updated at every K
+write of a step that holds a Quest request, prefill included), so a decode step reads 2 x D bounds per page
+plus the selected pages' K/V; `page_bounds` is the same bound computed from a page's keys (tests).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Quest(RetrievalPolicy):
 
     name = "quest"
     layer_wise = True
+    page_summary = True  # the engine maintains per-page key min/max for it (jaxkv/engine/retrieval.py)
     dense_layers: int = 2
 
     def __post_init__(self):
