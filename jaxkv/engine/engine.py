@@ -170,6 +170,8 @@ class Engine:
         seg_ids = [self.reuser.store.get(s, extra_key).tokens if isinstance(s, str) else s for s in segments]
         prompt = [int(t) for t in prefix_ids] + [int(t) for s in seg_ids for t in s] + [int(t) for t in suffix_ids]
         request_id = self.add_request(prompt, sampling, request_id, extra_key, _queue=False)
+        if isinstance(self._requests[request_id].kv_policy, RetrievalPolicy):
+            self._requests[request_id].kv_policy = None  # reuse prefill fills no retrieval state: full decode
         self.reuser.add(self._requests[request_id], prefix_ids, segments, suffix_ids, policy)
         return request_id
 
