@@ -451,3 +451,22 @@ def test_engine_retrieval_decode_does_not_retrace(toy):
     _engine_run(model, [(_prompt(model, 52, 4), None, None)], kv_policy="specontext", kv_budget=8,
                 decode_steps=4)
     assert retrieval.num_compilations() == n
+
+
+def test_engine_reuse_request_under_a_retrieval_policy_decodes_full(toy):
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import SamplingParams
+
+    model, _ = toy
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    seg, pre, suf = _prompt(model, 24, 7), _prompt(model, 5, 8), _prompt(model, 6, 9)
+    got = []
+    for pol in (None, "specontext"):
+        eng = Engine(model, page_size=4, max_model_len=128, max_num_seqs=2, kv_policy=pol,
+                     kv_budget=None if pol is None else 4)
+        rid = eng.add_reuse_request(pre, [seg], suf, reuse="naive", sampling=sp)
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        got.append(out)
+    assert got[0] == got[1] and len(got[0]) == 6
