@@ -38,9 +38,9 @@ def run_method(model, method: str, args) -> dict:
     cfg = model.config
     kw = {} if method == "full" else {"kv_policy": method, "kv_budget": args.budget}
     total = args.prompt + args.new + 1
+    hc = all_global(cfg.num_layers, cfg.num_kv_heads)
     eng = Engine(model, max_num_seqs=args.batch, max_model_len=total, page_size=args.page_size,
-                 max_step_tokens=args.max_step_tokens, head_classes=all_global(cfg.num_layers, cfg.num_kv_heads),
-                 enable_prefix_caching=False, **kw)
+                 max_step_tokens=args.max_step_tokens, head_classes=hc, enable_prefix_caching=False, **kw)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     for _ in range(args.batch):
@@ -66,7 +66,7 @@ def run_method(model, method: str, args) -> dict:
     if method == "specontext":
         item = eng.runner.pool.k.dtype.itemsize
         tap = eng.retriever.params_for(eng.kv_policy).config.tap_layer
-        per_slot = (cfg.num_layers - tap) * 2 * cfg.head_dim * item  # one slot of one KV head, K + V, host layers
+        per_slot = (cfg.num_layers - tap) * 2 * cfg.head_dim * item  # one KV head's slot, K + V, host layers
         row |= {"sel_steps": r.steps, "overlap": 1 - r.slots_new / max(r.slots_selected, 1),
                 "bytes_full_per_step": r.slots_selected * per_slot / max(r.steps, 1),
                 "bytes_diff_per_step": r.slots_new * per_slot / max(r.steps, 1),
@@ -99,14 +99,16 @@ def main(argv=None) -> int:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print(f"\n{' '.join(sys.argv)}")
-    print("| method | budget | decode tok/s (steady) | vs full | wall s | overlap | diff bytes/step/seq | full re-fetch | ratio |")
+    print("| method | budget | decode tok/s (steady) | vs full | wall s | overlap | diff bytes/step/seq "
+          "| full re-fetch | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     base = rows[0]["tok_per_s"] if rows and rows[0]["method"] == "full" else float("nan")
     for r in rows:
         extra = (f"{r['overlap']:.3f} | {r['bytes_diff_per_step'] / 1e6:.3f} MB | "
                  f"{r['bytes_full_per_step'] / 1e6:.3f} MB | {r['diff_ratio']:.1f}x"
                  if "overlap" in r else "- | - | - | -")
-        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tok_per_s']:.0f} | {r['tok_per_s'] / base:.2f} | "
+        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tok_per_s']:.0f} | "
+              f"{r['tok_per_s'] / base:.2f} | "
               f"{r['wall_s']:.1f} | {extra} |")
     return 0
 

@@ -22,7 +22,8 @@ def test_diff_prefetch_keeps_the_buffer_equal_to_the_selection():
     buf_k = jnp.zeros((s, lh, hkv, b, d), jnp.float32)
     buf_v = jnp.zeros_like(buf_k)
     buf_pos = jnp.full((s, hkv, b), -1, jnp.int32)
-    sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)]) for _ in range(s)])
+    sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)])
+                    for _ in range(s)])
     count = jnp.full((s, hkv), b, jnp.int32)
     moved_diff = moved_full = 0
     for step in range(8):

@@ -6,7 +6,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,7 +87,7 @@ def _quest_oracle(model, ids, n_new, *, budget, page_size, dense_layers):
     while len(out) < n_new:
         p = len(ids) + len(out) - 1
 
-        def attend(layer, q, k, v, st):
+        def attend(layer, q, k, v, st, p=p):
             kc = np.concatenate([cache[layer][0], np.asarray(k[0])])  # [p+1, Hkv, D]
             vc = np.concatenate([cache[layer][1], np.asarray(v[0])])
             cache[layer] = (kc, vc)
@@ -115,8 +114,8 @@ def _quest_oracle(model, ids, n_new, *, budget, page_size, dense_layers):
                 res[qh] = (w / w.sum()) @ vc[allowed, h]
             return jnp.asarray(res)[None, None], st
 
-        hidden, _ = llama.forward(params, cfg, jnp.asarray([[out[-1]]], jnp.int32), jnp.asarray([[p]]), attend,
-                                  None)
+        tok = jnp.asarray([[out[-1]]], jnp.int32)
+        hidden, _ = llama.forward(params, cfg, tok, jnp.asarray([[p]]), attend, None)
         out.append(int(np.asarray(llama.lm_head(params, cfg, hidden[0, -1])).argmax()))
     return out
 

@@ -342,7 +342,8 @@ def test_distil_and_eval_scripts_end_to_end(toy, tmp_path, capsys):
 
 def _engine_run(model, requests, *, after=None, **kw):
     """Runs `requests` [(prompt, kv_policy, kv_budget)] through one Engine (fp32, greedy); `after` =
-    {step index: [(prompt, policy, budget)]} adds requests once that many steps ran. -> token lists, engine."""
+    {step index: [(prompt, policy, budget)]} adds requests once that many steps ran.
+    Returns (token lists, engine)."""
     from jaxkv.engine.engine import Engine
     from jaxkv.sampling import SamplingParams
 
@@ -382,7 +383,8 @@ def test_engine_full_budget_equals_full_attention(toy, decode_steps):
     ref = _full_reference(model, ids + got)
     assert got == [int(ref[len(ids) - 1 + i].argmax()) for i in range(len(got))]
     # Everything is selected: each step's selection holds the previous one plus the new token.
-    assert eng.retriever.steps > 0 and eng.retriever.slots_new == eng.retriever.steps * model.config.num_kv_heads
+    r = eng.retriever
+    assert r.steps > 0 and r.slots_new == r.steps * model.config.num_kv_heads
 
 
 def test_engine_small_budget_equals_dense_masked_oracle(toy):

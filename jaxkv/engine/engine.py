@@ -414,9 +414,16 @@ def _token_budget(budget) -> int:
     return int(budget)
 
 
+_RETRIEVAL_CHECKED: set = set()  # (policy class, model path, model id) whose parameters loaded once
+
+
 def _bind_retrieval(policy: RetrievalPolicy, model) -> RetrievalPolicy:
-    """Checks the policy's parameters load for this model (e.g. SpeContext's shipped retrieval head)."""
-    policy.load_params(model)
+    """Checks the policy's parameters load for this model (e.g. SpeContext's shipped retrieval head); once
+    per policy class and model, so per-request policies do not re-read files."""
+    key = (type(policy), str(getattr(model, "path", "")), getattr(model, "model_id", ""))
+    if key not in _RETRIEVAL_CHECKED:
+        policy.load_params(model)
+        _RETRIEVAL_CHECKED.add(key)
     return policy
 
 

@@ -68,8 +68,8 @@ def diff_plan(buf_pos, idx, count, cap: int):
 def _slots(page_table, pos, page_size: int):
     """page_table [S, Lh, Hkv, P], pos [S, Hkv, C] (-1 none) -> flat slots [S, Lh, Hkv, C] (0 where none)."""
     p = jnp.maximum(pos, 0)[:, None]
-    page = jnp.take_along_axis(page_table, jnp.broadcast_to(p // page_size, page_table.shape[:3] + p.shape[-1:]),
-                               axis=-1)
+    shape = page_table.shape[:3] + p.shape[-1:]
+    page = jnp.take_along_axis(page_table, jnp.broadcast_to(p // page_size, shape), axis=-1)
     return jnp.where((pos >= 0)[:, None] & (page >= 0), page * page_size + p % page_size, 0)
 
 

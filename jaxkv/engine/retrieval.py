@@ -214,7 +214,8 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_
                 ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
                                             positions)
             kpos = jnp.where(live[:, None, None], kpos, -1)
-            out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
+            out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer],
+                                     scale=scale)
             if layer in local_mask:  # ring heads keep their sink + window attention
                 g = cfg.num_heads // hkv
                 out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], full(), out)
@@ -307,7 +308,6 @@ class Retriever:
     # ---- ragged steps -----------------------------------------------------------------------------
     def run(self, chunks) -> tuple[np.ndarray, np.ndarray]:
         """A ragged step with retrieval requests in it; tokens, logprobs aligned with `chunks`."""
-        eng = self.engine
         tokens = np.zeros(len(chunks), np.int32)
         logprobs = np.zeros(len(chunks), np.float32)
         dec = [i for i, c in enumerate(chunks) if is_retrieval(c.request) and c.samples and c.num_tokens == 1

@@ -44,7 +44,8 @@ class RetrievalEngineMethod(EngineMethod):
         loaded = metrics.kv_bytes(cfg, n * (n + 1) // 2, item)
         for step in range(1, len(out.token_ids)):
             length = n + step
-            loaded += per_layer * (dense * length + (cfg.num_layers - dense) * min(self.policy.budget, length))
+            sparse = (cfg.num_layers - dense) * min(self.policy.budget, length)
+            loaded += per_layer * (dense * length + sparse)
         return dataclasses.replace(out, kv_bytes_loaded=loaded)
 
 

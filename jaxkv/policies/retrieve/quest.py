@@ -57,7 +57,8 @@ class Quest(RetrievalPolicy):
 
     def page_scores(self, q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
         """q [S, Hq, D] (post-RoPE), kmin/kmax [S, Hkv, P, D] -> upper bounds [S, Hkv, P] (max over the GQA
-        group of sum_d max(q_d min_d, q_d max_d)); empty pages give -inf or nan, which `select_pages` masks."""
+        group of sum_d max(q_d min_d, q_d max_d)); empty pages give -inf or nan, which `select_pages`
+        masks."""
         s, hq, d = q.shape
         hkv = kmin.shape[1]
         qg = q.astype(jnp.float32).reshape(s, hkv, hq // hkv, 1, d)
