@@ -195,3 +195,15 @@ def test_maintained_page_bounds_equal_the_pool(toy):
                 n = min(ps, int(lengths[layer, h]) - j * ps)
                 np.testing.assert_array_equal(kmin[page], pool_k[page, :n].min(0))
                 np.testing.assert_array_equal(kmax[page], pool_k[page, :n].max(0))
+
+
+def test_eval_method_quest_runs_through_the_engine(toy, tmp_path):
+    from jaxkv.eval.__main__ import main
+    from jaxkv.eval.methods import METHODS, EngineMethod
+
+    out = tmp_path / "r.json"
+    assert main(["--task", "mq_niah", "--context", "512", "--num", "1", "--model", str(toy.path),
+                 "--method", "quest", "--budget", "1024", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())  # B = 1024 > 512 tokens: the same tokens as full attention
+    assert res["summary"]["top1_agree"] == 1.0 and res["policy"]["budget"] == 1024
+    assert issubclass(METHODS["quest"], EngineMethod)
