@@ -472,3 +472,23 @@ def test_engine_reuse_request_under_a_retrieval_policy_decodes_full(toy):
             out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
         got.append(out)
     assert got[0] == got[1] and len(got[0]) == 6
+
+
+def test_engine_full_budget_sampled_equals_full(toy):
+    """Seeded sampling reads the same PRNG stream in the retrieval decode as in the runner's."""
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import SamplingParams
+
+    model, _ = toy
+    ids = _prompt(model, 40, 11)
+    sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=10, seed=5, ignore_eos=True)
+    got = []
+    for pol in (None, "specontext", "quest"):
+        eng = Engine(model, page_size=4, max_model_len=128, max_num_seqs=2, decode_steps=4,
+                     enable_prefix_caching=False, kv_policy=pol, kv_budget=None if pol is None else 256)
+        eng.add_request(ids, sp)
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        got.append(out)
+    assert got[0] == got[1] == got[2] and len(got[0]) == 10
