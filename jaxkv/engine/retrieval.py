@@ -58,7 +58,8 @@ def gathered_attention(q, k, v, kpos, q_pos, *, window: int, scale: float):
     m = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     den = jnp.sum(e, axis=-1, keepdims=True)
-    out = jnp.einsum("shgn,shnd->shgd", e / jnp.where(den > 0, den, 1.0), v.astype(jnp.float32))
+    v = jnp.where(vis[..., None], v.astype(jnp.float32), 0.0)  # masked slots (stale, free pages) never reach out
+    out = jnp.einsum("shgn,shnd->shgd", e / jnp.where(den > 0, den, 1.0), v)
     return out.reshape(s, hq, d).astype(q.dtype)
 
 
