@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -207,3 +208,31 @@ def test_eval_method_quest_runs_through_the_engine(toy, tmp_path):
     res = json.loads(out.read_text())  # B = 1024 > 512 tokens: the same tokens as full attention
     assert res["summary"]["top1_agree"] == 1.0 and res["policy"]["budget"] == 1024
     assert issubclass(METHODS["quest"], EngineMethod)
+
+
+@pytest.mark.parametrize("policy", ["quest", "specontext"])
+def test_local_heads_keep_their_ring_under_a_retrieval_policy(toy, tmp_path, policy):
+    """With head classes that make some heads local (sink 2 + window 8, rings that wrap), a retrieval
+    policy at full budget gives the full-cache engine's tokens under the same classes: ring heads keep
+    their sink + window attention (their storage index is not their position)."""
+    import shutil
+
+    import jaxkv
+    from jaxkv.cache.head_classes import HeadClass, HeadClassMap
+    from jaxkv.policies.retrieve import specontext as sc
+
+    model = toy
+    if policy == "specontext":  # give this toy a random retrieval head
+        shutil.copytree(toy.path, tmp_path / "m")
+        model = jaxkv.load(tmp_path / "m")
+        head = sc.init_head(sc.HeadConfig.for_model(model.config, tap_layer=1, model_id=model.model_id),
+                            jax.random.PRNGKey(1), scale=0.5)
+        sc.save_head(tmp_path / "m" / sc.HEAD_DIR, head)
+    cfg = model.config
+    loc, glo = HeadClass.local(2, 8), HeadClass.global_()
+    hc = HeadClassMap(cfg.num_layers, cfg.num_kv_heads,
+                      tuple((glo, loc) if layer % 2 == 0 else (loc, glo) for layer in range(cfg.num_layers)))
+    ids = _prompt(model, 45, 4)
+    (full,) = _run(model, [(ids, None, None)], head_classes=hc)
+    pol = Quest(budget=256, dense_layers=0) if policy == "quest" else sc.SpeContext(budget=256)
+    assert _run(model, [(ids, pol, None)], head_classes=hc) == [full]
