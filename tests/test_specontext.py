@@ -492,3 +492,23 @@ def test_engine_full_budget_sampled_equals_full(toy):
             out += [t for o in eng.step() for t in o.new_token_ids]
         got.append(out)
     assert got[0] == got[1] == got[2] and len(got[0]) == 10
+
+
+@pytest.mark.parametrize("policy", ["specontext", "quest"])
+def test_engine_retrieval_precompile_covers_serving(toy, policy):
+    from jaxkv.engine import retrieval, runner
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import SamplingParams
+
+    model, _ = toy
+    eng = Engine(model, page_size=8, max_model_len=32, max_num_seqs=2, max_step_tokens=16, decode_steps=4,
+                 kv_policy=policy, kv_budget=8)
+    assert eng.precompile(progress=False) > 0
+    compiled = runner.num_compilations() + retrieval.num_compilations()
+    # The second prompt's chunks share steps with the first's decode tokens (the K = 1 split path).
+    for n, sp in [(12, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
+                  (10, SamplingParams(temperature=0.7, max_tokens=9, seed=1))]:
+        eng.add_request(_prompt(model, n, n), sp)
+    while eng.has_unfinished():
+        eng.step()
+    assert runner.num_compilations() + retrieval.num_compilations() == compiled

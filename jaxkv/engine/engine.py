@@ -196,7 +196,10 @@ class Engine:
         Call before serving so no request waits on a compile (docs/engine.md)."""
         from jaxkv.engine.warmup import precompile
 
-        return precompile(self, progress)
+        n = precompile(self, progress)
+        if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
+            n += self.retriever.precompile(self.kv_policy, progress)
+        return n
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.reuser.waiting)

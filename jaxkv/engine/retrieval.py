@@ -285,6 +285,60 @@ class Retriever:
             self._params[key] = policy.load_params(self.engine.model)
         return self._params[key]
 
+    def precompile(self, policy: RetrievalPolicy, progress: bool = True) -> int:
+        """Compiles the retrieval variants an engine-wide `policy` hits (ragged steps with the tap, decode
+        with K = decode_steps and K = 1) on all-padding batches (nothing is written); returns how many."""
+        from tqdm.auto import tqdm
+
+        from jaxkv.engine.warmup import STOP_BUCKET, variants
+
+        eng, runner = self.engine, self.engine.runner
+        cfg = runner.cfg
+        L, H = cfg.num_layers, cfg.num_kv_heads
+        head, state, summary = self.params_for(policy), self._state_for(policy), self._summary_for(policy)
+        todo = [v for v in variants(eng) if v[0] == "step"] if state is not None or summary is not None else []
+        seen = set()
+        for _, s, _, p, greedy, _ in variants(eng):
+            for k in sorted({eng.decode_steps, 1}):
+                if (s, p, greedy, k) not in seen:
+                    seen.add((s, p, greedy, k))
+                    todo.append(("decode", s, k, p, greedy, False))
+        width = 1 if policy.layer_wise else policy.budget
+        for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling retrieval variants",
+                                                 disable=not progress):
+            temp = np.zeros(s, np.float32)
+            temp[0] = 0.0 if greedy else 1.0
+            common = dict(page_table=np.full((s, L, H, p), -1, np.int32), temperature=temp,
+                          top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
+                          seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32),
+                          head_rows=np.full(s, -1, np.int32), **runner._heads)
+            if kind == "step":
+                b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                         q_seq=np.full(t, -1, np.int32), slots=np.full((t, L, H), -1, np.int32),
+                         lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
+                stateful = policy if state is not None else None
+                _, _, runner.pool, state_out, summary_out = _step_tap(
+                    runner.params, runner.pool, b, self._state.get(type(policy)), head if stateful else None,
+                    self._summary if summary is not None else None, cfg=cfg, policy=stateful,
+                    attn_impl=runner.attn_impl, greedy=greedy,
+                    fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None)
+            else:
+                d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
+                         slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
+                         prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
+                         stop_ids=np.full((s, STOP_BUCKET), -1, np.int32),
+                         prev_idx=jnp.zeros((s, H, width), jnp.int32), prev_cnt=jnp.zeros((s, H), jnp.int32),
+                         **common)
+                *_, runner.pool, state_out, summary_out = _decode_retrieval(
+                    runner.params, runner.pool, d, self._state.get(type(policy)), head,
+                    self._summary if summary is not None else None, cfg=cfg, policy=policy,
+                    attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers)
+            if state_out is not None:
+                self._state[type(policy)] = state_out
+            if summary_out is not None:
+                self._summary = summary_out
+        return len(todo)
+
     def _state_for(self, policy: RetrievalPolicy):
         key = type(policy)
         if key not in self._state:
@@ -319,7 +373,7 @@ class Retriever:
             t, lp = self._ragged(sub)
             tokens[rest], logprobs[rest] = t[:len(sub)], lp[:len(sub)]
         if dec:
-            t, lp, _ = self.decode([chunks[i] for i in dec])
+            t, lp, _ = self.decode([chunks[i] for i in dec], steps=1)
             tokens[dec], logprobs[dec] = t[0], lp[0]
         return tokens, logprobs
 
@@ -359,10 +413,12 @@ class Retriever:
         return np.asarray(tokens), np.asarray(logprobs)
 
     # ---- decode -----------------------------------------------------------------------------------
-    def decode(self, chunks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Decode chunks grouped by policy (no policy: the runner's decode); [K, len(chunks)] arrays."""
+    def decode(self, chunks, steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decode chunks grouped by policy (no policy: the runner's decode); [K, len(chunks)] arrays. K is
+        the engine's `decode_steps` (one compiled shape), or `steps` (1 for decode tokens split off a
+        ragged step)."""
         eng = self.engine
-        k = max(c.num_tokens for c in chunks)
+        k = steps or eng.decode_steps
         tokens = np.zeros((k, len(chunks)), np.int32)
         logprobs = np.zeros((k, len(chunks)), np.float32)
         ran = np.zeros((k, len(chunks)), bool)
