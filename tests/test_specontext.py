@@ -512,3 +512,15 @@ def test_engine_retrieval_precompile_covers_serving(toy, policy):
     while eng.has_unfinished():
         eng.step()
     assert runner.num_compilations() + retrieval.num_compilations() == compiled
+
+
+def test_engine_held_count_equals_overlap():
+    from jaxkv.engine.retrieval import _held
+
+    rng = np.random.default_rng(0)
+    s, h, n, b = 3, 2, 50, 8
+    q_pos = jnp.array([49, 5, 30], jnp.int32)
+    prev = select(jnp.asarray(rng.random((s, h, n)), jnp.float32), q_pos - 1, budget=b)
+    now = select(jnp.asarray(rng.random((s, h, n)), jnp.float32), q_pos, budget=b)
+    want = np.asarray(overlap(prev, now))
+    np.testing.assert_array_equal(np.asarray(_held(prev.idx, prev.count, now)), want)

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxkv.cache.pool import write_kv
 from jaxkv.models import llama, rope
-from jaxkv.policies.retrieve.base import RetrievalPolicy, overlap
+from jaxkv.policies.retrieve.base import RetrievalPolicy
 from pallas_kernels.head_class_prefill.api import head_class_prefill
 from pallas_kernels.paged_attention.api import paged_attention
 
@@ -58,7 +58,7 @@ def gathered_attention(q, k, v, kpos, q_pos, *, window: int, scale: float):
     m = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     den = jnp.sum(e, axis=-1, keepdims=True)
-    v = jnp.where(vis[..., None], v.astype(jnp.float32), 0.0)  # masked slots (stale, free pages) never reach out
+    v = jnp.where(vis[..., None], v.astype(jnp.float32), 0.0)  # stale / free slots never reach the output
     out = jnp.einsum("shgn,shnd->shgd", e / jnp.where(den > 0, den, 1.0), v)
     return out.reshape(s, hq, d).astype(q.dtype)
 
@@ -118,6 +118,18 @@ def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
     v = pool.v[pages].reshape(s, hkv, -1, d)
     kpos = jnp.where(keep, pool.pos[pages], -1).reshape(s, hkv, -1)
     return k, v, kpos
+
+
+def _held(prev_idx, prev_cnt, now):
+    """[S, Hkv] slots of `now` (a Selection) that the previous selection (ascending idx, count) held:
+    a binary search per slot (O(B log B); `base.overlap` compares B x B)."""
+    b = prev_idx.shape[-1]
+    big = jnp.iinfo(jnp.int32).max
+    pv = jnp.where(jnp.arange(b) < prev_cnt[..., None], prev_idx, big)  # ascending, padding last
+    search = jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v)))
+    at = jnp.minimum(search(pv, now.idx), b - 1)
+    hit = (jnp.take_along_axis(pv, at, axis=-1) == now.idx) & now.mask()
+    return jnp.sum(hit, axis=-1).astype(jnp.int32)
 
 
 def _sample(logits, b, greedy):
@@ -232,7 +244,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_
                 scores, _ = policy.scores(head, hs, x, pos2)
                 now = policy.select(scores, positions)
                 sel["idx"], sel["mask"] = now.idx, now.mask()
-                held = overlap(type(now)(prev_idx, prev_cnt), now)
+                held = _held(prev_idx, prev_cnt, now)
                 stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1)], -1)
                 prev_idx = jnp.where(live[:, None, None], now.idx, prev_idx)
                 prev_cnt = jnp.where(live[:, None], now.count, prev_cnt)
@@ -296,7 +308,8 @@ class Retriever:
         cfg = runner.cfg
         L, H = cfg.num_layers, cfg.num_kv_heads
         head, state, summary = self.params_for(policy), self._state_for(policy), self._summary_for(policy)
-        todo = [v for v in variants(eng) if v[0] == "step"] if state is not None or summary is not None else []
+        tap = state is not None or summary is not None  # ragged steps run _step_tap
+        todo = [v for v in variants(eng) if v[0] == "step"] if tap else []
         seen = set()
         for _, s, _, p, greedy, _ in variants(eng):
             for k in sorted({eng.decode_steps, 1}):
