@@ -36,7 +36,7 @@ class Compressor:
 
     def due(self, req) -> bool:
         pol: CompressPolicy | None = req.kv_policy
-        if pol is None or req.finished or req.num_computed < len(req.prompt_ids):
+        if not isinstance(pol, CompressPolicy) or req.finished or req.num_computed < len(req.prompt_ids):
             return False
         if req.kv_compressed_at is None or req.kv_compressed_epoch != req.num_preemptions:
             return True  # prefill just ended (first time, or again after a preemption recomputed it)

@@ -24,10 +24,12 @@ from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.device_tables import DeviceTables
 from jaxkv.engine.request import Request, RequestOutput, Status
+from jaxkv.engine.retrieval import Retriever
 from jaxkv.engine.reuse import Reuser
 from jaxkv.engine.runner import DecodeBatch, ModelRunner, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
 from jaxkv.policies import CompressPolicy, get_policy
+from jaxkv.policies.retrieve import RetrievalPolicy
 from jaxkv.sampling import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -122,6 +124,7 @@ class Engine:
         self.decode_steps = decode_steps
         self.compressor = Compressor(self)
         self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
+        self.retriever = Retriever(self)  # retrieval policies' decode (jaxkv/engine/retrieval.py)
         self._seq_buckets = powers_of_two(max_num_seqs)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
@@ -181,6 +184,8 @@ class Engine:
         seg_ids = [self.reuser.store.get(s, extra_key).tokens if isinstance(s, str) else s for s in segments]
         prompt = [int(t) for t in prefix_ids] + [int(t) for s in seg_ids for t in s] + [int(t) for t in suffix_ids]
         request_id = self.add_request(prompt, sampling, request_id, extra_key, _queue=False)
+        if isinstance(self._requests[request_id].kv_policy, RetrievalPolicy):
+            self._requests[request_id].kv_policy = None  # reuse prefill fills no retrieval state: full decode
         self.reuser.add(self._requests[request_id], prefix_ids, segments, suffix_ids, policy)
         return request_id
 
@@ -205,7 +210,10 @@ class Engine:
         Call before serving so no request waits on a compile (docs/engine.md)."""
         from jaxkv.engine.warmup import precompile
 
-        return precompile(self, progress)
+        n = precompile(self, progress)
+        if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
+            n += self.retriever.precompile(self.kv_policy, progress)
+        return n
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.reuser.waiting)
@@ -220,7 +228,10 @@ class Engine:
             return outputs
         if chunks[0].steps:
             return outputs + self._step_decode(chunks)
-        tokens, logprobs = self.runner.run(self._build_batch(chunks))
+        if self.retriever.active(chunks):
+            tokens, logprobs = self.retriever.run(chunks)
+        else:
+            tokens, logprobs = self.runner.run(self._build_batch(chunks))
         for row, chunk in enumerate(chunks):
             req = chunk.request
             sampled = chunk.samples
@@ -241,7 +252,10 @@ class Engine:
         return outputs
 
     def _step_decode(self, chunks: list[Chunk]) -> list[RequestOutput]:
-        tokens, logprobs, ran = self.runner.decode(self._build_decode(chunks))
+        if self.retriever.active(chunks):
+            tokens, logprobs, ran = self.retriever.decode(chunks)
+        else:
+            tokens, logprobs, ran = self.runner.decode(self._build_decode(chunks))
         outputs = []
         for k in range(tokens.shape[0]):  # step-major: every request's k-th token before any (k+1)-th
             for row, chunk in enumerate(chunks):
@@ -265,7 +279,7 @@ class Engine:
         max_model_len), and no further than its policy's next compression."""
         room = min(req.sampling.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
         pol = req.kv_policy
-        if pol is not None and pol.decode_interval and req.kv_compressed_at is not None:
+        if pol is not None and getattr(pol, "decode_interval", 0) and req.kv_compressed_at is not None:
             room = min(room, max(1, pol.decode_interval - (len(req.output_ids) - req.kv_compressed_at)))
         return room
 
@@ -373,22 +387,54 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions)
 
 
-def _resolve_policy(policy, budget, model) -> CompressPolicy | None:
-    """A policy object, a registered name (with an optional budget), or None (full cache)."""
+def _resolve_policy(policy, budget, model) -> CompressPolicy | RetrievalPolicy | None:
+    """A policy object, a registered name (with an optional budget), or None (full cache). Compression
+    policies (jaxkv/policies/compress) rewrite the cache; retrieval policies (jaxkv/policies/retrieve) keep it
+    and make decode attention read a per-head selection (jaxkv/engine/retrieval.py)."""
     if policy is None:
         if budget is not None:
             raise ValueError("kv_budget needs a kv_policy")
         return None
     if isinstance(policy, str):
-        policy = get_policy(policy, **({} if budget is None else {"budget": budget}))
-        if not isinstance(policy, CompressPolicy):
-            raise ValueError(f"kv_policy {policy.name!r} is a retrieval policy (jaxkv/policies/retrieve), not a "
-                             "compression policy; the engine's kv_policy takes compression policies")
+        from jaxkv.policies import POLICIES
+
+        if isinstance(POLICIES.get(policy), type) and issubclass(POLICIES[policy], RetrievalPolicy):
+            policy = get_policy(policy, **({} if budget is None else {"budget": _token_budget(budget)}))
+        else:
+            policy = get_policy(policy, **({} if budget is None else {"budget": budget}))
+        if isinstance(policy, RetrievalPolicy):
+            return _bind_retrieval(policy, model)
+    elif isinstance(policy, RetrievalPolicy):
+        if budget is not None:
+            policy = dataclasses.replace(policy, budget=_token_budget(budget))
+        return _bind_retrieval(policy, model)
     elif not isinstance(policy, CompressPolicy):
-        raise ValueError(f"kv_policy must be a policy name or a CompressPolicy (got {type(policy).__name__})")
+        raise ValueError(f"kv_policy must be a policy name, a CompressPolicy or a RetrievalPolicy "
+                         f"(got {type(policy).__name__})")
     elif budget is not None:
         policy = dataclasses.replace(policy, budget=budget)
     return policy.bind(model)
+
+
+def _token_budget(budget) -> int:
+    """A retrieval budget is tokens per KV head per decode step: a positive integer (1024.0 is accepted)."""
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 1 or budget != int(budget):
+        raise ValueError(f"a retrieval policy's kv_budget is tokens per KV head, a positive integer "
+                         f"(got {budget!r})")
+    return int(budget)
+
+
+_RETRIEVAL_CHECKED: set = set()  # (policy class, model path, model id) whose parameters loaded once
+
+
+def _bind_retrieval(policy: RetrievalPolicy, model) -> RetrievalPolicy:
+    """Checks the policy's parameters load for this model (e.g. SpeContext's shipped retrieval head); once
+    per policy class and model, so per-request policies do not re-read files."""
+    key = (type(policy), str(getattr(model, "path", "")), getattr(model, "model_id", ""))
+    if key not in _RETRIEVAL_CHECKED:
+        policy.load_params(model)
+        _RETRIEVAL_CHECKED.add(key)
+    return policy
 
 
 def _ids(req: Request, start: int, n: int) -> list[int]:

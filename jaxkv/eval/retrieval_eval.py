@@ -1,55 +1,61 @@
-"""Retrieval methods in the eval harness: ``specontext`` (B = 1024) and ``specontext_256`` / ``_512``.
+"""Retrieval methods in the eval harness, through the serving engine: ``specontext`` (B = 1024),
+``specontext_256`` / ``_512``, and ``quest`` (B = 1024).
 
-Full-attention prefill, then greedy decoding where layers from the retrieval head's tap on read only the
-head's top-B slots per KV head (`jaxkv.policies.retrieve.decode.generate`, dense cache, library path: the
-engine integration with the host tier is planned in docs/specontext.md). The head is the one shipped
-beside the model (``<model>/retrieval_head``). Nothing is evicted: KV held is the full cache; KV loaded
-counts the prefill, the dense tap layers and ``min(B, length)`` slots per head of the other layers.
+Each is the engine method (`jaxkv.eval.methods.EngineMethod`: the paged engine that serves, all heads
+global) with the retrieval policy as its `kv_policy` (jaxkv/engine/retrieval.py): full-attention prefill,
+then greedy multi-step decoding in which attention reads only the policy's selection per KV head.
+SpeContext's head is the one shipped beside the model (``<model>/retrieval_head``). Nothing is evicted:
+KV held is the full cache; KV loaded counts the prefill, the dense layers (SpeContext's tap layers,
+Quest's ``dense_layers``) over the whole cache and ``min(B, length)`` slots per head of the other layers
+(Quest's page-bound pass over every key of those layers is not counted: it reads K min/max, see
+docs/policies.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxkv.eval import metrics
-from jaxkv.eval.methods import Method, MethodOutput, PromptPieces, register_method
+from jaxkv.eval.methods import EngineMethod, PromptPieces, register_method
 
 
-class SpeContextMethod(Method):
-    name = "specontext"
+class RetrievalEngineMethod(EngineMethod):
     budget = 1024
 
-    def __init__(self, model, budget: int | None = None):
-        from jaxkv.policies.retrieve.specontext import SpeContext, load_for_model
+    def __init__(self, model, budget: float | None = None, **policy_fields):
+        budget = self.budget if budget is None else budget
+        if budget != int(budget) or budget < 1:
+            raise ValueError(f"method {self.name!r}: --budget is tokens per KV head, a positive integer "
+                             f"(got {budget})")
+        super().__init__(model, budget=int(budget), **policy_fields)
+        self.policy.load_params(model)  # fail early (e.g. no retrieval head beside the model)
 
-        super().__init__(model)
-        self.head = load_for_model(model)
-        self.policy = SpeContext(budget=budget or self.budget)
+    def _dense_layers(self) -> int:
+        pol = self.policy
+        return pol.dense_layers if pol.layer_wise else pol.tap_layer(pol.load_params(self.model))
 
-    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
-        import jax
-
-        from jaxkv.policies.retrieve.decode import generate
-
+    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]):
+        out = super().run(pieces, max_new_tokens, stop_ids)
         cfg = self.model.config
-        ids = pieces.ids
-        n = len(ids)
-        out = generate(self.model, self.policy, self.head, ids, max_new_tokens, stop_ids)
-        item = jax.tree.leaves(self.model.params)[0].dtype.itemsize
-        tap = self.policy.tap_layer(self.head)
+        n = len(pieces.ids)
+        item = self._engine.runner.pool.k.dtype.itemsize
+        dense = self._dense_layers()
         per_layer = metrics.kv_bytes(cfg, 1, item) // cfg.num_layers  # one token, one layer, all KV heads
         loaded = metrics.kv_bytes(cfg, n * (n + 1) // 2, item)
-        for step in range(1, len(out["token_ids"])):
+        for step in range(1, len(out.token_ids)):
             length = n + step
-            loaded += per_layer * (tap * length + (cfg.num_layers - tap) * min(self.policy.budget, length))
-        held = metrics.kv_bytes(cfg, n + len(out["token_ids"]), item)
-        return MethodOutput(out["token_ids"], out["first_logits"], out["ttft_s"], held, loaded,
-                            metrics.prefill_flops(cfg, n))
+            sparse = (cfg.num_layers - dense) * min(self.policy.budget, length)
+            loaded += per_layer * (dense * length + sparse)
+        return dataclasses.replace(out, kv_bytes_loaded=loaded)
 
 
-def _variant(budget: int):
-    cls = type(f"SpeContext{budget}", (SpeContextMethod,), {"budget": budget})
-    return register_method(f"specontext_{budget}")(cls)
+def _variant(name: str, policy: str, budget: int):
+    cls = type(f"Retrieval_{name}", (RetrievalEngineMethod,), {"name": name, "policy_name": policy,
+                                                                "budget": budget})
+    return register_method(name)(cls)
 
 
-register_method("specontext")(SpeContextMethod)
-SpeContext256 = _variant(256)
-SpeContext512 = _variant(512)
+SpeContextMethod = _variant("specontext", "specontext", 1024)
+SpeContext256 = _variant("specontext_256", "specontext", 256)
+SpeContext512 = _variant("specontext_512", "specontext", 512)
+QuestMethod = _variant("quest", "quest", 1024)

@@ -75,6 +75,20 @@ class RetrievalPolicy:
         """The method's device state for `num_seqs` rows of up to `max_len` slots (None when stateless)."""
         return None
 
+    # Which seam the engine runs (jaxkv/engine/retrieval.py): a *shared* policy scores once per step after
+    # `tap_layer` layers and every later layer reads the one selection; a *layer-wise* policy (Quest) picks
+    # pages inside each layer from that layer's query (`page_scores` / `select_pages`).
+    layer_wise: ClassVar[bool] = False
+
+    def load_params(self, model):
+        """The method's parameter pytree for a loaded model (e.g. the retrieval head shipped beside it)."""
+        return None
+
+    def observe_tokens(self, head, state, x: jax.Array, positions: jax.Array, rows: jax.Array):
+        """Engine form of `observe`: x [T, hidden] (ragged tokens after `tap_layer`), positions [T], rows [T]
+        the state row of each token (-1 = not a request of this method: dropped)."""
+        return state
+
     # ---- device side (pure jnp) ---------------------------------------------------------------------
     def observe(self, head, state, x: jax.Array, positions: jax.Array):
         """Prefill: record the prompt tokens in the method's state (x [S, T, hidden] after `tap_layer`)."""

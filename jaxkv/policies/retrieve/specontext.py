@@ -146,6 +146,14 @@ class SpeContext(RetrievalPolicy):
     def observe(self, head: RetrievalHead, state, x, positions):
         return write_keys(head, state, x, positions)[0]
 
+    def load_params(self, model) -> RetrievalHead:
+        return load_for_model(model)
+
+    def observe_tokens(self, head: RetrievalHead, state, x, positions, rows):
+        _, k = head_qk(head, x[None], positions[None])
+        rows = jnp.where(rows >= 0, rows, state.shape[0])  # out of bounds: dropped
+        return state.at[rows, positions].set(k[0], mode="drop")
+
     def scores(self, head: RetrievalHead, state, x, positions):
         state, q = write_keys(head, state, x, positions)
         q = q[:, -1:]  # the decode query

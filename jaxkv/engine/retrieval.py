@@ -1,0 +1,497 @@
+"""Engine side of the retrieval policies (SpeContext, Quest): decode attention reads a per-head selection.
+
+A request whose `kv_policy` is a `RetrievalPolicy` (engine-wide or per request) prefills with full
+attention and keeps its full KV in the pool; each of its decode steps runs a separate jitted variant of the
+multi-step decode (`_decode_retrieval`, a `lax.scan` over K steps like `runner._decode`) in which:
+
+* **shared** policies (SpeContext): layers ``[0, tap_layer)`` run the normal paged attention; after them
+  the policy writes the step's retrieval-head key into its state and scores every past position per KV
+  head; `select` picks the top-B (plus forced tokens); every later layer gathers exactly those slots of
+  its own (layer, KV head) page list from the pool and attends over them;
+* **layer-wise** policies (Quest): in each layer from ``dense_layers`` on, the per-page key min/max of
+  the head's page list is computed from the pool, the page upper bounds of the layer's query rank the
+  pages, and attention runs over the top pages only.
+
+Heads the head-class map makes local (sink + window rings) keep their ring attention; the selection
+applies to the global heads (where a slot's storage index is its position).
+
+Where the retrieval head's keys live: one device array per stateful policy class, ``[max_num_seqs,
+max_pages_per_head * page_size, Hkv, Dr]`` float32 (a row per running request, slot = position), made on
+first use. Rows are handed out on a request's first step and taken back when it no longer runs. The
+ragged step (prefill chunks) runs `_step_tap` whenever a chunk of a stateful retrieval request is in it:
+the same step as the runner's, plus the head's key write at the tap layer. A decode token of a retrieval
+request that the scheduler put into a ragged step (next to other requests' prefill) is split off and run
+through `_decode_retrieval` with K = 1, so every generated token after the first reads the selection.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.pool import write_kv
+from jaxkv.models import llama, rope
+from jaxkv.policies.retrieve.base import RetrievalPolicy
+from pallas_kernels.head_class_prefill.api import head_class_prefill
+from pallas_kernels.paged_attention.api import paged_attention
+
+
+def is_retrieval(req) -> bool:
+    return isinstance(req.kv_policy, RetrievalPolicy)
+
+
+def gathered_attention(q, k, v, kpos, q_pos, *, window: int, scale: float):
+    """One query per row over gathered slots: q [S, Hq, D], k/v [S, Hkv, N, D], kpos [S, Hkv, N] (-1 =
+    empty), q_pos [S] -> out [S, Hq, D] (softmax in fp32; a row that sees nothing returns 0)."""
+    s, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(s, hkv, hq // hkv, d)
+    logits = jnp.einsum("shgd,shnd->shgn", qg, k.astype(jnp.float32)) * scale
+    p = q_pos[:, None, None]
+    vis = (kpos >= 0) & (kpos <= p)
+    if window:
+        vis &= kpos > p - window
+    logits = jnp.where(vis[:, :, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    v = jnp.where(vis[..., None], v.astype(jnp.float32), 0.0)  # stale / free slots never reach the output
+    out = jnp.einsum("shgn,shnd->shgd", e / jnp.where(den > 0, den, 1.0), v)
+    return out.reshape(s, hq, d).astype(q.dtype)
+
+
+def _selected(pool, pt, sel_idx, sel_mask):
+    """Slots of the selected positions of one layer: pt [S, Hkv, P] page list, sel_idx [S, Hkv, B]
+    positions (== storage index on a global head) -> (k, v [S, Hkv, B, D], kpos [S, Hkv, B])."""
+    ps = pool.page_size
+    page = jnp.take_along_axis(pt, sel_idx // ps, axis=-1)
+    valid = sel_mask & (page >= 0)
+    flat = jnp.where(valid, page * ps + sel_idx % ps, 0)
+    d = pool.k.shape[-1]
+    k = pool.k.reshape(-1, d)[flat]
+    v = pool.v.reshape(-1, d)[flat]
+    kpos = jnp.where(valid, pool.pos.reshape(-1)[flat], -1)
+    return k, v, kpos
+
+
+def init_summary(pool):
+    """Per-page key bounds (kmin, kmax) [num_pages, D] in the pool's dtype (empty: +inf / -inf)."""
+    n, _, d = pool.k.shape
+    return (jnp.full((n, d), jnp.inf, pool.k.dtype), jnp.full((n, d), -jnp.inf, pool.k.dtype))
+
+
+def update_summary(summary, k, slots, page_size: int):
+    """Folds one layer's new keys k [T, Hkv, D] at flat slots [T, Hkv] (-1 = skipped) into the per-page
+    bounds. A write at a page's offset 0 is the page's first (the engine fills a global head's pages in
+    order), so it resets the page (a page reused after another sequence freed it starts clean)."""
+    kmin, kmax = summary
+    n, d = kmin.shape
+    flat = slots.reshape(-1)
+    page = jnp.where(flat >= 0, flat // page_size, n)  # out of bounds: dropped
+    first = jnp.where((flat >= 0) & (flat % page_size == 0), page, n)
+    kk = k.reshape(-1, d).astype(kmin.dtype)
+    kmin = kmin.at[first].set(jnp.inf, mode="drop").at[page].min(kk, mode="drop")
+    kmax = kmax.at[first].set(-jnp.inf, mode="drop").at[page].max(kk, mode="drop")
+    return kmin, kmax
+
+
+def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
+    """Quest's read set of one layer from the maintained per-page bounds: pt [S, Hkv, P], lengths [S, Hkv]
+    -> (k, v [S, Hkv, n * ps, D], kpos [S, Hkv, n * ps]). Reads 2 x D bound values per page, then the
+    K/V of the selected pages only."""
+    ps = pool.page_size
+    s, hkv, p = pt.shape
+    ptc = jnp.maximum(pt, 0)
+    j = jnp.arange(p * ps, dtype=jnp.int32).reshape(p, ps)
+    valid = (j < lengths[..., None, None]) & (pt >= 0)[..., None]  # [S, Hkv, P, ps]
+    kmin, kmax = summary[0][ptc].astype(jnp.float32), summary[1][ptc].astype(jnp.float32)
+    scores = policy.page_scores(q, kmin, kmax)
+    idx, count = policy.select_pages(scores, lengths, ps, q_pos)  # [S, Hkv, n]
+    pages = jnp.take_along_axis(ptc, idx, axis=-1)
+    keep = (jnp.arange(idx.shape[-1]) < count[..., None])[..., None] & jnp.take_along_axis(
+        valid, idx[..., None], axis=2)  # [S, Hkv, n, ps]
+    d = pool.k.shape[-1]
+    k = pool.k[pages].reshape(s, hkv, -1, d)
+    v = pool.v[pages].reshape(s, hkv, -1, d)
+    kpos = jnp.where(keep, pool.pos[pages], -1).reshape(s, hkv, -1)
+    return k, v, kpos
+
+
+def _held(prev_idx, prev_cnt, now):
+    """[S, Hkv] slots of `now` (a Selection) that the previous selection (ascending idx, count) held:
+    a binary search per slot (O(B log B); `base.overlap` compares B x B)."""
+    b = prev_idx.shape[-1]
+    big = jnp.iinfo(jnp.int32).max
+    pv = jnp.where(jnp.arange(b) < prev_cnt[..., None], prev_idx, big)  # ascending, padding last
+    search = jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v)))
+    at = jnp.minimum(search(pv, now.idx), b - 1)
+    hit = (jnp.take_along_axis(pv, at, axis=-1) == now.idx) & now.mask()
+    return jnp.sum(hit, axis=-1).astype(jnp.int32)
+
+
+def _sample(logits, b, greedy):
+    from jaxkv.engine.runner import _sample as sample
+
+    return sample(logits, b, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads"),
+                   donate_argnames=("pool", "rstate", "summary"))
+def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
+              fresh_heads=None):
+    """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
+    head_class_prefill) plus the retrieval state's key write at the tap layer of `policy` (None: no
+    state) and, with `summary`, the per-page key bounds of every key written."""
+    scale = cfg.head_dim ** -0.5
+    freqs = rope.inv_freq(cfg)
+    tap = policy.tap_layer(head) if policy is not None else -1
+    rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
+
+    def attend(layer, q, k, v, state):
+        pool, summary = state
+        pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
+        if summary is not None:
+            summary = update_summary(summary, k[0], b["slots"][:, layer], pool.page_size)
+        if fresh_heads is not None:
+            sink, window = fresh_heads[layer]
+            out, _ = head_class_prefill(q[0], k[0], v[0], sink, window, scale=scale)
+        else:
+            out, _ = paged_attention(
+                q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
+                b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
+                implementation=attn_impl)
+        return out[None], (pool, summary)
+
+    x = params["embed"][b["tokens"]][None]
+    pos = b["positions"][None]
+    for i, p in enumerate(params["layers"]):
+        if i == tap:
+            rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
+        x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, (pool, summary))
+    hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+    tokens, logprobs = _sample(logits, b, greedy)
+    return tokens, logprobs, pool, rstate, summary
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers"),
+                   donate_argnames=("pool", "rstate", "summary"))
+def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
+                      local_layers=()):
+    """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
+    tokens, logprobs, ran [K, S], per-step selection stats [K, S, 2] (slots selected, slots already
+    selected the step before, from ``d["prev_idx"], d["prev_cnt"]`` at step 0; shared policies), the
+    last selection (idx [S, Hkv, B], count [S, Hkv]), pool, rstate."""
+    s = d["tokens"].shape[0]
+    rows = jnp.arange(s, dtype=jnp.int32)
+    scale = cfg.head_dim ** -0.5
+    freqs = rope.inv_freq(cfg)
+    pt_all = d["page_table"]  # [S, L, Hkv, P]
+    n_slots = pt_all.shape[-1] * pool.page_size
+    shared = not policy.layer_wise
+    first = policy.tap_layer(head) if shared else policy.dense_layers
+    hkv = cfg.num_kv_heads
+    local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
+
+    def body(carry, xs):
+        (pool, summary), rstate, tok, done, prev_idx, prev_cnt = carry
+        k, slots, lengths, active = xs
+        live = active & ~done
+        positions = d["positions"] + k
+        q_seq = jnp.where(live, rows, -1)
+        slots = jnp.where(live[:, None, None], slots, -1)
+        pos2 = positions[:, None]
+        sel = {}
+
+        def attend(layer, q, kk, vv, state):
+            pool, summary = state
+            pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
+            if summary is not None:
+                summary = update_summary(summary, kk[:, 0], slots[:, layer], pool.page_size)
+            qq = q[:, 0]
+
+            def full():
+                out, _ = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], lengths[:, layer],
+                                         q_seq, positions, d["sink"][layer], d["window"][layer], scale=scale,
+                                         implementation=attn_impl)
+                return out
+
+            if layer < first:
+                return full()[:, None], (pool, summary)
+            if shared:
+                ks, vs, kpos = _selected(pool, pt_all[:, layer], sel["idx"], sel["mask"])
+            else:
+                ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
+                                            positions)
+            kpos = jnp.where(live[:, None, None], kpos, -1)
+            out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer],
+                                     scale=scale)
+            if layer in local_mask:  # ring heads keep their sink + window attention
+                g = cfg.num_heads // hkv
+                out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], full(), out)
+            return out[:, None], (pool, summary)
+
+        x = params["embed"][tok][:, None]
+        stats = jnp.zeros((s, 2), jnp.int32)
+        for i, p in enumerate(params["layers"]):
+            if shared and i == first:
+                hrow = jnp.where(live, d["head_rows"], -1)
+                rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, hrow)
+                hs = rstate[jnp.maximum(d["head_rows"], 0), :n_slots] if rstate is not None else None
+                scores, _ = policy.scores(head, hs, x, pos2)
+                now = policy.select(scores, positions)
+                sel["idx"], sel["mask"] = now.idx, now.mask()
+                held = _held(prev_idx, prev_cnt, now)
+                stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1)], -1)
+                prev_idx = jnp.where(live[:, None, None], now.idx, prev_idx)
+                prev_cnt = jnp.where(live[:, None], now.count, prev_cnt)
+            x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, (pool, summary))
+        hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
+             "counters": d["counters"] + k}
+        tokens, logprobs = _sample(llama.lm_head(params, cfg, hidden[:, 0]), b, greedy)
+        stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
+        stats = jnp.where(live[:, None], stats, 0)
+        carry = ((pool, summary), rstate, jnp.where(live, tokens, tok), done | (live & stop), prev_idx,
+                 prev_cnt)
+        return carry, (tokens, logprobs, live, stats)
+
+    carry = ((pool, summary), rstate, d["tokens"], jnp.zeros((s,), bool), d["prev_idx"], d["prev_cnt"])
+    steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
+    xs = (steps, d["slots"], d["lengths"], d["active"])
+    ((pool, summary), rstate, _, _, last_idx, last_cnt), (tokens, logprobs, ran, stats) = jax.lax.scan(
+        body, carry, xs)
+    return tokens, logprobs, ran, stats, (last_idx, last_cnt), pool, rstate, summary
+
+
+def num_compilations() -> int:
+    return _step_tap._cache_size() + _decode_retrieval._cache_size()
+
+
+class Retriever:
+    """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
+        self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
+        self._rows: dict = {}  # request id -> state row
+        self._summary = None  # per-page key bounds (kmin, kmax) [num_pages, D], made on first use
+        self._prev: dict = {}  # policy -> (idx [rows, Hkv, B], count [rows, Hkv]): each row's last selection
+        self._prev_owner: dict = {}  # (policy, row) -> request id whose selection the row holds
+        window = np.asarray(engine.runner._heads["window"])
+        self.local_layers = tuple((layer, tuple(int(x) for x in window[layer]))
+                                  for layer in range(window.shape[0]) if (window[layer] > 0).any())
+        # Selection statistics of the shared policies since start (the host tier's transfer model).
+        self.steps = 0  # decode steps that read a selection (per request)
+        self.slots_selected = 0  # sum over those steps of selected slots, summed over KV heads
+        self.slots_new = 0  # of those, slots not selected the step before (a diff prefetch loads these)
+
+    # ---- policies, params, state ------------------------------------------------------------------
+    def params_for(self, policy: RetrievalPolicy):
+        key = type(policy)
+        if key not in self._params:
+            self._params[key] = policy.load_params(self.engine.model)
+        return self._params[key]
+
+    def precompile(self, policy: RetrievalPolicy, progress: bool = True) -> int:
+        """Compiles the retrieval variants an engine-wide `policy` hits (ragged steps with the tap, decode
+        with K = decode_steps and K = 1) on all-padding batches (nothing is written); returns how many."""
+        from tqdm.auto import tqdm
+
+        from jaxkv.engine.warmup import STOP_BUCKET, variants
+
+        eng, runner = self.engine, self.engine.runner
+        cfg = runner.cfg
+        L, H = cfg.num_layers, cfg.num_kv_heads
+        head, state, summary = self.params_for(policy), self._state_for(policy), self._summary_for(policy)
+        tap = state is not None or summary is not None  # ragged steps run _step_tap
+        todo = [v for v in variants(eng) if v[0] == "step"] if tap else []
+        seen = set()
+        for _, s, _, p, greedy, _ in variants(eng):
+            for k in sorted({eng.decode_steps, 1}):
+                if (s, p, greedy, k) not in seen:
+                    seen.add((s, p, greedy, k))
+                    todo.append(("decode", s, k, p, greedy, False))
+        width = 1 if policy.layer_wise else policy.budget
+        for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling retrieval variants",
+                                                 disable=not progress):
+            temp = np.zeros(s, np.float32)
+            temp[0] = 0.0 if greedy else 1.0
+            common = dict(page_table=np.full((s, L, H, p), -1, np.int32), temperature=temp,
+                          top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
+                          seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32),
+                          head_rows=np.full(s, -1, np.int32), **runner._heads)
+            if kind == "step":
+                b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                         q_seq=np.full(t, -1, np.int32), slots=np.full((t, L, H), -1, np.int32),
+                         lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
+                stateful = policy if state is not None else None
+                _, _, runner.pool, state_out, summary_out = _step_tap(
+                    runner.params, runner.pool, b, self._state.get(type(policy)), head if stateful else None,
+                    self._summary if summary is not None else None, cfg=cfg, policy=stateful,
+                    attn_impl=runner.attn_impl, greedy=greedy,
+                    fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None)
+            else:
+                d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
+                         slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
+                         prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
+                         stop_ids=np.full((s, STOP_BUCKET), -1, np.int32),
+                         prev_idx=jnp.zeros((s, H, width), jnp.int32), prev_cnt=jnp.zeros((s, H), jnp.int32),
+                         **common)
+                *_, runner.pool, state_out, summary_out = _decode_retrieval(
+                    runner.params, runner.pool, d, self._state.get(type(policy)), head,
+                    self._summary if summary is not None else None, cfg=cfg, policy=policy,
+                    attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers)
+            if state_out is not None:
+                self._state[type(policy)] = state_out
+            if summary_out is not None:
+                self._summary = summary_out
+        return len(todo)
+
+    def _state_for(self, policy: RetrievalPolicy):
+        key = type(policy)
+        if key not in self._state:
+            eng = self.engine
+            slots = eng.max_pages_per_head * eng.page_size
+            self._state[key] = policy.init_state(self.params_for(policy), eng.scheduler.max_num_seqs, slots)
+        return self._state[key]
+
+    def _row(self, req) -> int:
+        rid = req.request_id
+        if rid not in self._rows:
+            running = {r.request_id for r in self.engine.scheduler.running}
+            for other in [o for o in self._rows if o not in running]:
+                del self._rows[other]
+            used = set(self._rows.values())
+            self._rows[rid] = next(i for i in range(self.engine.scheduler.max_num_seqs) if i not in used)
+        return self._rows[rid]
+
+    def active(self, chunks) -> bool:
+        return any(is_retrieval(c.request) for c in chunks)
+
+    # ---- ragged steps -----------------------------------------------------------------------------
+    def run(self, chunks) -> tuple[np.ndarray, np.ndarray]:
+        """A ragged step with retrieval requests in it; tokens, logprobs aligned with `chunks`."""
+        tokens = np.zeros(len(chunks), np.int32)
+        logprobs = np.zeros(len(chunks), np.float32)
+        dec = [i for i, c in enumerate(chunks) if is_retrieval(c.request) and c.samples and c.num_tokens == 1
+               and c.start >= len(c.request.prompt_ids)]
+        rest = [i for i in range(len(chunks)) if i not in dec]
+        if rest:
+            sub = [chunks[i] for i in rest]
+            t, lp = self._ragged(sub)
+            tokens[rest], logprobs[rest] = t[:len(sub)], lp[:len(sub)]
+        if dec:
+            t, lp, _ = self.decode([chunks[i] for i in dec], steps=1)
+            tokens[dec], logprobs[dec] = t[0], lp[0]
+        return tokens, logprobs
+
+    def _summary_for(self, policy):
+        """The per-page key bounds when `policy` reads them (Quest), else None."""
+        if not getattr(policy, "page_summary", False):
+            return None
+        if self._summary is None:
+            self._summary = init_summary(self.engine.runner.pool)
+        return self._summary
+
+    def _ragged(self, chunks):
+        eng, runner = self.engine, self.engine.runner
+        b = eng._build_batch(chunks)
+        pols = [c.request.kv_policy for c in chunks if is_retrieval(c.request)]
+        stateful = {type(p): p for p in pols if self._state_for(p) is not None}
+        summary = next((self._summary_for(p) for p in pols if self._summary_for(p) is not None), None)
+        if not stateful and summary is None:
+            return runner.run(b)
+        if len(stateful) > 1:
+            raise NotImplementedError("one stateful retrieval policy class per engine step")
+        (key, policy), = stateful.items() if stateful else [(None, None)]
+        rows = np.full(b.temperature.shape[0], -1, np.int32)
+        for row, c in enumerate(chunks):
+            if is_retrieval(c.request) and type(c.request.kv_policy) is key:
+                rows[row] = self._row(c.request)
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "fresh"}
+        fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
+        tokens, logprobs, runner.pool, state, summary = _step_tap(
+            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, self._state.get(key),
+            self.params_for(policy) if policy is not None else None, summary, cfg=runner.cfg, policy=policy,
+            attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh)
+        if key is not None:
+            self._state[key] = state
+        if summary is not None:
+            self._summary = summary
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def decode(self, chunks, steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decode chunks grouped by policy (no policy: the runner's decode); [K, len(chunks)] arrays. K is
+        the engine's `decode_steps` (one compiled shape), or `steps` (1 for decode tokens split off a
+        ragged step)."""
+        eng = self.engine
+        k = steps or eng.decode_steps
+        tokens = np.zeros((k, len(chunks)), np.int32)
+        logprobs = np.zeros((k, len(chunks)), np.float32)
+        ran = np.zeros((k, len(chunks)), bool)
+        groups: dict = {}
+        for i, c in enumerate(chunks):
+            groups.setdefault(c.request.kv_policy if is_retrieval(c.request) else None, []).append(i)
+        for policy, idx in groups.items():
+            sub = [chunks[i] for i in idx]
+            b = eng._build_decode(sub)
+            for f in ("slots", "lengths", "prev_lengths", "active"):
+                setattr(b, f, getattr(b, f)[:k])
+            if policy is None:
+                t, lp, r = eng.runner.decode(b)
+            else:
+                t, lp, r = self._decode(policy, sub, b)
+            n = len(sub)
+            tokens[:, idx], logprobs[:, idx], ran[:, idx] = t[:, :n], lp[:, :n], r[:, :n]
+        return tokens, logprobs, ran
+
+    def _decode(self, policy, chunks, b):
+        runner = self.engine.runner
+        head = self.params_for(policy)
+        state = self._state_for(policy)
+        rows = np.full(b.tokens.shape[0], -1, np.int32)
+        if state is not None:
+            for row, c in enumerate(chunks):
+                rows[row] = self._row(c.request)
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
+        hkv = runner.cfg.num_kv_heads
+        if policy not in self._prev:
+            r, width = self.engine.scheduler.max_num_seqs, 1 if policy.layer_wise else policy.budget
+            self._prev[policy] = (jnp.zeros((r, hkv, width), jnp.int32), jnp.zeros((r, hkv), jnp.int32))
+        held_idx, held_cnt = self._prev[policy]
+        known = np.array([row < len(chunks) and rows[row] >= 0 and self._prev_owner.get(
+            (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
+        rc = np.maximum(rows, 0)
+        prev_idx = held_idx[rc]
+        prev_cnt = jnp.where(jnp.asarray(known)[:, None], held_cnt[rc], 0)
+        arrays.update(head_rows=rows, prev_idx=prev_idx, prev_cnt=prev_cnt)
+        tokens, logprobs, ran, stats, last, runner.pool, state, summary = _decode_retrieval(
+            runner.params, runner.pool, {**arrays, **runner._heads}, state, head, self._summary_for(policy),
+            cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
+            local_layers=self.local_layers)
+        if state is not None:
+            self._state[type(policy)] = state
+        if summary is not None:
+            self._summary = summary
+        ran, stats = np.asarray(ran), np.asarray(stats)
+        if not policy.layer_wise:
+            n = len(chunks)
+            if state is not None:
+                self._prev[policy] = (held_idx.at[rows[:n]].set(last[0][:n]),
+                                      held_cnt.at[rows[:n]].set(last[1][:n]))
+                for row, c in enumerate(chunks):
+                    self._prev_owner[(policy, int(rows[row]))] = c.request.request_id
+            later = ran.copy()
+            for row in range(n):  # a request's first selected step has no previous selection
+                if not known[row]:
+                    later[np.argmax(ran[:, row]), row] = False
+            self.steps += int(later.sum())
+            self.slots_selected += int(stats[..., 0][later].sum())
+            self.slots_new += int((stats[..., 0] - stats[..., 1])[later].sum())
+        return np.asarray(tokens), np.asarray(logprobs), ran
