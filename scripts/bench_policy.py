@@ -36,14 +36,17 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
 
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
-    from jaxkv.policies import get_policy
+    from jaxkv.policies import POLICIES, CompressPolicy, get_policy
     from jaxkv.sampling import SamplingParams
 
     cfg = model.config
     pol = None
     if policy != "full":
         name, _, budget = policy.partition("@")
-        pol = get_policy(name, budget=float(budget), decode_interval=decode_interval)
+        cls = POLICIES[name]
+        fields = {"decode_interval": decode_interval} if "decode_interval" in cls.__dataclass_fields__ else {}
+        budget = float(budget) if issubclass(cls, CompressPolicy) else int(float(budget))  # retrieval: tokens
+        pol = get_policy(name, budget=budget, **fields)
     eng = Engine(model, page_size=page_size, max_num_seqs=batch, max_model_len=prompt + new + 1,
                  max_step_tokens=max(prompt, 512), enable_prefix_caching=False,
                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), kv_cache_bytes=kv_cache_bytes,

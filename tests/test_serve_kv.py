@@ -78,7 +78,7 @@ def test_server_default_policy_is_visible(server):
     assert models[0]["kv_policy"] is None  # started without --kv-policy: the full cache
     info = httpx.get(server.base + "/info").json()
     assert info["kv_policy"] is None and info["segment_reuse"] is True
-    assert "snapkv" in info["kv_policies"] and "specontext" not in info["kv_policies"]
+    assert {"snapkv", "hardkv", "specontext", "quest"} <= set(info["kv_policies"])
     assert set(info["reuse_methods"]) == {"naive", "epic", "cacheblend", "sparsex", "redknot", "full"}
 
 
@@ -98,6 +98,13 @@ def test_per_request_policy_compresses_and_a_large_budget_equals_full(server):
     assert server.metric("jaxkv_kv_pages_in_use") == 0  # compressed requests gave every page back
 
 
+def test_per_request_retrieval_policy(server):
+    """Quest keeps the cache and reads a per-head top-B in decode; B beyond the context reads everything."""
+    full = complete(server)
+    assert complete(server, kv_policy={"name": "quest", "budget": MAX_MODEL_LEN}) == full
+    assert complete(server, kv_policy={"name": "quest", "budget": 16})  # a small selection still serves
+
+
 def test_per_request_policy_in_a_chat_stream(server):
     c = client(server)
     kw = dict(model=server.name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0)
@@ -109,7 +116,7 @@ def test_per_request_policy_in_a_chat_stream(server):
 
 BAD_POLICY = [
     ({"kv_policy": "nope"}, "unknown KV policy"),
-    ({"kv_policy": {"name": "specontext"}}, "unknown KV policy"),  # retrieval, not compression
+    ({"kv_policy": {"name": "quest", "budget": 0.5}}, "budget"),  # retrieval budgets are tokens per head
     ({"kv_policy": {"name": "snapkv", "budget": -1}}, "budget"),
     ({"kv_policy": {"name": "snapkv", "budget": 0}}, "budget"),
     ({"kv_policy": {"name": "snapkv", "budget": "half"}}, "budget"),

@@ -141,8 +141,8 @@ class Engine:
     def add_request(self, prompt_ids, sampling: SamplingParams | None = None, request_id: str | None = None,
                     extra_key: str | None = None, kv_policy: CompressPolicy | str | None = None,
                     kv_budget: float | None = None, *, _queue: bool = True) -> str:
-        """Queues a request. `kv_policy` / `kv_budget` override the engine's compression policy for it
-        (a policy object, or a name from jaxkv.policies.POLICIES with an optional budget)."""
+        """Queues a request. `kv_policy` / `kv_budget` override the engine's KV policy for it (a policy
+        object, a name from jaxkv.policies.POLICIES with an optional budget, or "full" for the full cache)."""
         sampling = sampling or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
@@ -391,7 +391,7 @@ def _resolve_policy(policy, budget, model) -> CompressPolicy | RetrievalPolicy |
     """A policy object, a registered name (with an optional budget), or None (full cache). Compression
     policies (jaxkv/policies/compress) rewrite the cache; retrieval policies (jaxkv/policies/retrieve) keep it
     and make decode attention read a per-head selection (jaxkv/engine/retrieval.py)."""
-    if policy is None:
+    if policy is None or policy == "full":
         if budget is not None:
             raise ValueError("kv_budget needs a kv_policy")
         return None

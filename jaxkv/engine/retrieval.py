@@ -267,6 +267,13 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_
     return tokens, logprobs, ran, stats, (last_idx, last_cnt), pool, rstate, summary
 
 
+def _on_device(batch: dict) -> dict:
+    """Every step input as a device array: the engine hands some fields over as device-resident metadata
+    and some as numpy, and jit caches the two kinds as separate variants, so precompile and serving must
+    agree on one."""
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
 def num_compilations() -> int:
     return _step_tap._cache_size() + _decode_retrieval._cache_size()
 
@@ -331,7 +338,7 @@ class Retriever:
                          lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
                 stateful = policy if state is not None else None
                 _, _, runner.pool, state_out, summary_out = _step_tap(
-                    runner.params, runner.pool, b, self._state.get(type(policy)), head if stateful else None,
+                    runner.params, runner.pool, _on_device(b), self._state.get(type(policy)), head if stateful else None,
                     self._summary if summary is not None else None, cfg=cfg, policy=stateful,
                     attn_impl=runner.attn_impl, greedy=greedy,
                     fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None)
@@ -343,7 +350,7 @@ class Retriever:
                          prev_idx=jnp.zeros((s, H, width), jnp.int32), prev_cnt=jnp.zeros((s, H), jnp.int32),
                          **common)
                 *_, runner.pool, state_out, summary_out = _decode_retrieval(
-                    runner.params, runner.pool, d, self._state.get(type(policy)), head,
+                    runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
                     self._summary if summary is not None else None, cfg=cfg, policy=policy,
                     attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers)
             if state_out is not None:
@@ -416,7 +423,8 @@ class Retriever:
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "fresh"}
         fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
         tokens, logprobs, runner.pool, state, summary = _step_tap(
-            runner.params, runner.pool, {**arrays, **runner._heads, "head_rows": rows}, self._state.get(key),
+            runner.params, runner.pool, _on_device({**arrays, **runner._heads, "head_rows": rows}),
+            self._state.get(key),
             self.params_for(policy) if policy is not None else None, summary, cfg=runner.cfg, policy=policy,
             attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh)
         if key is not None:
@@ -472,7 +480,8 @@ class Retriever:
         prev_cnt = jnp.where(jnp.asarray(known)[:, None], held_cnt[rc], 0)
         arrays.update(head_rows=rows, prev_idx=prev_idx, prev_cnt=prev_cnt)
         tokens, logprobs, ran, stats, last, runner.pool, state, summary = _decode_retrieval(
-            runner.params, runner.pool, {**arrays, **runner._heads}, state, head, self._summary_for(policy),
+            runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
+            self._summary_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
             local_layers=self.local_layers)
         if state is not None:

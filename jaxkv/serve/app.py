@@ -156,7 +156,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def info():
         """What a client may want to know before sending extensions (no secrets: open like /health)."""
         return {"model": state.model_name, "max_model_len": state.max_model_len,
-                "kv_policy": K.describe(state.kv_policy), "kv_policies": K.compression_policies(),
+                "kv_policy": K.describe(state.kv_policy), "kv_policies": K.kv_policies(),
                 "segment_reuse": state.reuse_enabled, "reuse_methods": K.reuse_methods(), **state.info}
 
     @app.get("/v1/models")

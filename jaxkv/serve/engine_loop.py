@@ -152,13 +152,9 @@ class EngineLoop:
                                           request_id=request_id, extra_key=extra_key)
                 elif kv_policy is DEFAULT_POLICY:
                     eng.add_request(list(prompt_ids), sampling, request_id=request_id, extra_key=extra_key)
-                else:
+                else:  # a policy object, or None: the full cache whatever the engine's default
                     eng.add_request(list(prompt_ids), sampling, request_id=request_id, extra_key=extra_key,
-                                    kv_policy=kv_policy)
-                if kv_policy is None and eng.kv_policy is not None:
-                    # The full cache despite the engine's policy: the engine has no argument for this, and
-                    # the request is neither scheduled nor admitted before this thread's next step.
-                    eng._requests[request_id].kv_policy = None
+                                    kv_policy="full" if kv_policy is None else kv_policy)
             except BaseException as e:
                 self._tracks.pop(request_id, None)
                 self._count(-1)

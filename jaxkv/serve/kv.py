@@ -15,11 +15,12 @@ from jaxkv.serve.engine_loop import DEFAULT_POLICY as DEFAULT  # `kv_policy` lef
 from jaxkv.serve.protocol import RequestError
 
 
-def compression_policies() -> list[str]:
-    """Names of the registered compression policies (retrieval policies are not engine kv_policies)."""
-    from jaxkv.policies import POLICIES, CompressPolicy
+def kv_policies() -> list[str]:
+    """Names of the registered KV policies: compression (rewrite the cache; budget = fraction of the prompt
+    or tokens) and retrieval (keep it, decode reads a per-head top-B; budget = tokens per KV head)."""
+    from jaxkv.policies import POLICIES
 
-    return sorted(n for n, cls in POLICIES.items() if issubclass(cls, CompressPolicy))
+    return sorted(POLICIES)
 
 
 def reuse_methods() -> list[str]:
@@ -54,11 +55,11 @@ def check_field_types(cls, fields: dict, what: str) -> None:
 
 
 def build_policy(name: str, fields: dict):
-    """A compression policy by name with its fields (budget, window, ...); ValueError naming the problem."""
+    """A KV policy by name with its fields (budget, window, ...); ValueError naming the problem."""
     from jaxkv.policies import POLICIES, get_policy
 
-    if not isinstance(name, str) or name not in compression_policies():
-        raise ValueError(f"unknown KV policy {name!r}; choose from {compression_policies()}")
+    if not isinstance(name, str) or name not in kv_policies():
+        raise ValueError(f"unknown KV policy {name!r}; choose from {kv_policies()}")
     check_field_types(POLICIES[name], fields, name)
     try:
         return get_policy(name, **fields)
@@ -119,7 +120,7 @@ def request_policy(req, limit: int):
         name = fields.pop("name", None)
         if name is None:
             raise RequestError("kv_policy needs a 'name' (one of "
-                               f"{compression_policies()}), or null for the full cache.", "kv_policy")
+                               f"{kv_policies()}), or null for the full cache.", "kv_policy")
     if name in ("full", "none"):
         if fields:
             raise RequestError(f"kv_policy {name!r} (the full cache) takes no fields.", "kv_policy")
