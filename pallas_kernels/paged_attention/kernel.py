@@ -61,6 +61,7 @@ def _attend(q, qpos, pt_ref, k_ref, v_ref, pos_ref, *, unit, length, nsc, w0, si
         v = v_ref[sid]
         kpos = pos_ref[sid]                                            # [bk]
         kvalid = okk & (jk * page_size + kk_off < length) & (kpos >= 0)
+        v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))          # stale slots: weight 0 must not meet NaN
         vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         local = (kpos[None, :] > qpos[:, None] - window) | (kpos[None, :] < sink)
         vis = vis & ((window == 0) | local)

@@ -78,6 +78,7 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
         kk = k_seq[s_c].astype(jnp.float32)  # [Hkv, J, D]
         vv = v_seq[s_c].astype(jnp.float32)
         vis = visible_mask(pos_seq[s_c], valid_seq[s_c], p, sink, window) & (s >= 0)  # [Hkv, J]
+        vv = jnp.where(vis[..., None], vv, 0.0)  # masked slots may hold another request's NaN
         qg = qt.astype(jnp.float32).reshape(Hkv, G, D)
         logits = jnp.einsum("hgd,hjd->hgj", qg, kk, precision=jax.lax.Precision.HIGHEST) * scale
         vis = vis[:, None, :]

@@ -6,10 +6,9 @@ length in the pages of its own table. Here every page outside the tables (page 0
 slot past a head's length holds another request's K/V and a stale position the causal mask would accept
 (0); outputs must equal the clean pool's exactly.
 
-Finite stale values never leak: the kernels do load masked slots (the tail of a head's last page, and
-page 0 behind padding page-table entries) but weight them by exactly 0. Non-finite ones do reach the
-output today (0 * NaN = NaN): the strict xfail records it until the kernels select V by the mask (or
-the allocator zeroes freed pages).
+The kernels do load masked slots (the tail of a head's last page, and page 0 behind padding page-table
+entries) but weight them by exactly 0 and select V by the slot mask first, so neither finite stale values
+nor non-finite ones (0 * NaN = NaN) reach the output.
 """
 
 import jax.numpy as jnp
@@ -84,10 +83,9 @@ def test_stale_data_in_free_pages_and_slots_never_reaches_the_output(implementat
     np.testing.assert_array_equal(lse_dirty, lse_clean)
 
 
-@pytest.mark.xfail(strict=True, reason="masked slots (past a head's length, and page 0 behind padding "
-                   "entries) are read and weighted by 0, and 0 * NaN = NaN")
 @pytest.mark.parametrize("implementation", ["pallas", "reference"])
-def test_nan_in_free_pages_and_stale_slots_does_not_reach_the_output(implementation):
-    (out_clean, _), (out_dirty, _) = run_both(implementation, CASES[1], nan=True)
+@pytest.mark.parametrize("case", CASES)
+def test_nan_in_free_pages_and_stale_slots_does_not_reach_the_output(implementation, case):
+    (out_clean, _), (out_dirty, _) = run_both(implementation, case, nan=True)
     assert np.isfinite(out_dirty).all()
     np.testing.assert_array_equal(out_dirty, out_clean)
