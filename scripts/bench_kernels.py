@@ -375,21 +375,35 @@ def bench_headclass_decode(ctx, page, b, t_cudnn, args):
 TARGETS_HC = {32768: 6, 131072: 15}
 
 
-def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64, window=256):
-    """One pool for `layers` layers: global heads (layer, head) in `global_heads` store the whole context,
-    the others only their sink + window slots (positions [0, sink) and [ctx - window, ctx), ordered), as an
-    evicting engine would. Returns pool arrays, page_table [L, B, Hkv, MP], lengths [L, B, Hkv], sink and
-    window [L, Hkv]."""
+def _padded_pages(pos, page):
+    """Sorted positions -> [pages, page] slot positions, -1 past the end."""
+    n = -(-len(pos) // page)
+    return np.pad(pos.astype(np.int32), (0, n * page - len(pos)), constant_values=-1).reshape(n, page)
+
+
+def compressed_positions(ctx, keep, sink=64, recent=256, seed=0):
+    """What a compressing policy leaves a global head: `keep` of `ctx` positions (sinks, the recent window and
+    a random retained middle), sorted, as the static rewrite stores them (contiguous, position order)."""
+    sink, recent = min(sink, keep // 4), min(recent, keep // 2)   # tiny --small contexts
+    middle = np.random.default_rng(seed).choice(np.arange(sink, ctx - recent), keep - sink - recent,
+                                                replace=False)
+    return np.sort(np.concatenate([np.arange(sink), middle, np.arange(ctx - recent, ctx)]))
+
+
+def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64, window=256, global_keep=None):
+    """One pool for `layers` layers: global heads (layer, head) in `global_heads` store the whole context
+    (or, with `global_keep`, that fraction of it, as a compressing policy's rewrite leaves them), the others
+    only their sink + window slots (positions [0, sink) and [ctx - window, ctx), ordered), as an evicting
+    engine would. Returns pool arrays, page_table [L, B, Hkv, MP], lengths [L, B, Hkv], sink and window
+    [L, Hkv]."""
     mp = ctx // page
-    loc_pos = np.concatenate([np.arange(sink), np.arange(ctx - window, ctx)]).astype(np.int32)
-    loc_pages = -(-len(loc_pos) // page)
-    loc_pos = np.pad(loc_pos, (0, loc_pages * page - len(loc_pos)), constant_values=-1)
-    loc_pos = loc_pos.reshape(loc_pages, page)
-    glob_pos = np.arange(ctx, dtype=np.int32).reshape(mp, page)
+    loc_pos = _padded_pages(np.concatenate([np.arange(sink), np.arange(ctx - window, ctx)]), page)
+    glob_len = int(ctx * global_keep) if global_keep else ctx
+    glob_pos = _padded_pages(compressed_positions(ctx, glob_len) if global_keep else np.arange(ctx), page)
     is_glob = np.zeros((layers, hkv), bool)
     for lh in global_heads:
         is_glob[lh] = True
-    n_units = np.where(is_glob, mp, loc_pages).sum() * b
+    n_units = np.where(is_glob, len(glob_pos), len(loc_pos)).sum() * b
     perm = np.random.default_rng(0).permutation(n_units).astype(np.int32)
     pt = -np.ones((layers, b, hkv, mp), np.int32)
     slot_pos = np.empty((n_units, page), np.int32)
@@ -403,7 +417,7 @@ def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64
                 nxt += npg
                 pt[lyr, s_, h, :npg] = ids
                 slot_pos[ids] = pos_u
-    lens = np.where(is_glob, ctx, sink + window)[:, None, :].repeat(b, axis=1).astype(np.int32)
+    lens = np.where(is_glob, glob_len, sink + window)[:, None, :].repeat(b, axis=1).astype(np.int32)
     sink_l = np.where(is_glob, 0, sink).astype(np.int32)
     window_l = np.where(is_glob, 0, window).astype(np.int32)
     k1, k2 = jax.random.split(key)
@@ -413,14 +427,16 @@ def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64
             jnp.asarray(window_l), int(is_glob.sum()))
 
 
-def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args):
+def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args, global_keep=None):
     """Whole decode step of a 10-layer x 8-KV-head model with 10% of KV heads global (head 0 of layers 0-7;
     layers 8-9 all local), the rest sink 64 + window 256: one multi-layer plan + 10 per-layer kernel calls
-    in one jit. Anchor: dense cuDNN paged attention of one layer at this context, timed once (the uniform
-    decode row) x 10."""
+    in one jit. With `global_keep` the global heads hold only that fraction of the context (compressed by a
+    policy, e.g. HARD-KV at 12.5 %; issue 11). Anchor: dense cuDNN paged attention of one layer at this
+    context (the whole, uncompressed cache), timed once (the uniform decode row) x 10."""
     layers, hq, hkv, d = 10, args.hq, args.hkv, args.d
     kp, vp, pos, pt, lens, sink_l, window_l, n_glob = headclass_step_pool(
-        jax.random.key(21), layers, b, hkv, ctx, page, d, [(lyr, 0) for lyr in range(8)])
+        jax.random.key(21), layers, b, hkv, ctx, page, d, [(lyr, 0) for lyr in range(8)],
+        global_keep=global_keep)
     q_seq = jnp.arange(b, dtype=jnp.int32)
     q_pos = jnp.full((b,), ctx - 1, jnp.int32)
     qs = jax.random.normal(jax.random.key(22), (layers, b, hq, d), jnp.bfloat16)
@@ -443,11 +459,17 @@ def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args):
     sched, ns = min(res, key=res.get)
     t = res[(sched, ns)]
     units = layers * hkv
-    ceil = units * ctx / (n_glob * ctx + (units - n_glob) * 320)
+    glob_len = int(ctx * global_keep) if global_keep else ctx
+    ceil = units * ctx / (n_glob * glob_len + (units - n_glob) * 320)
+    comp = f", global heads compressed to {global_keep:.1%}" if global_keep else ""
+    target = TARGETS_HC_COMPRESSED.get(ctx) if global_keep else TARGETS_HC.get(ctx)
     row(f"head-class step B={b} ctx={fmt_ctx(ctx)} page={page}: 10 layers x 8 KV heads, {n_glob} of {units} "
-        f"global; multi-layer plan + 10 kernel calls vs 10 x dense cuDNN paged (1 timed x 10) "
+        f"global{comp}; multi-layer plan + 10 kernel calls vs 10 x dense cuDNN paged (1 timed x 10) "
         f"(ms; {sched}, splits={ns}; bytes ceiling {ceil:.1f}x)",
-        f"{t:.3f}", f"{10 * t_cudnn:.3f}", 10 * t_cudnn / t, TARGETS_HC.get(ctx))
+        f"{t:.3f}", f"{10 * t_cudnn:.3f}", 10 * t_cudnn / t, target)
+
+
+TARGETS_HC_COMPRESSED = {131072: 15}   # issue 11: head-class decode at 128K, global heads under a 12.5 % budget
 
 
 def bench_headclass_prefill(ctx, args):
@@ -691,6 +713,9 @@ def _profile_decode(ctx, page, b, hc, sweep, it):
         f"metadata {t_prep:.3f} ms, auto cfg {cfg}")
     ptf = pt.reshape(-1)
 
+    def split_meta(ns, ppb):   # the plan's per-unit split sizes for this (splits, pages per block)
+        return meta.at[..., 7].set(pk.unit_split_pages(meta[..., 4], ns, ppb, pa.SPLIT_PROGRAMS))
+
     def kern(ns, ppb, w, st):
         return jax.jit(lambda meta, qpr, qr, kp, vp, pos: pk.paged_attention_blocks(
             meta, qpr, qr, ptf, kp, vp, pos, scale=0.088, num_splits=ns, pages_per_block=ppb,
@@ -698,7 +723,7 @@ def _profile_decode(ctx, page, b, hc, sweep, it):
 
     def tk(ns, ppb, w, st):
         try:
-            return timeit(kern(ns, ppb, w, st), meta, qpr, qr, kp, vp, pos, iters=it)
+            return timeit(kern(ns, ppb, w, st), split_meta(ns, ppb), qpr, qr, kp, vp, pos, iters=it)
         except Exception as e:  # noqa: BLE001
             log(f"  cfg {(ns, ppb, w, st)} failed: {repr(e)[:200]}")
             return float("nan")
@@ -718,10 +743,10 @@ def _profile_decode(ctx, page, b, hc, sweep, it):
     for k_, v in sorted(res.items(), key=lambda kv: kv[1]):
         log(f"  kernel (splits, ppb, warps, stages)={k_}: {v:.3f} ms ({nbytes / v / 1e6:.0f} GB/s)")
     ns = max(2, cfg[1])
-    o_p, l_p = kern(ns, *best[1:])(meta, qpr, qr, kp, vp, pos)
-    pps = pk.split_pages(pt.shape[-1], ns, best[1])
-    mg = jax.jit(lambda meta, o, l_: pk.merge_splits(meta, o, l_, pps=pps, out_dtype=jnp.bfloat16))
-    log(f"  merge (splits={ns}): {timeit(mg, meta, o_p, l_p, iters=it):.3f} ms")
+    m = split_meta(ns, best[1])
+    o_p, l_p = kern(ns, *best[1:])(m, qpr, qr, kp, vp, pos)
+    mg = jax.jit(lambda meta, o, l_: pk.merge_splits(meta, o, l_, out_dtype=jnp.bfloat16))
+    log(f"  merge (splits={ns}): {timeit(mg, m, o_p, l_p, iters=it):.3f} ms")
 
 
 def profile(args):
@@ -833,6 +858,11 @@ def main():
                     help="local heads' block_q x pages_per_block swept for head_class_prefill, e.g. 32x2,64x4")
     ap.add_argument("--step-all-contexts", action="store_true",
                     help="whole-step head-class rows at every context (default: the target contexts)")
+    ap.add_argument("--step-global-keep", type=float, default=0.125,
+                    help="also time the whole-step head-class row at 128K with the global heads compressed to "
+                         "this fraction of the context (0 = skip; issue 11)")
+    ap.add_argument("--contexts", default="", help="decode contexts to run, e.g. 131072 (default: all)")
+    ap.add_argument("--pages", default="", help="page sizes to run, e.g. 16 (default: 16,64)")
     ap.add_argument("--deadline-min", type=float, default=0.0,
                     help="skip the remaining benchmark groups once this many minutes have passed since start "
                          "(0 = none); the table is written either way")
@@ -863,6 +893,11 @@ def main():
         args.copy_bytes = 2 << 30
         pages = (16, 64)
         batch = lambda ctx: 32 if ctx <= 32768 else 8
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        prefill_ctx = [c for c in prefill_ctx if c in contexts]
+    if args.pages:
+        pages = tuple(int(p) for p in args.pages.split(","))
     command = "python scripts/bench_kernels.py " + " ".join(sys.argv[1:])
     log("devices:", jax.devices(), "jax", jax.__version__)
     log("timing:", timing_note(args.iters))
@@ -918,6 +953,10 @@ def main():
                 if "step" in only and (ctx in TARGETS_HC or args.small or args.step_all_contexts):
                     cfgs = cfgs or [(s_, None) for s_ in args.schedules]
                     group(f"head-class step {tag}", bench_headclass_step, ctx, page, b, t_c, cfgs, args)
+                if "step" in only and args.step_global_keep and (ctx in TARGETS_HC_COMPRESSED or args.small):
+                    cfgs = cfgs or [(s_, None) for s_ in args.schedules]
+                    group(f"head-class step {tag}, global heads at {args.step_global_keep}", bench_headclass_step,
+                          ctx, page, b, t_c, cfgs, args, args.step_global_keep)
 
     # order: rows with targets first, so a --deadline-min cut loses the least
     decode_groups([c for c in contexts if c in TARGETS_HC or args.small])

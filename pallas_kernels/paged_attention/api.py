@@ -24,7 +24,7 @@ from pallas_kernels.paged_attention.kernel import (
     merge_splits,
     paged_attention_blocks,
     paged_attention_compact,
-    split_pages,
+    unit_split_pages,
     work_list,
 )
 
@@ -117,6 +117,7 @@ def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, max_pages:
 
 DECODE_KEYS = 128    # keys per inner iteration for decode
 SPLIT_KEYS = 4096    # keys per split-K program for decode (H200 sweep, docs/kernels.md)
+SPLIT_PROGRAMS = 4 * 132   # per layer, split units down to ~this many items (4 per H200 SM; unit_split_pages)
 DECODE_LAUNCH = (4, 2)     # (num_warps, num_stages) for block_q == 1
 PREFILL_LAUNCH = (4, 3)
 PREFILL_KEYS = 32    # keys per inner iteration for prefill (block_q 16 -> 64 rows)
@@ -220,10 +221,9 @@ def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, wind
                   num_warps=launch[0] if num_warps is None else num_warps,
                   num_stages=launch[1] if num_stages is None else num_stages, schedule=schedule,
                   num_programs=(num_programs or COMPACT_PROGRAMS) if schedule == "compact" else 0)
-    pps = split_pages(mp, static["num_splits"], static["pages_per_block"])
     one = functools.partial(_plan_arrays, slot_pos, q_seq=q_seq, q_pos=q_pos, g=g, block_q=block_q,
                             rows=static["rows"], ordered=ordered, compact=schedule == "compact",
-                            num_splits=static["num_splits"], pps=pps)
+                            num_splits=static["num_splits"], ppb=static["pages_per_block"])
     if multi:
         arrays = jax.vmap(lambda pt, ln, sk, wd: one(pt, ln, sink=sk, window=wd))(
             page_table, lengths, sink, window)
@@ -232,7 +232,7 @@ def paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, wind
 
 
 def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g, block_q, rows, ordered,
-                 compact, num_splits, pps):
+                 compact, num_splits, ppb):
     """One layer's plan arrays (see PagedAttentionPlan)."""
     t = q_seq.shape[0]
     s, hkv, mp = page_table.shape
@@ -261,13 +261,13 @@ def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g
         qmax = q_pos[jnp.clip(t0 + n_b - 1, 0, t - 1)]
     nsc, w0, nv = _page_ranges(slot_pos, page_table, lengths, sink, window, s_b, qmin, qmax, n_b, ordered)
     unit = s_b[:, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None, :]
-    zeros = jnp.zeros_like(unit)
+    pps = unit_split_pages(nv, num_splits, ppb, SPLIT_PROGRAMS)
     meta = jnp.stack([unit, lengths[s_b], nsc, w0, nv, jnp.broadcast_to(sink[None], unit.shape),
-                      jnp.broadcast_to(window[None], unit.shape), zeros], axis=-1).astype(jnp.int32)
+                      jnp.broadcast_to(window[None], unit.shape), pps], axis=-1).astype(jnp.int32)
     assert meta.shape[-1] == META_WIDTH
     if compact:
         active = jnp.broadcast_to((n_b > 0)[:, None], unit.shape).reshape(-1)
-        work = work_list(meta.reshape(-1, META_WIDTH), active, num_splits=num_splits, pps=pps)
+        work = work_list(meta.reshape(-1, META_WIDTH), active, num_splits=num_splits)
     else:
         work = tuple(jnp.zeros((0,), jnp.int32) for _ in range(4))
     return (meta, qpos_rows.astype(jnp.int32), row_tok, out_block, out_row, pad, *work)
@@ -352,8 +352,7 @@ def _run(meta, qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos, *, sca
         return o[0], l_[0]
     o_part, l_part = paged_attention_blocks(meta, qpos_rows, q_rows, pt_flat, k_pages, v_pages, slot_pos,
                                             **kw)
-    return merge_splits(meta, o_part, l_part, pps=split_pages(mp, num_splits, ppb), out_dtype=out_dtype,
-                        interpret=interpret)
+    return merge_splits(meta, o_part, l_part, out_dtype=out_dtype, interpret=interpret)
 
 
 def _reference(*args, **kwargs):

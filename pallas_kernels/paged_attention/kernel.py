@@ -5,7 +5,10 @@ tokens of one sequence; its rows are those tokens x the G query heads of KV head
 of two >= 16 for the MMA). The program walks a *virtual page range* of its (sequence, head) unit:
 the sink pages [0, nsc) followed by the window pages [w0, w0 + nv - nsc) (api.py derives both from the
 stored first slot position of each page when pages are in position order; otherwise nsc = 0,
-w0 = 0 and nv = all pages). Split k takes virtual pages [k*pps, (k+1)*pps).
+w0 = 0 and nv = all pages). Split k takes virtual pages [k*pps, (k+1)*pps), where pps is the unit's own
+split size (meta column 7, set by the plan from the unit's page count and the layer's total work, so a head
+that holds far less than the page table's capacity, e.g. one compressed by a policy, still spreads over
+enough programs).
 
 Keys are gathered slot by slot from the pool viewed flat ([N * P, D], a free reshape outside the kernel):
 `k_ref[slot_ids]` is a [block_k, D] tile that feeds the MMA directly, so Triton's pipeliner can turn it
@@ -32,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-# meta[b, h, :] layout (int32): unit id (s * Hkv + h), length, nsc, w0, nv, sink, window, 0
+# meta[b, h, :] layout (int32): unit id (s * Hkv + h), length, nsc, w0, nv, sink, window, pps
 META_WIDTH = 8
 _NEG = -1e30  # finite mask value: keeps m - m_new free of inf - inf when a block is fully masked
 
@@ -85,14 +88,14 @@ def _attend(q, qpos, pt_ref, k_ref, v_ref, pos_ref, *, unit, length, nsc, w0, si
 
 
 def _meta_scalars(meta_ref, *idx):
-    """unit, length, nsc, w0, nv, sink, window of one (block, head) row of meta (scalar loads)."""
-    return [meta_ref[(*idx, i)] for i in range(7)]
+    """unit, length, nsc, w0, nv, sink, window, pps of one (block, head) row of meta (scalar loads)."""
+    return [meta_ref[(*idx, i)] for i in range(META_WIDTH)]
 
 
 def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *,
-            scale: float, page_size: int, ppb: int, pps: int, max_pages: int, num_splits: int):
+            scale: float, page_size: int, ppb: int, max_pages: int, num_splits: int):
     split = pl.program_id(2)
-    unit, length, nsc, w0, nv, sink, window = _meta_scalars(meta_ref)
+    unit, length, nsc, w0, nv, sink, window, pps = _meta_scalars(meta_ref)
     v_lo = split * pps
     v_hi = jnp.minimum(v_lo + pps, nv)
 
@@ -118,14 +121,14 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
     meta [NB, Hkv, 8] int32, qpos_rows [NB, R] int32, q_rows [NB, Hkv, R, D],
     page_table_flat [S * Hkv * max_pages] int32, pools as in the contract.
     Returns partial out [K, NB, Hkv, R, D] and lse [K, NB, Hkv, R] float32; only the splits
-    `k < max(1, cdiv(nv, pps))` of a unit are written (see `merge_splits`).
+    `k < max(1, cdiv(nv, pps))` of a unit are written (see `merge_splits`); meta's pps column must satisfy
+    cdiv(nv, pps) <= num_splits and be a multiple of pages_per_block (`unit_split_pages`).
     """
     nb, hkv, rows, d = q_rows.shape
     n, page_size = slot_pos.shape
     ppb = pages_per_block
-    pps = split_pages(max_pages, num_splits, ppb)
-    kernel = functools.partial(_kernel, scale=scale, page_size=page_size, ppb=ppb, pps=pps,
-                               max_pages=max_pages, num_splits=num_splits)
+    kernel = functools.partial(_kernel, scale=scale, page_size=page_size, ppb=ppb, max_pages=max_pages,
+                               num_splits=num_splits)
     k_flat = k_pages.reshape(n * page_size, d)
     v_flat = v_pages.reshape(n * page_size, d)
     pos_flat = slot_pos.reshape(n * page_size)
@@ -151,9 +154,13 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
     )(meta, qpos_rows, q_rows, page_table_flat, k_flat, v_flat, pos_flat)
 
 
-def split_pages(max_pages: int, num_splits: int, ppb: int) -> int:
-    """Virtual pages per split (a multiple of pages_per_block)."""
-    return pl.cdiv(pl.cdiv(max_pages, num_splits), ppb) * ppb
+def unit_split_pages(nv, num_splits: int, ppb: int, programs: int):
+    """Per-unit split size in pages (a multiple of ppb): the unit's nv pages over at most `num_splits`
+    splits, and no smaller than the layer's total pages over `programs`, so short units stay whole and the
+    whole layer yields about `programs` items however far below the page table's width the heads are."""
+    target = pl.cdiv(jnp.sum(nv), programs)
+    pps = jnp.maximum(pl.cdiv(nv, num_splits), target)
+    return (jnp.maximum(pl.cdiv(pps, ppb), 1) * ppb).astype(jnp.int32)
 
 
 def _merge_unit(nsplit, load_l, load_o, rows: int, d: int):
@@ -177,19 +184,19 @@ def _merge_unit(nsplit, load_l, load_o, rows: int, d: int):
     return jnp.where(seen[:, None], acc / denom[:, None], 0.0), jnp.where(seen, m + jnp.log(denom), -jnp.inf)
 
 
-def _merge_kernel(meta_ref, o_ref, l_ref, out_ref, lse_ref, *, pps: int):
-    nsplit = jnp.maximum(pl.cdiv(meta_ref[4], pps), 1)
+def _merge_kernel(meta_ref, o_ref, l_ref, out_ref, lse_ref):
+    nsplit = jnp.maximum(pl.cdiv(meta_ref[4], meta_ref[7]), 1)
     rows, d = out_ref.shape
     out, lse = _merge_unit(nsplit, lambda k: l_ref[k], lambda k: o_ref[k], rows, d)
     out_ref[...] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
 
 
-def merge_splits(meta, o_part, l_part, *, pps: int, out_dtype, interpret: bool = False):
+def merge_splits(meta, o_part, l_part, *, out_dtype, interpret: bool = False):
     """Merge each unit's written splits: o_part [K, NB, Hkv, R, D] -> out [NB, Hkv, R, D], lse."""
     k, nb, hkv, rows, d = o_part.shape
     return pl.pallas_call(
-        functools.partial(_merge_kernel, pps=pps),
+        _merge_kernel,
         grid=(nb, hkv),
         in_specs=[pl.BlockSpec((None, None, META_WIDTH), lambda b, h: (b, h, 0)),
                   pl.BlockSpec((k, None, None, rows, d), lambda b, h: (0, b, h, 0, 0)),
@@ -214,20 +221,20 @@ def merge_splits(meta, o_part, l_part, *, pps: int, out_dtype, interpret: bool =
 # list of those units that updates the output in place (input_output_aliases).
 
 
-def work_list(meta, active, *, num_splits: int, pps: int):
+def work_list(meta, active, *, num_splits: int):
     """Non-empty (unit, split) items of the compact schedule, full splits first.
 
-    meta [U, META_WIDTH], active [U] bool (unit has queries). Returns work [U * K] int32 (item = u * K + k;
+    meta [U, META_WIDTH] (column 7: the unit's split size pps), active [U] bool (unit has queries). Returns work [U * K] int32 (item = u * K + k;
     the first num_work entries are valid), num_work [1], merge_units [U] int32 (units with > 1 split, first
     num_merge entries valid), num_merge [1]."""
     u_n = meta.shape[0]
-    nv = meta[:, 4]
+    nv, pps = meta[:, 4], meta[:, 7]
     nsplit = jnp.maximum(pl.cdiv(nv, pps), 1)
     c = jnp.arange(u_n * num_splits, dtype=jnp.int32)
     u, k = c // num_splits, c % num_splits
-    pages = jnp.clip(nv[u] - k * pps, 0, pps)
+    pages = jnp.clip(nv[u] - k * pps[u], 0, pps[u])
     valid = active[u] & (k < nsplit[u])
-    heavy = valid & (pages >= pps)
+    heavy = valid & (pages >= pps[u])
     light = valid & ~heavy
     n_heavy = jnp.sum(heavy, dtype=jnp.int32)
     slot = jnp.where(heavy, jnp.cumsum(heavy, dtype=jnp.int32) - 1,
@@ -242,7 +249,7 @@ def work_list(meta, active, *, num_splits: int, pps: int):
 
 
 def _compact_kernel(work_ref, nwork_ref, meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, *out_refs,
-                    scale: float, page_size: int, ppb: int, pps: int, max_pages: int, num_splits: int,
+                    scale: float, page_size: int, ppb: int, max_pages: int, num_splits: int,
                     num_programs: int, hkv: int):
     out_ref, lse_ref = out_refs[:2]
     p = pl.program_id(0)
@@ -252,7 +259,7 @@ def _compact_kernel(work_ref, nwork_ref, meta_ref, qpos_ref, q_ref, pt_ref, k_re
         w = work_ref[p + j * num_programs]
         u = w // num_splits
         k = w % num_splits
-        unit, length, nsc, w0, nv, sink, window = _meta_scalars(meta_ref, u)
+        unit, length, nsc, w0, nv, sink, window, pps = _meta_scalars(meta_ref, u)
         v_lo = k * pps
         o, lse = _attend(q_ref[u], qpos_ref[u // hkv], pt_ref, k_ref, v_ref, pos_ref, unit=unit,
                          length=length, nsc=nsc, w0=w0, sink=sink, window=window, v_lo=v_lo,
@@ -281,7 +288,7 @@ def _compact_kernel(work_ref, nwork_ref, meta_ref, qpos_ref, q_ref, pt_ref, k_re
 
 
 def _compact_merge_kernel(mu_ref, nm_ref, meta_ref, o_ref, l_ref, out_in_ref, lse_in_ref, out_ref, lse_ref, *,
-                          pps: int, num_programs: int):
+                          num_programs: int):
     del out_in_ref, lse_in_ref                          # aliased to out_ref / lse_ref: updated in place
     p = pl.program_id(0)
     count = pl.cdiv(jnp.maximum(nm_ref[0] - p, 0), num_programs)
@@ -289,7 +296,7 @@ def _compact_merge_kernel(mu_ref, nm_ref, meta_ref, o_ref, l_ref, out_in_ref, ls
 
     def item(j, carry):
         u = mu_ref[p + j * num_programs]
-        nsplit = jnp.maximum(pl.cdiv(meta_ref[u, 4], pps), 1)
+        nsplit = jnp.maximum(pl.cdiv(meta_ref[u, 4], meta_ref[u, 7]), 1)
         out, lse = _merge_unit(nsplit, lambda k: l_ref[k, u], lambda k: o_ref[k, u], rows, d)
         out_ref[u] = out.astype(out_ref.dtype)
         lse_ref[u] = lse
@@ -311,7 +318,6 @@ def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_r
     hkv = u_n // nb
     n, page_size = slot_pos.shape
     ppb = pages_per_block
-    pps = split_pages(max_pages, num_splits, ppb)
     num_programs = max(1, min(num_programs, u_n * num_splits))
     k_flat = k_pages.reshape(n * page_size, d)
     v_flat = v_pages.reshape(n * page_size, d)
@@ -323,8 +329,7 @@ def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_r
     if num_splits > 1:
         out_shape += [jax.ShapeDtypeStruct((num_splits, u_n, rows, d), jnp.float32),
                       jax.ShapeDtypeStruct((num_splits, u_n, rows), jnp.float32)]
-    kernel = functools.partial(_compact_kernel, scale=scale, page_size=page_size, ppb=ppb, pps=pps,
-                               max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv)
+    kernel = functools.partial(_compact_kernel, scale=scale, page_size=page_size, ppb=ppb, max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv)
     res = pl.pallas_call(
         kernel,
         grid=(num_programs,),
@@ -341,7 +346,7 @@ def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_r
     merge_programs = max(1, min(merge_programs, u_n))
     mins = (merge_units, num_merge, meta, o_part, l_part, out, lse)
     return pl.pallas_call(
-        functools.partial(_compact_merge_kernel, pps=pps, num_programs=merge_programs),
+        functools.partial(_compact_merge_kernel, num_programs=merge_programs),
         grid=(merge_programs,),
         in_specs=[full(x.shape) for x in mins],
         out_specs=[full(out.shape), full(lse.shape)],

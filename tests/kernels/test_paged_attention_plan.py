@@ -15,7 +15,7 @@ from pallas_kernels.paged_attention.api import (
     paged_attention_plan,
     paged_attention_with_plan,
 )
-from pallas_kernels.paged_attention.kernel import META_WIDTH, work_list
+from pallas_kernels.paged_attention.kernel import META_WIDTH, unit_split_pages, work_list
 from tests.kernels._data import random_paged_case
 
 ARGS = ("q", "k_pages", "v_pages", "slot_pos", "page_table", "lengths", "q_seq", "q_pos")
@@ -130,21 +130,36 @@ def test_multi_layer_step_in_one_jit_matches_per_layer_calls(schedule):
         np.testing.assert_allclose(np.asarray(got[layer]), np.asarray(ref), atol=1e-4, rtol=2e-5)
 
 
-def test_work_list_covers_every_nonempty_split_once_full_splits_first():
-    pps, k = 4, 3
+@pytest.mark.parametrize("pps", [[4] * 7, [4, 4, 8, 4, 4, 4, 12]])   # uniform and per-unit split sizes
+def test_work_list_covers_every_nonempty_split_once_full_splits_first(pps):
+    k = 3
     nv = np.array([0, 3, 4, 9, 12, 5, 7], np.int32)            # pages per unit
+    pps = np.array(pps, np.int32)
     active = np.array([1, 1, 1, 1, 1, 0, 1], bool)             # unit 5 has no queries
     meta = np.zeros((len(nv), META_WIDTH), np.int32)
-    meta[:, 4] = nv
-    work, nw, mu, nm = (np.asarray(x) for x in work_list(jnp.asarray(meta), jnp.asarray(active), num_splits=k,
-                                                         pps=pps))
+    meta[:, 4], meta[:, 7] = nv, pps
+    work, nw, mu, nm = (np.asarray(x) for x in work_list(jnp.asarray(meta), jnp.asarray(active), num_splits=k))
     nw, nm = int(nw[0]), int(nm[0])
-    want = {(u, s) for u in range(len(nv)) if active[u] for s in range(max(1, -(-nv[u] // pps)))}
+    want = {(u, s) for u in range(len(nv)) if active[u] for s in range(max(1, -(-nv[u] // pps[u])))}
     got = [(w // k, w % k) for w in work[:nw]]
     assert len(got) == len(set(got)) and set(got) == want
-    full = [min(pps, nv[u] - s * pps) == pps for u, s in got]
+    full = [min(pps[u], nv[u] - s * pps[u]) == pps[u] for u, s in got]
     assert full == sorted(full, reverse=True)                 # full splits first
-    assert sorted(mu[:nm].tolist()) == [u for u in range(len(nv)) if active[u] and nv[u] > pps]
+    assert sorted(mu[:nm].tolist()) == [u for u in range(len(nv)) if active[u] and nv[u] > pps[u]]
+
+
+def test_unit_split_pages_fits_the_split_buffer_and_spreads_short_heads():
+    ppb, k = 2, 8
+    nv = jnp.array([0, 1, 7, 64, 1024, 8192], jnp.int32)
+    pps = np.asarray(unit_split_pages(nv, k, ppb, programs=64))
+    assert (pps % ppb == 0).all() and (pps >= ppb).all()
+    assert (-(-np.asarray(nv) // pps) <= k).all()             # never more splits than the buffer holds
+    # a head far below the page table's width still splits k ways when the layer's work is small
+    few = np.asarray(unit_split_pages(jnp.array([1024, 20, 20], jnp.int32), k, ppb, programs=528))
+    assert -(-1024 // few[0]) == k and few[1] == few[2] < 20
+    # a layer with plenty of units keeps them whole (no split, no merge)
+    many = np.asarray(unit_split_pages(jnp.full((1000,), 64, jnp.int32), k, ppb, programs=528))
+    assert (many >= 64).all()
 
 
 @pytest.mark.parametrize("schedule", ["grid", "compact"])
