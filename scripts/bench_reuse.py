@@ -218,16 +218,17 @@ def ttft_once(eng, policy, prompt: Prompt) -> tuple[float, object]:
     return elapsed, eng.reuser.stats.pop(rid, None)
 
 
-def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, deadline, log) -> dict:
-    """Warm-up (compile) run, then up to `repeats` timed runs (fewer past the deadline); one row dict."""
+def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, remaining, log) -> dict:
+    """Warm-up (compile) run, then up to `repeats` timed runs (fewer when `remaining()` seconds would not hold
+    another); one row dict."""
     policy = None if spec in ENGINE_PATHS else policy_for(spec)
     t0 = time.perf_counter()
     ttft_once(eng, policy, prompt)
     warm = time.perf_counter() - t0
     times, stats = [], None
     for _ in range(repeats):
-        if times and deadline():
-            log(f"  {spec}: deadline reached, {len(times)} timed run(s)")
+        if times and remaining() < times[-1]:
+            log(f"  {spec}: deadline, {len(times)} timed run(s)")
             break
         s, stats = ttft_once(eng, policy, prompt)
         times.append(s)
@@ -260,11 +261,14 @@ def notes(row: dict, layers: int) -> str:
 
 
 def table(rows: list[dict], layers: int) -> str:
-    base = {r["method"]: r["ttft_s"] for r in rows}
+    base = {r["method"]: r["ttft_s"] for r in rows if "ttft_s" in r}
     ratio = lambda ref, r: f"{base[ref] / r['ttft_s']:.2f}x" if ref in base else "—"  # noqa: E731
     frac = lambda r, k: f"{r[k]:.3f}" if k in r else "1 (dense)"  # noqa: E731
     out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
+        if "ttft_s" not in r:
+            out.append(f"| {r['method']} | not run ({r['skipped']}) |" + " |" * (len(HEADER) - 2))
+            continue
         out.append(f"| {r['method']} | {r['ttft_s']:.4f} | {ratio('full', r)} | {ratio('reuse_full', r)} | "
                    f"{frac(r, 'recompute_kv')} | {frac(r, 'query_rows')} | {frac(r, 'ffn_rows')} | "
                    f"{notes(r, layers)} |")
@@ -273,9 +277,10 @@ def table(rows: list[dict], layers: int) -> str:
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def bench_shape(shape: str, path: Path, args, deadline, log, emit) -> dict:
+def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     """One engine, the segments cached, every method timed; `emit(result)` after each method (partial
-    results survive a killed run)."""
+    results survive a killed run). A method is skipped when the previous one's cost (compile + runs) no longer
+    fits in `remaining()` seconds."""
     import jax
 
     import jaxkv
@@ -295,11 +300,15 @@ def bench_shape(shape: str, path: Path, args, deadline, log, emit) -> dict:
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
               "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers,
               "reuse_heads": describe_heads(eng.reuser.heads, shape), "rows": []}
+    last_cost = 0.0
     for spec in [m for m in args.methods.split(",") if m]:
-        if deadline():
-            log(f"  {spec}: skipped (deadline)")
+        if remaining() < last_cost:
+            log(f"  {spec}: skipped (deadline: the last method took {last_cost:.0f} s)")
+            result["rows"].append({"method": spec, "skipped": "deadline"})
             continue
-        result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, deadline, log))
+        t0 = time.perf_counter()
+        result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log))
+        last_cost = time.perf_counter() - t0
         emit(result)
     if eng.reuser.store.evictions:
         raise RuntimeError(f"{eng.reuser.store.evictions} segments were evicted: the pool is too small")
@@ -377,7 +386,8 @@ def parse_args(argv):
     ap.add_argument("--ckpt-dir", default=None, help="where random checkpoints are kept (reused if present); "
                                                      "default $TMPDIR/jaxkv-bench-reuse")
     ap.add_argument("--deadline-min", type=float, default=0.0,
-                    help="start no new method (and no further repeat) after this many minutes (0: none)")
+                    help="start no method or repeat that would not end before this many minutes (judged by "
+                         "the previous one's time; 0: no limit)")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
     ap.add_argument("--log", default=None, help="JSON log (rewritten after every method)")
     args = ap.parse_args(argv)
@@ -394,8 +404,9 @@ def main(argv=None) -> list[dict]:
     def log(msg):
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
-    def deadline():
-        return bool(args.deadline_min) and time.perf_counter() - start > 60 * args.deadline_min
+    def remaining() -> float:
+        """Seconds left before --deadline-min."""
+        return 60 * args.deadline_min - (time.perf_counter() - start) if args.deadline_min else float("inf")
 
     shapes = ["small"] if args.small else [s.strip() for s in args.shape.split(",") if s.strip()]
     paths = {s: model_dir(s, args, log) for s in shapes}  # before JAX touches the device (ensure_checkpoint)
@@ -419,7 +430,7 @@ def main(argv=None) -> list[dict]:
 
     for shape in shapes:
         log(f"[{shape}] start")
-        results.append(bench_shape(shape, paths[shape], args, deadline, log, emit))
+        results.append(bench_shape(shape, paths[shape], args, remaining, log, emit))
     for r in results:
         print(f"\n{TITLES.get(r['shape'], r['shape'])}: {r['prompt_tokens']:,}-token prompt\n")
         print(table(r["rows"], r["layers"]), flush=True)
