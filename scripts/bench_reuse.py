@@ -256,7 +256,7 @@ def notes(row: dict, layers: int) -> str:
         return "reuse pass, every token recomputed, no segment read"
     text = ", ".join(f"{k}={v}" for k, v in row["fields"].items()) + f" ({layers} layers)"
     if row.get("promoted_heads"):
-        text += f"; {row['promoted_heads']} (layer, head) promoted"
+        text += f"; edge-mass restore promoted {row['promoted_heads']} (layer, KV head) pairs"
     return text
 
 
@@ -391,6 +391,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
     ap.add_argument("--log", default=None, help="JSON log (rewritten after every method)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if args.small:
         args.segments, args.segment_len, args.suffix_len, args.max_step_tokens = 2, 64, 16, 64
     return args
