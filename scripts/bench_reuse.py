@@ -1,0 +1,443 @@
+"""Segment-reuse TTFT (issue 10): every reuse method against `full` dense prefill, same engine, same run.
+
+One engine per shape (every head full-history, as segment reuse requires; prefix caching off). Eight
+segments of `--segment-len` random tokens are registered first (the engine's own prefill, untimed, frozen),
+then each method answers the prompt ``prefix | segments | suffix`` with one greedy token:
+
+* TTFT = wall clock from `Engine.add_request` / `Engine.add_reuse_request` to the first generated token on
+  the host (the engine steps until it returns it: layout, page copies + RoPE delta, the method's
+  recompute, sampling, the device-to-host sync), segments already cached.
+* `full` (the anchor): the same prompt through `Engine.add_request`, the ordinary dense prefill a server
+  runs without reuse (on a GPU the fresh-prompt path, one `head_class_prefill` step).
+* `reuse_full`: the same prompt through the reuse pass with the `full` policy (every token recomputed,
+  no segment read); it isolates the reuse pass's own cost from what the methods skip.
+* Each method runs once untimed (compiles its variant), then `--repeats` timed runs; the median is reported
+  with the recompute shares from the engine's `ReuseStats`.
+
+RedKnot reads the reuse head-class map next to the model: random-weight shapes get a synthetic one (KV head
+0 of every layer global, the rest sink 64 + window 256), the embedded model its profiled
+`head_classes.json`. Random-weight checkpoints are saved by transformers in bf16 (cached in `--ckpt-dir`).
+
+    python scripts/bench_reuse.py --shape 8b --out docs/benchmarks.md --log reuse_8b.json     # GPU
+    python scripts/bench_reuse.py --shape embedded --out docs/benchmarks.md                   # GPU
+    python scripts/bench_reuse.py --small                                                     # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import numpy as np  # noqa: E402
+from bench_e2e import SHAPES, head_class_map, make_checkpoint, write_section  # noqa: E402
+
+SECTION = "Segment reuse TTFT (issue 10)"
+DEFAULT_METHODS = "full,redknot,sparsex,cacheblend,epic,naive,reuse_full"
+ENGINE_PATHS = {"full"}  # methods through Engine.add_request; every other name is a reuse method
+CKPT_MAX_LEN = 131072  # max_position_embeddings of random checkpoints (Llama 3.1's): one fits every run
+TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", "embedded": "Embedded model",
+          "small": "Small random model (CPU smoke)"}
+HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
+          "query rows", "FFN rows", "notes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Prompt = prefix | `segments` x `segment_len` | suffix, laid out in pages of `page_size`."""
+
+    segments: int
+    segment_len: int
+    prefix_len: int
+    suffix_len: int
+    page_size: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_len + self.segments * self.segment_len + self.suffix_len
+
+    @property
+    def layout_pages(self) -> int:
+        """Pages per (layer, KV head) of the reuse layout: every segment starts on a page boundary."""
+        ps = self.page_size
+        slots = -(-self.prefix_len // ps) * ps + (self.segments - 1) * -(-self.segment_len // ps) * ps
+        return -(-(slots + self.segment_len + self.suffix_len) // ps)
+
+    @property
+    def max_model_len(self) -> int:
+        """Room for the laid-out prompt plus the generated token (and a page of slack)."""
+        return (self.layout_pages + 2) * self.page_size
+
+    def pool_pages(self, layers: int, kv_heads: int) -> int:
+        """Cached segments + one request (reuse layout or dense), per (layer, KV head), plus slack."""
+        per_head = self.segments * -(-self.segment_len // self.page_size) + self.layout_pages + 8
+        return layers * kv_heads * per_head
+
+
+def fit_workload(w: Workload, max_positions: int) -> Workload:
+    """`w` with the longest segments (whole pages, at most the requested length) whose prompt fits a model of
+    `max_positions` positions: the embedded model holds 32K, a token short of 8 x 4K + 256."""
+    while w.max_model_len > max_positions:
+        shorter = (w.segment_len - 1) // w.page_size * w.page_size
+        if shorter < w.page_size:
+            raise ValueError(f"{w.segments} segments + {w.prefix_len + w.suffix_len} tokens do not fit "
+                             f"{max_positions} positions")
+        w = dataclasses.replace(w, segment_len=shorter)
+    return w
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+
+@contextlib.contextmanager
+def torch_default_dtype(dtype):
+    """Modules built inside are created in `dtype`: an 8B model is initialised in bf16 directly (half the
+    memory and time of fp32 + cast)."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def ensure_checkpoint(shape: str, ckpt_dir: Path, log) -> Path:
+    """A transformers checkpoint of `shape` in `ckpt_dir` (reused when a complete one of that shape is there)
+    with the synthetic reuse head-class map next to it. Run before JAX touches the GPU: transformers builds
+    on CUDA when it can, and its cached memory is handed back before JAX preallocates."""
+    import torch
+
+    marker = ckpt_dir / "bench_reuse.json"
+    want = {"shape": shape, "fields": SHAPES[shape], "max_len": CKPT_MAX_LEN}
+    t0 = time.perf_counter()
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        log(f"[{shape}] checkpoint reused: {ckpt_dir}")
+    else:
+        with torch_default_dtype(torch.bfloat16):
+            make_checkpoint(shape, ckpt_dir, CKPT_MAX_LEN)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        marker.write_text(json.dumps(want))
+        log(f"[{shape}] checkpoint written in {time.perf_counter() - t0:.1f} s: {ckpt_dir}")
+    f = SHAPES[shape]
+    hc = head_class_map("1of8", f["num_hidden_layers"], f["num_key_value_heads"])
+    hc.save(ckpt_dir / "head_classes.json")
+    return ckpt_dir
+
+
+def model_dir(shape: str, args, log) -> Path:
+    if shape == "embedded":
+        from jaxkv.eval.__main__ import DEFAULT_MODEL
+
+        return Path(DEFAULT_MODEL)
+    base = Path(args.ckpt_dir) if args.ckpt_dir else Path(tempfile.gettempdir()) / "jaxkv-bench-reuse"
+    return ensure_checkpoint(shape, base / f"{shape}-bf16", log)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+def make_engine(model, w: Workload, max_step_tokens: int, log):
+    """All heads global (segment reuse needs full history), one sequence, pool sized from the workload."""
+    from jaxkv.cache.head_classes import all_global
+    from jaxkv.engine.engine import Engine
+
+    cfg = model.config
+    num_pages = w.pool_pages(cfg.num_layers, cfg.num_kv_heads)
+    itemsize = np.dtype(model.params["embed"].dtype).itemsize
+    gb = num_pages * w.page_size * (2 * cfg.head_dim * itemsize + 4) / 2 ** 30
+    log(f"  engine: {num_pages:,} pages of {w.page_size} ({gb:.2f} GiB), max_model_len {w.max_model_len}")
+    return Engine(model, num_pages=num_pages, page_size=w.page_size, max_num_seqs=1,
+                  max_model_len=w.max_model_len, max_step_tokens=max_step_tokens,
+                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    prefix: list[int]
+    segment_ids: list[str]
+    suffix: list[int]
+    ids: list[int]  # the whole prompt as `full` sees it
+
+
+def register_segments(eng, w: Workload, rng, log) -> Prompt:
+    """Registers the segments (frozen: they stay cached) and returns the prompt around them."""
+    vocab = eng.model.config.vocab_size
+    draw = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731 (3..: clear of pad/BOS/EOS)
+    segments, seg_ids = [], []
+    for i in range(w.segments):
+        t0 = time.perf_counter()
+        segments.append(draw(w.segment_len))
+        seg_ids.append(eng.register_segment(segments[-1], frozen=True))
+        log(f"  segment {i + 1}/{w.segments} registered in {time.perf_counter() - t0:.2f} s")
+    prefix, suffix = draw(w.prefix_len), draw(w.suffix_len)
+    return Prompt(prefix, seg_ids, suffix, prefix + [t for s in segments for t in s] + suffix)
+
+
+def policy_for(spec: str):
+    """``name`` or ``name:field=value;field=value`` (eval_reuse's method specs) -> ReusePolicy."""
+    from jaxkv.eval.__main__ import _parse_opts
+    from jaxkv.policies.reuse import get_reuse_policy
+
+    name, _, opts = spec.partition(":")
+    name = "full" if name == "reuse_full" else name
+    return get_reuse_policy(name, **_parse_opts(opts.replace(";", ",")))
+
+
+def ttft_once(eng, policy, prompt: Prompt) -> tuple[float, object]:
+    """Seconds from queuing the request (`policy` None: dense `add_request`) to its first token on the host;
+    the reuse stats (None for the dense path)."""
+    from jaxkv.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    if policy is None:
+        rid = eng.add_request(prompt.ids, sp)
+    else:
+        rid = eng.add_reuse_request(prompt.prefix, prompt.segment_ids, prompt.suffix, reuse=policy,
+                                    sampling=sp)
+    first = None
+    while first is None and eng.has_unfinished():
+        first = next((o for o in eng.step() if o.request_id == rid and o.new_token_ids), None)
+    elapsed = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"request {rid} finished without a token")
+    while eng.has_unfinished():  # max_tokens=1: nothing left, but leave the engine idle for the next run
+        eng.step()
+    return elapsed, eng.reuser.stats.pop(rid, None)
+
+
+def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, remaining, log) -> dict:
+    """Warm-up (compile) run, then up to `repeats` timed runs (fewer when `remaining()` seconds would not hold
+    another); one row dict."""
+    policy = None if spec in ENGINE_PATHS else policy_for(spec)
+    t0 = time.perf_counter()
+    ttft_once(eng, policy, prompt)
+    warm = time.perf_counter() - t0
+    times, stats = [], None
+    for _ in range(repeats):
+        if times and remaining() < times[-1]:
+            log(f"  {spec}: deadline, {len(times)} timed run(s)")
+            break
+        s, stats = ttft_once(eng, policy, prompt)
+        times.append(s)
+    expected = w.segments * w.segment_len if policy is not None and policy.reuses else 0
+    if stats is not None and stats.reused_tokens != expected:
+        raise RuntimeError(f"{spec}: reused {stats.reused_tokens} tokens, expected {expected}: segments lost")
+    row = {"method": spec, "ttft_s": float(np.median(times)), "runs_s": times, "warm_s": warm,
+           "path": "engine prefill" if policy is None else "reuse prefill"}
+    if stats is not None:
+        n = stats.prompt_tokens
+        row |= {"recompute_kv": stats.recompute_fraction,
+                "query_rows": float(np.mean(stats.recomputed_rows)) / n,
+                "ffn_rows": float(np.mean(stats.ffn_rows)) / n, "prefill_s": stats.prefill_s,
+                "promoted_heads": int(np.sum(stats.promoted_heads)),
+                "fields": dataclasses.asdict(policy)}
+    log(f"  {spec}: warm-up (compile) {warm:.2f} s, timed {', '.join(f'{t:.4f}' for t in times)} s "
+        f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s)" if stats else ""))
+    return row
+
+
+def notes(row: dict, layers: int) -> str:
+    if row["path"] == "engine prefill":
+        return "anchor: `Engine.add_request`, dense prefill of the whole prompt"
+    if row["method"].partition(":")[0] == "reuse_full":
+        return "reuse pass, every token recomputed, no segment read"
+    text = ", ".join(f"{k}={v}" for k, v in row["fields"].items()) + f" ({layers} layers)"
+    if row.get("promoted_heads"):
+        text += f"; edge-mass restore promoted {row['promoted_heads']} (layer, KV head) pairs"
+    return text
+
+
+def table(rows: list[dict], layers: int) -> str:
+    base = {r["method"]: r["ttft_s"] for r in rows if "ttft_s" in r}
+    ratio = lambda ref, r: f"{base[ref] / r['ttft_s']:.2f}x" if ref in base else "—"  # noqa: E731
+    frac = lambda r, k: f"{r[k]:.3f}" if k in r else "1 (dense)"  # noqa: E731
+    out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for r in rows:
+        if "ttft_s" not in r:
+            out.append(f"| {r['method']} | not run ({r['skipped']}) |" + " |" * (len(HEADER) - 2))
+            continue
+        out.append(f"| {r['method']} | {r['ttft_s']:.4f} | {ratio('full', r)} | {ratio('reuse_full', r)} | "
+                   f"{frac(r, 'recompute_kv')} | {frac(r, 'query_rows')} | {frac(r, 'ffn_rows')} | "
+                   f"{notes(r, layers)} |")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
+    """One engine, the segments cached, every method timed; `emit(result)` after each method (partial
+    results survive a killed run). A method is skipped when the previous one's cost (compile + runs) no longer
+    fits in `remaining()` seconds."""
+    import jax
+
+    import jaxkv
+
+    t0 = time.perf_counter()
+    dtype = args.dtype or ("float32" if shape == "small" else "bfloat16")
+    model = jaxkv.load(path, dtype=dtype)
+    cfg = model.config
+    log(f"[{shape}] loaded {path} ({dtype}) in {time.perf_counter() - t0:.1f} s: {cfg.num_layers} layers, "
+        f"{cfg.num_heads} q / {cfg.num_kv_heads} KV heads, hidden {cfg.hidden_size}")
+    w = fit_workload(Workload(args.segments, args.segment_len, args.prefix_len, args.suffix_len,
+                              args.page_size), cfg.max_position_embeddings)
+    if w.segment_len != args.segment_len:
+        log(f"  segments shortened to {w.segment_len} tokens: the model holds {cfg.max_position_embeddings}")
+    eng = make_engine(model, w, args.max_step_tokens, log)
+    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log)
+    result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
+              "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers,
+              "reuse_heads": describe_heads(eng.reuser.heads, shape), "rows": []}
+    last_cost = 0.0
+    for spec in [m for m in args.methods.split(",") if m]:
+        if remaining() < last_cost:
+            log(f"  {spec}: skipped (deadline: the last method took {last_cost:.0f} s)")
+            result["rows"].append({"method": spec, "skipped": "deadline"})
+            continue
+        t0 = time.perf_counter()
+        result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log))
+        last_cost = time.perf_counter() - t0
+        emit(result)
+    if eng.reuser.store.evictions:
+        raise RuntimeError(f"{eng.reuser.store.evictions} segments were evicted: the pool is too small")
+    del eng, model
+    jax.clear_caches()
+    return result
+
+
+def describe_heads(heads: dict, shape: str) -> str:
+    """The reuse head-class map RedKnot reads, in words (from the engine's own arrays)."""
+    g = heads["is_global"]
+    local = sorted({(int(s), int(w)) for s, w in zip(heads["sink"][~g], heads["window"][~g])})
+    rest = ", ".join(f"sink {s} + window {w}" for s, w in local) or "none"
+    source = "the model's profiled head_classes.json" if shape == "embedded" else (
+        "synthetic (random weights): KV head 0 of every layer global")
+    return f"{int(g.sum())} of {g.size} (layer, KV head) global, the others {rest}; {source}"
+
+
+def shape_section(result: dict, cmd: str, device: str) -> str:
+    w = result["workload"]
+    return (f"### {TITLES.get(result['shape'], result['shape'])}\n\n"
+            f"Command: `{cmd}`\n\n{device}\n\n"
+            f"Prompt: {w['prefix_len']}-token prefix | {w['segments']} segments x {w['segment_len']} tokens "
+            f"(cached) | {w['suffix_len']}-token suffix = {result['prompt_tokens']:,} tokens; "
+            f"{result['dtype']}, page size {w['page_size']}. Reuse head classes: {result['reuse_heads']}. "
+            f"Median of the timed runs; the first run of each method compiles and is not timed.\n\n"
+            f"{table(result['rows'], result['layers'])}\n")
+
+
+INTRO = """TTFT of every segment-reuse method against `full` dense prefill, in the same engine and the same
+run (`scripts/bench_reuse.py`). The engine keeps every KV head's full history (segment reuse needs it), prefix
+caching off, one sequence; the segments are registered (prefilled by the engine, frozen) before anything is
+timed. TTFT = wall clock from `add_request` / `add_reuse_request` to the first generated token on the host
+(greedy, one token): layout, page copies with their RoPE delta, the method's recompute, sampling and the
+device-to-host sync. **Anchor: `full`** = the same prompt through `Engine.add_request`, the dense prefill a
+server runs without reuse (on a GPU one fresh-prompt `head_class_prefill` step). `reuse_full` = the reuse pass
+with every token recomputed (its own overhead, nothing skipped). Recomputed K/V = share of the reused tokens'
+(layer, KV head) K/V rewritten; query / FFN rows = mean over layers of the prompt tokens run through
+attention / the FFN. Random-weight shapes are transformers checkpoints (bf16); the selection methods pick
+arbitrary tokens on them, so these are speed numbers only (quality: docs/eval.md, "Segment reuse")."""
+
+
+def merge_section(out: Path, subsections: list[str]) -> None:
+    """Rewrites the section with `subsections` ("### title" texts) replaced or appended; other shapes'
+    subsections stay, so shapes can be measured in separate runs."""
+    text = out.read_text() if out.exists() else ""
+    head = f"## {SECTION}\n"
+    start = text.find(head)
+    kept: dict[str, str] = {}
+    if start >= 0:
+        end = text.find("\n## ", start + len(head))
+        body = text[start + len(head):end if end >= 0 else len(text)]
+        for part in body.split("\n### ")[1:]:
+            kept["### " + part.split("\n", 1)[0]] = "### " + part.rstrip() + "\n"
+    for val in subsections:
+        kept[val.split("\n", 1)[0]] = val
+    write_section(out, SECTION, INTRO + "\n\n" + "\n".join(kept.values()))
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8b", help="comma list of 8b, 1b, embedded (ignored with --small)")
+    ap.add_argument("--small", action="store_true", help="tiny random model, 2 x 64-token segments (CPU)")
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
+                    help="comma list: full (engine prefill), reuse_full, reuse specs name[:field=v;field=v]")
+    ap.add_argument("--segments", type=int, default=8)
+    ap.add_argument("--segment-len", type=int, default=4096)
+    ap.add_argument("--prefix-len", type=int, default=16)
+    ap.add_argument("--suffix-len", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-step-tokens", type=int, default=4096, help="segment registration chunk")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default=None, help="default bfloat16 (float32 with --small)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt-dir", default=None, help="where random checkpoints are kept (reused if present); "
+                                                     "default $TMPDIR/jaxkv-bench-reuse")
+    ap.add_argument("--deadline-min", type=float, default=0.0,
+                    help="start no method or repeat that would not end before this many minutes (judged by "
+                         "the previous one's time; 0: no limit)")
+    ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
+    ap.add_argument("--log", default=None, help="JSON log (rewritten after every method)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    if args.small:
+        args.segments, args.segment_len, args.suffix_len, args.max_step_tokens = 2, 64, 16, 64
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+
+    def remaining() -> float:
+        """Seconds left before --deadline-min."""
+        return 60 * args.deadline_min - (time.perf_counter() - start) if args.deadline_min else float("inf")
+
+    shapes = ["small"] if args.small else [s.strip() for s in args.shape.split(",") if s.strip()]
+    paths = {s: model_dir(s, args, log) for s in shapes}  # before JAX touches the device (ensure_checkpoint)
+    import jax
+    import transformers
+
+    dev = jax.devices()[0]
+    device = (f"Device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, transformers "
+              f"{transformers.__version__}, Python {platform.python_version()}.")
+    cmd = "python scripts/bench_reuse.py " + " ".join(shlex.quote(a) for a in argv)
+    log(device)
+    results: list[dict] = []
+
+    def emit(result):
+        done = [r for r in results if r is not result] + [result]
+        if args.log:
+            log_doc = {"command": cmd, "device": device, "shapes": done}
+            Path(args.log).write_text(json.dumps(log_doc, indent=1))
+        if args.out:
+            merge_section(Path(args.out), [shape_section(r, cmd, device) for r in done])
+
+    for shape in shapes:
+        log(f"[{shape}] start")
+        results.append(bench_shape(shape, paths[shape], args, remaining, log, emit))
+    for r in results:
+        print(f"\n{TITLES.get(r['shape'], r['shape'])}: {r['prompt_tokens']:,}-token prompt\n")
+        print(table(r["rows"], r["layers"]), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
