@@ -125,7 +125,10 @@ class Engine:
         self.compressor = Compressor(self)
         self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
         self.retriever = Retriever(self)  # retrieval policies' decode (jaxkv/engine/retrieval.py)
-        self._seq_buckets = powers_of_two(max_num_seqs)
+        # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
+        # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
+        # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.
+        self._seq_buckets = powers_of_two(max(max_num_seqs, 2), start=2)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant.
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
         self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head))

@@ -1,0 +1,99 @@
+"""Where a decode step's device time goes: trace a few engine steps and rank the GPU kernels.
+
+    python scripts/profile_decode.py --batch 1 --prompt 8192      # 1B shape, random weights (GPU)
+    python scripts/profile_decode.py --small                      # tiny model, CPU smoke run
+
+Builds the random-weight checkpoint like scripts/bench_e2e.py, warms the engine (compiles), then records
+`--steps` engine steps with `jax.profiler` (perfetto trace) and prints the kernels by total time, their call
+counts and their share of the traced device time, plus the device-busy fraction of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def kernel_table(trace_dir: Path, top: int) -> tuple[list[tuple[str, float, int]], float, float]:
+    """(name, total ms, count) of device events, device ms in all, traced span ms."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+    events = json.load(gzip.open(files[-1]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    pids = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = [e for e in events if e.get("ph") == "X" and "dur" in e
+           and ("gpu" in pids.get(e["pid"], "").lower() or "/device:" in pids.get(e["pid"], "").lower())]
+    print("trace processes:", sorted(set(pids.values()))[:12])
+    if not dev:   # CPU runs: no device lane, rank host ops instead
+        dev = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    agg = collections.defaultdict(lambda: [0.0, 0])
+    for e in dev:
+        a = agg[e["name"][:90]]
+        a[0] += e["dur"] / 1e3
+        a[1] += 1
+    span = (max(e["ts"] + e["dur"] for e in dev) - min(e["ts"] for e in dev)) / 1e3
+    rows = sorted(((n, t, c) for n, (t, c) in agg.items()), key=lambda r: -r[1])
+    return rows[:top], sum(t for _, t, _ in rows), span
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each runs decode_steps tokens)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--trace-dir", default=None)
+    args = ap.parse_args(argv)
+    import jax
+    import numpy as np
+
+    import jaxkv
+    from bench_e2e import make_checkpoint
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import SamplingParams
+
+    shape = "small" if args.small else args.shape
+    prompt = 64 if args.small else args.prompt
+    new = 64 * (args.steps + 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_checkpoint(shape, Path(tmp) / shape, prompt + new)
+        model = jaxkv.load(Path(tmp) / shape, dtype="float32" if args.small else "bfloat16")
+    eng = Engine(model, page_size=16, max_num_seqs=args.batch, max_model_len=prompt + new,
+                 enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    for _ in range(args.batch):
+        eng.add_request(rng.integers(10, model.config.vocab_size - 10, prompt).tolist(), sp)
+    for _ in range(3):   # prefill + first decode calls: compiles
+        eng.step()
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxkv-trace-"))
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(args.steps):
+            eng.step()
+    wall = (time.perf_counter() - t0) * 1e3
+    rows, busy, span = kernel_table(trace_dir, args.top)
+    tokens = args.steps * eng.decode_steps
+    print(f"{args.steps} engine steps ({tokens} decode tokens x batch {args.batch}) in {wall:.1f} ms wall; "
+          f"device events {busy:.1f} ms over a {span:.1f} ms span ({busy / tokens:.3f} ms per token step)")
+    print("| kernel | total ms | calls | per token step (us) | share |")
+    print("|---|---|---|---|---|")
+    for name, t, c in rows:
+        print(f"| `{name}` | {t:.2f} | {c} | {1e3 * t / tokens:.1f} | {t / busy:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
