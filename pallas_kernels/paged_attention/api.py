@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import dispatch, next_pow2, resolve_interpret
 from pallas_kernels.paged_attention.kernel import (
+    MERGE_CHUNK,
     META_WIDTH,
     merge_splits,
     paged_attention_blocks,
@@ -112,6 +113,8 @@ def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, max_pages:
     by_keys = pl.cdiv(max_pages * page_size, SPLIT_KEYS)
     by_occupancy = pl.cdiv(4 * 132, max(1, nb * num_kv_heads))
     num_splits = int(max(1, min(max(by_keys, by_occupancy), pl.cdiv(max_pages, ppb), 64)))
+    if num_splits > MERGE_CHUNK:   # a multiple of the merge's vectorised chunk (33 splits would merge 1 by 1)
+        num_splits = min(64, pl.cdiv(num_splits, MERGE_CHUNK) * MERGE_CHUNK)
     return block_q, num_splits, ppb
 
 
