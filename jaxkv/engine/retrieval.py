@@ -108,9 +108,9 @@ def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
 
 
 def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl):
-    """One decode query per row over the selection buffer of buffered layer `layer`, read in place: the
-    buffer is a page pool whose page (row, KV head, j) holds slots j * page_size.. of that head's W slots
-    (unordered; masked by stored position). The paged kernel reads bf16 K/V with fp32 accumulation (the
+    """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
+    place: the buffer is a page pool whose page (row, KV head, j) holds slots j * page_size.. of that head's
+    W slots (unordered; masked by stored position). The paged kernel reads bf16 K/V with fp32 accumulation (the
     jnp twin elsewhere, fp32)."""
     _, r, hkv, w, d = buf.k.shape
     npg = w // page_size
@@ -118,43 +118,51 @@ def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, w
     pid = (buf_rows[:, None, None] * hkv + jnp.arange(hkv)[None, :, None]) * npg + jnp.arange(npg)
     pt = jnp.where(buf_rows[:, None, None] >= 0, pid, -1).astype(jnp.int32)
     s = q.shape[0]
-    out, _ = paged_attention(q, pages(buf.k[layer]), pages(buf.v[layer]), buf.pos.reshape(r * hkv * npg, page_size),
-                             pt, jnp.full((s, hkv), w, jnp.int32), q_seq, positions, jnp.zeros((hkv,), jnp.int32),
-                             jnp.full((hkv,), window, jnp.int32), scale=scale, implementation=attn_impl)
-    return out
+    return paged_attention(q, pages(buf.k[layer]), pages(buf.v[layer]), buf.pos.reshape(r * hkv * npg, page_size),
+                           pt, jnp.full((s, hkv), w, jnp.int32), q_seq, positions, jnp.zeros((hkv,), jnp.int32),
+                           jnp.full((hkv,), window, jnp.int32), scale=scale, implementation=attn_impl)
 
 
 def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start, *, page_size, chunk):
-    """Brings the buffer rows of the step's sequences to the selection `now`: plans the diff, loads the
-    lacking rows of every buffered layer (from the host mirror for positions written before the dispatch
-    when `host` is given, else from the device pool) except the current token's, which each layer writes
-    itself. Returns (buf, dest_cur [S, Hkv] the current token's buffer slot, per-row stats [S, 3]: slots
-    selected, of them held already, rows loaded from the host; rows moved by the load rounds [2]: host,
-    device (padded to whole rounds))."""
+    """Brings the buffer rows of the step's sequences to the selection `now` less the current token (always
+    its last entry; each layer adds it by the log-sum-exp): plans the diff and loads the lacking rows of
+    every buffered layer, from the host mirror for positions written before the dispatch when `host` is
+    given, else (and for positions written inside the dispatch) from the device pool. Returns (buf, per-row
+    stats [S, 3]: slots selected, of them selected the step before, rows the host loads; rows moved by the
+    load rounds [2]: host, device (padded to whole rounds))."""
     r = buf.pos.shape[0]
     bp = buf.pos[jnp.maximum(buf_rows, 0)]
-    pos, need, dest = host_tier.plan_diff(bp, now.idx, now.count)
-    cur = now.mask() & (now.idx == positions[:, None, None])
-    load = need & ~cur & live[:, None, None]
+    pos, need, dest = host_tier.plan_diff(bp, now.idx, now.count - 1)
+    load = need & live[:, None, None]
     old = now.idx < start[:, None, None]
     load_rows = functools.partial(host_tier.load_rows, page_table=page_table, buf_rows=buf_rows, idx=now.idx,
                                   dest=dest, page_size=page_size, chunk=chunk)
     rounds_host = jnp.int32(0)
+    from_host = jnp.zeros_like(live, jnp.int32)
     if host is not None:
         buf, rounds_host = load_rows(buf, host, load=load & old)
+        from_host = jnp.sum(load & old, axis=(-2, -1))
         load = load & ~old
     buf, rounds_dev = load_rows(buf, pool, load=load)
     buf = host_tier.SelBuffer(buf.k, buf.v, buf.pos.at[jnp.where(live, buf_rows, r)].set(pos, mode="drop"))
-    dest_cur = jnp.max(jnp.where(cur, dest, 0), axis=-1)
-    from_host = jnp.sum(need & ~cur & old, axis=(-2, -1)) if host is not None else jnp.zeros_like(live, jnp.int32)
-    stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(now.count, -1) - jnp.sum(need, (-2, -1)), from_host], -1)
-    return buf, dest_cur, stats.astype(jnp.int32), jnp.stack([rounds_host, rounds_dev]) * chunk
+    # The previous step's token was in its selection (forced) and is loaded now: held, for the overlap.
+    last = jnp.take_along_axis(now.idx, jnp.maximum(now.count - 2, 0)[..., None], axis=-1)[..., 0]
+    prev_tok = (now.count >= 2) & (last == positions[:, None] - 1)
+    held = now.count - 1 - jnp.sum(need, -1) + prev_tok
+    stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), from_host], -1)
+    return buf, stats.astype(jnp.int32), jnp.stack([rounds_host, rounds_dev]) * chunk
 
 
 def _sample(logits, b, greedy):
     from jaxkv.engine.runner import _sample as sample
 
     return sample(logits, b, greedy)
+
+
+def _merge_own(out, lse, q, k, v, scale):
+    from jaxkv.engine.runner import _merge_own as merge
+
+    return merge(out, lse, q, k, v, scale)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads"),
@@ -231,7 +239,6 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
         slots = jnp.where(live[:, None, None], slots, -1)
         pos2 = positions[:, None]
         brows = jnp.where(live, d["head_rows"], -1)
-        cur = {}
 
         def attend(layer, q, kk, vv, state):
             pool, summary, sbuf = state
@@ -247,13 +254,11 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
 
             if layer < first:
                 return full(lengths[:, layer])[:, None], (pool, summary, sbuf)
-            if shared:  # the current token's K/V into its buffer slot, then attention over the buffer
-                at = (layer - first, jnp.where(brows >= 0, brows, sbuf.k.shape[1])[:, None],
-                      jnp.arange(hkv)[None, :], cur["dest"])
-                sbuf = host_tier.SelBuffer(sbuf.k.at[at].set(kk[:, 0].astype(sbuf.k.dtype), mode="drop"),
-                                           sbuf.v.at[at].set(vv[:, 0].astype(sbuf.v.dtype), mode="drop"), sbuf.pos)
-                out = _buffer_attention(qq, sbuf, layer - first, brows, q_seq, positions, page_size=pool.page_size,
-                                        window=cfg.layer_windows[layer], scale=scale, attn_impl=attn_impl)
+            if shared:  # attention over the buffer (the selection less the current token), then the token
+                out, lse = _buffer_attention(qq, sbuf, layer - first, brows, q_seq, positions,
+                                             page_size=pool.page_size, window=cfg.layer_windows[layer], scale=scale,
+                                             attn_impl=attn_impl)
+                out = _merge_own(out, lse, qq, kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype), scale)
             else:
                 ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
                                             positions)
@@ -274,7 +279,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 hs = rstate[jnp.maximum(d["head_rows"], 0), :n_slots] if rstate is not None else None
                 scores, _ = policy.scores(head, hs, x, pos2)
                 now = policy.select(scores, positions)
-                sbuf, cur["dest"], stats, moved = _refresh(
+                sbuf, stats, moved = _refresh(
                     sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
                     page_size=pool.page_size, chunk=chunk)
             x, (pool, summary, sbuf) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, (pool, summary, sbuf))
