@@ -1,16 +1,20 @@
 """Decode throughput of the retrieval policies against the full cache, in the same engine (issue 12 item 5),
-plus the host tier's transfer model (issue 12 item 2): bytes a diff prefetch moves per step vs re-fetching
-the whole selection.
+plus the host tier's bytes (issue 12 item 2): what the diff loads move per step vs re-fetching the whole
+selection.
 
 One engine per method (all heads global, prefix caching off, greedy, EOS ignored), `batch` random prompts
-of `prompt` tokens, `new` tokens each. Throughput counts only the engine steps that compiled nothing
-(jaxkv.engine.runner / retrieval compilation counters unchanged), so the growing page bucket's compiles do
-not pollute it. Bytes per decode step and sequence (SpeContext): a host tier holding layers tap..L-1 loads
-``B x (L - tap) x Hkv x 2 x D x itemsize`` per step when it re-fetches the selection, and only the slots not
-selected the step before when it fetches the difference (measured overlap, `Retriever.slots_new`).
+of `prompt` tokens, `new` (`--gen`) tokens each. Throughput counts only the engine steps that compiled
+nothing (jaxkv.engine.runner / retrieval compilation counters unchanged), so the growing page bucket's
+compiles do not pollute it. Bytes per decode step and sequence (SpeContext), layers tap..L-1: the selection
+model (overlap of adjacent selections, `Retriever.slots_new`: ``B x (L - tap) x Hkv x 2 x D x itemsize``
+per step re-fetched vs the new slots only), and with `--host-tier` the measured host -> device bytes of the
+engine's diff loads from the pool's host mirror (`Retriever.transfer()`: moved including round padding,
+needed, re-fetch baseline). `--cost` prints XLA's cost_analysis ("flops", "bytes accessed") of one decode
+step (K = 1) per method at the context `prompt + new` instead (compile only; a CPU proxy).
 
-    python scripts/bench_retrieval.py --batch 16 --prompt 2048 --new 8192 --budget 1024     # GPU
+    python scripts/bench_retrieval.py --batch 16 --prompt 2048 --gen 32768 --budget 1024 --host-tier  # GPU
     python scripts/bench_retrieval.py --batch 2 --prompt 64 --new 32 --budget 16 --page-size 4   # CPU smoke
+    python scripts/bench_retrieval.py --cost --methods full,specontext --gen 30720               # CPU proxy
 """
 
 from __future__ import annotations
@@ -27,20 +31,63 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 
+def make_engine(model, method: str, args, **kw):
+    from jaxkv.cache.head_classes import all_global
+    from jaxkv.engine.engine import Engine
+
+    cfg = model.config
+    pol = {} if method == "full" else {"kv_policy": method, "kv_budget": args.budget,
+                                       "retrieval_host_tier": args.host_tier}
+    return Engine(model, max_num_seqs=args.batch, max_model_len=args.prompt + args.new + 1,
+                  page_size=args.page_size, max_step_tokens=args.max_step_tokens,
+                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
+                  **pol, **kw)
+
+
+def step_cost(model, method: str, args) -> dict:
+    """cost_analysis of one decode dispatch (K = 1, `batch` rows, page bucket of `prompt + new`) on a pool
+    of minimal size (its scatters would otherwise dominate the byte count; the step's reads of K/V are
+    the page-table gathers, sized by the context)."""
+    import jax.numpy as jnp
+
+    from jaxkv.engine import retrieval, runner
+    from jaxkv.engine.warmup import STOP_BUCKET
+
+    cfg = model.config
+    eng = make_engine(model, method, args, num_pages=cfg.num_layers * cfg.num_kv_heads * 2)
+    s, L, H = args.batch, cfg.num_layers, cfg.num_kv_heads
+    p = -(-(args.prompt + args.new) // args.page_size)
+    d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
+             slots=np.full((1, s, L, H), -1, np.int32), lengths=np.zeros((1, s, L, H), np.int32),
+             prev_lengths=np.zeros((1, s, L, H), np.int32), active=np.zeros((1, s), bool),
+             stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), page_table=np.full((s, L, H, p), -1, np.int32),
+             temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
+             seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32), **eng.runner._heads)
+    r, rn = eng.retriever, eng.runner
+    if method == "full":
+        lowered = runner._decode.lower(rn.params, rn.pool, {k: jnp.asarray(v) for k, v in d.items()},
+                                       **rn._kw(True))
+    else:
+        pol = eng.kv_policy
+        d |= dict(head_rows=np.arange(s, dtype=np.int32), known=np.ones(s, bool))
+        lowered = retrieval._decode_retrieval.lower(
+            rn.params, rn.pool, retrieval._on_device(d), r._state_for(pol), r.params_for(pol), r._summary_for(pol),
+            r._buffer_for(pol), r._host_for(pol), cfg=cfg, policy=pol, attn_impl=rn.attn_impl, greedy=True,
+            local_layers=r.local_layers, chunk=r._chunk(pol, s))
+    c = lowered.compile().cost_analysis()
+    c = c[0] if isinstance(c, list) else c
+    return {"method": method, "budget": None if method == "full" else args.budget, "batch": s,
+            "context": args.prompt + args.new, "flops": c.get("flops"), "bytes_accessed": c.get("bytes accessed")}
+
+
 def run_method(model, method: str, args) -> dict:
     import jax
 
-    from jaxkv.cache.head_classes import all_global
     from jaxkv.engine import retrieval, runner
-    from jaxkv.engine.engine import Engine
     from jaxkv.sampling import SamplingParams
 
     cfg = model.config
-    kw = {} if method == "full" else {"kv_policy": method, "kv_budget": args.budget}
-    total = args.prompt + args.new + 1
-    hc = all_global(cfg.num_layers, cfg.num_kv_heads)
-    eng = Engine(model, max_num_seqs=args.batch, max_model_len=total, page_size=args.page_size,
-                 max_step_tokens=args.max_step_tokens, head_classes=hc, enable_prefix_caching=False, **kw)
+    eng = make_engine(model, method, args)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     for _ in range(args.batch):
@@ -70,7 +117,7 @@ def run_method(model, method: str, args) -> dict:
         row |= {"sel_steps": r.steps, "overlap": 1 - r.slots_new / max(r.slots_selected, 1),
                 "bytes_full_per_step": r.slots_selected * per_slot / max(r.steps, 1),
                 "bytes_diff_per_step": r.slots_new * per_slot / max(r.steps, 1),
-                "diff_ratio": r.slots_selected / max(r.slots_new, 1)}
+                "diff_ratio": r.slots_selected / max(r.slots_new, 1)} | r.transfer()
     return row
 
 
@@ -83,30 +130,42 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="full,specontext,quest")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--new", type=int, default=8192)
+    ap.add_argument("--new", "--gen", dest="new", type=int, default=8192, help="generated tokens per request")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-step-tokens", type=int, default=2048)
+    ap.add_argument("--host-tier", action="store_true",
+                    help="SpeContext loads its selection diff from a host-memory mirror of the pool")
+    ap.add_argument("--cost", action="store_true", help="cost_analysis of one decode step per method, no run")
     ap.add_argument("--out", help="JSON lines file")
     args = ap.parse_args(argv)
     model = jaxkv.load(args.model, dtype=args.dtype)
     rows = []
     for method in args.methods.split(","):
-        row = run_method(model, method, args)
+        row = (step_cost if args.cost else run_method)(model, method, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print(f"\n{' '.join(sys.argv)}")
+    if args.cost:
+        print("| method | batch | context | GFLOP / step | GB accessed / step |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['method']} | {r['batch']} | {r['context']} | {r['flops'] / 1e9:.3f} | "
+                  f"{r['bytes_accessed'] / 1e9:.3f} |")
+        return 0
     print("| method | budget | decode tok/s (steady) | vs full | wall s | overlap | diff bytes/step/seq "
-          "| full re-fetch | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| full re-fetch | ratio | host->device bytes/step/seq (moved / needed) | re-fetch | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = rows[0]["tok_per_s"] if rows and rows[0]["method"] == "full" else float("nan")
     for r in rows:
         extra = (f"{r['overlap']:.3f} | {r['bytes_diff_per_step'] / 1e6:.3f} MB | "
                  f"{r['bytes_full_per_step'] / 1e6:.3f} MB | {r['diff_ratio']:.1f}x"
                  if "overlap" in r else "- | - | - | -")
+        extra += (f" | {r['h2d_bytes_per_step'] / 1e6:.3f} / {r['h2d_bytes_needed_per_step'] / 1e6:.3f} MB | "
+                  f"{r['h2d_bytes_refetch_per_step'] / 1e6:.3f} MB | {r['h2d_ratio']:.1f}x"
+                  if "h2d_ratio" in r else " | - | - | -")
         print(f"| {r['method']} | {r['budget'] or '-'} | {r['tok_per_s']:.0f} | "
               f"{r['tok_per_s'] / base:.2f} | "
               f"{r['wall_s']:.1f} | {extra} |")

@@ -514,13 +514,37 @@ def test_engine_retrieval_precompile_covers_serving(toy, policy):
     assert runner.num_compilations() + retrieval.num_compilations() == compiled
 
 
-def test_engine_held_count_equals_overlap():
-    from jaxkv.engine.retrieval import _held
+def test_buffer_diff_held_count_equals_overlap():
+    """The selection buffer's diff: entries it already holds are exactly `overlap(prev, now)`."""
+    from jaxkv.engine.host_tier import plan_diff
 
     rng = np.random.default_rng(0)
     s, h, n, b = 3, 2, 50, 8
     q_pos = jnp.array([49, 5, 30], jnp.int32)
     prev = select(jnp.asarray(rng.random((s, h, n)), jnp.float32), q_pos - 1, budget=b)
     now = select(jnp.asarray(rng.random((s, h, n)), jnp.float32), q_pos, budget=b)
-    want = np.asarray(overlap(prev, now))
-    np.testing.assert_array_equal(np.asarray(_held(prev.idx, prev.count, now)), want)
+    buf_pos = jnp.where(prev.mask(), prev.idx, -1)[..., ::-1]  # any order inside the buffer
+    _, need, _ = plan_diff(buf_pos, now.idx, now.count)
+    held = np.asarray(now.count) - np.asarray(need).sum(-1)
+    np.testing.assert_array_equal(held, np.asarray(overlap(prev, now)))
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_engine_buffer_and_host_tier_equal_library_decode(toy, host):
+    """Two SpeContext requests at budget 6 through the persistent selection buffer (diff loads from the
+    device pool, or from the pool's host mirror) give the library decode's tokens; with the host tier the
+    diff moves fewer bytes than re-fetching the selection."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
+    got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4,
+                           retrieval_host_tier=host)
+    assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
+    t = eng.retriever.transfer()
+    if host:
+        assert eng.retriever._host[0].sharding.memory_kind in ("pinned_host", "unpinned_host")
+        assert 0 < t["h2d_bytes_needed_per_step"] <= t["h2d_bytes_per_step"] < t["h2d_bytes_refetch_per_step"]
+    else:
+        assert t == {}

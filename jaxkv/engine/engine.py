@@ -73,7 +73,8 @@ class Engine:
                  enable_prefix_caching: bool = True, kv_dtype=None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
                  decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
-                 kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None):
+                 kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
+                 retrieval_host_tier: bool = False):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -124,7 +125,9 @@ class Engine:
         self.decode_steps = decode_steps
         self.compressor = Compressor(self)
         self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
-        self.retriever = Retriever(self)  # retrieval policies' decode (jaxkv/engine/retrieval.py)
+        # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
+        # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py).
+        self.retriever = Retriever(self, host_tier=retrieval_host_tier)
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.

@@ -1,25 +1,28 @@
-"""SpeContext's host tier, building block (issue 12 item 2): the K/V of offloaded layers in ``pinned_host``
-memory and the elastic diff prefetch of a selection into a device buffer.
+"""SpeContext's selection buffer and host tier (issue 12 item 2): the elastic diff of adjacent selections.
 
-Not wired into the engine's decode yet (docs/specontext.md, "The host-tier plan"). What is here:
+A shared retrieval policy (SpeContext) reads, in every layer from its tap on, the same per-(sequence, KV
+head) selection of B positions. The engine keeps those positions' K/V in a persistent device buffer per
+state row, `SelBuffer` (``k, v [Lsel, R, Hkv, W, D]``, ``pos [R, Hkv, W]``, W = B rounded up to the page
+size, -1 = empty slot), and each step moves only what the selection gained (the paper's elastic loading):
 
-* `to_host(x)`: places an array in the ``pinned_host`` memory kind of its device (JAX memory kinds).
-* `diff_plan(buf_pos, idx, count, cap)`: per (sequence, KV head), which selected positions the device
-  buffer lacks (``load``) and which buffer slots hold positions no longer selected (``dest``, where they
-  go), padded to a static churn cap ``cap``; ``n_load`` says how many are real.
-* `elastic_update(...)`: one jitted call that gathers only the ``cap`` missing rows per (sequence, host
-  layer, KV head) **on the host** (`compute_on("device_host")` over the pinned-host arrays), moves that block
-  to the device and scatters it into the donated buffer in place. A head whose churn exceeds ``cap`` this
-  step is reloaded in full by `full_update` (the caller checks ``n_load`` once per step).
+* `plan_diff`: which selected positions the buffer lacks, which buffer slots they go to (slots whose
+  position left the selection, or empty ones), the buffer's positions after the step. Slots that stay
+  selected are not touched, so the order inside the buffer is arbitrary: attention masks by position.
+* `load_rows`: the lacking rows of every buffered layer, compacted over the whole batch and moved in rounds
+  of ``chunk`` rows (a `lax.while_loop`, usually one or a few rounds), from the device pool or from the
+  **host mirror** of the pool (``pinned_host`` memory; the gather runs on the host through
+  `compute_on("device_host")`, only the ``[Lsel, chunk, D]`` block crosses to the device).
+* `mirror_slots`: copies newly written pool slots into the host mirror (after each engine call that wrote
+  the pool for retrieval requests), so the mirror holds every position written before a decode dispatch;
+  positions written inside the dispatch are loaded from the device pool instead.
 
-Layouts: host K/V ``[Lh, num_slots, D]`` (the pool's flat slots of the offloaded layers), page table
-``[S, Lh, Hkv, P]`` of those layers; the buffer ``[S, Lh, Hkv, B, D]`` with ``buf_pos [S, Hkv, B]``
-(the position each buffer slot holds, shared by the host layers because the selection is; -1 = empty).
-The selection's positions are storage indices of global heads (slot = page_table[pos // ps] * ps + pos % ps).
+Host-to-device bytes of a step = rounds x chunk rows x Lsel x 2 (K, V) x D x itemsize; re-fetching the
+selection would move every selected row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,9 +30,36 @@ import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+# A load round moves 1/split of the batch's selected rows (padding <= one round per step): finer from the
+# host (bytes), coarser on the device (fewer rounds of the while-loop).
+HOST_SPLIT = 16
+DEVICE_SPLIT = 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SelBuffer:
+    """Selected K/V of the layers from the tap on: k, v [Lsel, R, Hkv, W, D] (pool dtype), pos [R, Hkv, W]."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+
+def init_buffer(layers: int, rows: int, num_kv_heads: int, width: int, head_dim: int, dtype) -> SelBuffer:
+    shape = (layers, rows, num_kv_heads, width, head_dim)
+    return SelBuffer(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                     jnp.full((rows, num_kv_heads, width), -1, jnp.int32))
+
+
+def host_memory_kind(device=None) -> str | None:
+    """The host memory kind this device offers ("pinned_host", else "unpinned_host"; None = neither)."""
+    kinds = {m.kind for m in (device or jax.devices()[0]).addressable_memories()}
+    return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
+
 
 def host_sharding(device=None) -> SingleDeviceSharding:
-    return SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
+    return SingleDeviceSharding(device or jax.devices()[0], memory_kind=host_memory_kind(device))
 
 
 def device_sharding(device=None) -> SingleDeviceSharding:
@@ -37,82 +67,119 @@ def device_sharding(device=None) -> SingleDeviceSharding:
 
 
 def to_host(x, device=None):
-    """x placed in pinned host memory (the host tier's storage)."""
+    """x placed in host memory (the host tier's storage)."""
     return jax.device_put(x, host_sharding(device))
 
 
-def _first(mask, n: int):
-    """Indices of the True entries of mask [..., B] first (stable), the first n of them: [..., n]."""
-    order = jnp.argsort(~mask, axis=-1, stable=True)
-    return order[..., :n]
+def _search(sorted_vals, queries):
+    """Per leading index: the insertion point of each query in the ascending last axis (unrolled binary
+    search: one fusion of gathers, no device while-loop per search)."""
+    return jax.vmap(functools.partial(jnp.searchsorted, method="scan_unrolled"))(
+        sorted_vals.reshape(-1, sorted_vals.shape[-1]), queries.reshape(-1, queries.shape[-1])
+    ).reshape(queries.shape)
 
 
-def diff_plan(buf_pos, idx, count, cap: int):
-    """buf_pos [S, Hkv, B] (-1 empty), idx [S, Hkv, B] selected positions with count [S, Hkv] ->
-    (load_pos [S, Hkv, cap] positions to fetch (-1 = none), dest [S, Hkv, cap] buffer slots they go to,
-    n_load [S, Hkv] how many the buffer lacks; a head with n_load > cap needs `full_update`)."""
+def plan_diff(buf_pos, idx, count):
+    """buf_pos [S, Hkv, W] (-1 empty, unique positions), idx [S, Hkv, B] ascending selection with count
+    [S, Hkv] -> (pos [S, Hkv, W] the buffer's positions after the step, need [S, Hkv, B] selected entries
+    the buffer lacked, dest [S, Hkv, B] the buffer slot of every selected entry (W where none))."""
+    w = buf_pos.shape[-1]
     b = idx.shape[-1]
+    big = jnp.iinfo(jnp.int32).max
     sel = jnp.arange(b) < count[..., None]
-    held = jnp.any((idx[..., :, None] == buf_pos[..., None, :]) & (buf_pos >= 0)[..., None, :], axis=-1)
-    need = sel & ~held  # [S, Hkv, B] over the selection
-    keep = jnp.any((buf_pos[..., :, None] == idx[..., None, :]) & sel[..., None, :], axis=-1) & (buf_pos >= 0)
-    n_load = jnp.sum(need, axis=-1).astype(jnp.int32)
-    cap = min(cap, b)
-    take = _first(need, cap)
-    real = jnp.arange(cap) < n_load[..., None]
-    load_pos = jnp.where(real, jnp.take_along_axis(idx, take, axis=-1), -1)
-    dest = jnp.where(real, _first(~keep, cap), -1)
-    return load_pos.astype(jnp.int32), dest.astype(jnp.int32), n_load
+    order = jnp.argsort(jnp.where(buf_pos >= 0, buf_pos, big), axis=-1).astype(jnp.int32)
+    held_sorted = jnp.take_along_axis(jnp.where(buf_pos >= 0, buf_pos, big), order, axis=-1)
+    at = jnp.minimum(_search(held_sorted, idx), w - 1)
+    hit = sel & (jnp.take_along_axis(held_sorted, at, axis=-1) == idx)
+    sel_sorted = jnp.where(sel, idx, big)
+    at2 = jnp.minimum(_search(sel_sorted, buf_pos), b - 1)
+    keep = (buf_pos >= 0) & (jnp.take_along_axis(sel_sorted, at2, axis=-1) == buf_pos)
+    free = ~keep
+    lead = jnp.indices(free.shape[:-1] + (1,), sparse=True)[:-1]
+    free_rank = jnp.where(free, jnp.cumsum(free, axis=-1) - 1, w)
+    free_list = jnp.full(free.shape, w, jnp.int32).at[(*lead, free_rank)].set(
+        jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), free.shape), mode="drop")
+    need = sel & ~hit
+    need_rank = jnp.maximum(jnp.cumsum(need, axis=-1) - 1, 0)
+    dest = jnp.where(hit, jnp.take_along_axis(order, at, axis=-1),
+                     jnp.where(need, jnp.take_along_axis(free_list, need_rank, axis=-1), w))
+    pos = jnp.where(keep, buf_pos, -1).at[(*lead, dest)].set(idx, mode="drop")
+    return pos, need, dest
 
 
-def _slots(page_table, pos, page_size: int):
-    """page_table [S, Lh, Hkv, P], pos [S, Hkv, C] (-1 none) -> flat slots [S, Lh, Hkv, C] (0 where none)."""
-    p = jnp.maximum(pos, 0)[:, None]
-    shape = page_table.shape[:3] + p.shape[-1:]
-    page = jnp.take_along_axis(page_table, jnp.broadcast_to(p // page_size, shape), axis=-1)
-    return jnp.where((pos >= 0)[:, None] & (page >= 0), page * page_size + p % page_size, 0)
+def _pool_slots(page_table, pos, page_size: int):
+    """Flat pool slots of entries (s, h, position) in every buffered layer: page_table [S, Lsel, Hkv, P],
+    s/h/position [C] -> [Lsel, C] (0 where the page is missing)."""
+    s, h, p = pos
+    pages = page_table[s, :, h, jnp.maximum(p, 0) // page_size]  # [C, Lsel]
+    return jnp.where(pages >= 0, pages * page_size + (jnp.maximum(p, 0) % page_size)[:, None], 0).T
 
 
 @compute_on("device_host")
 @jax.jit
 def _host_gather(host_k, host_v, rows):
-    """On the host: host_k/v [Lh, N, D], rows [...] flat indices into [Lh * N] -> [..., D] each."""
-    d = host_k.shape[-1]
-    return host_k.reshape(-1, d)[rows], host_v.reshape(-1, d)[rows]
+    """On the host: host_k/v [N, D], rows [...] -> [..., D] each."""
+    return host_k[rows], host_v[rows]
 
 
-@functools.partial(jax.jit, static_argnames=("page_size",), donate_argnames=("buf_k", "buf_v", "buf_pos"))
-def elastic_update(host_k, host_v, buf_k, buf_v, buf_pos, page_table, load_pos, dest, *, page_size: int):
-    """Fetches only `load_pos` (from `diff_plan`) of every host layer into the buffer slots `dest`.
-    Returns (buf_k, buf_v, buf_pos). Moves [S, Lh, Hkv, cap, D] K and V from host to device."""
-    lh_off = jnp.arange(host_k.shape[0], dtype=jnp.int32)[None, :, None, None] * host_k.shape[1]
-    rows = jax.device_put(_slots(page_table, load_pos, page_size) + lh_off, host_sharding())
-    k, v = _host_gather(host_k, host_v, rows)
-    k, v = jax.device_put(k, device_sharding()), jax.device_put(v, device_sharding())
-    s, lh, hkv, _, _ = buf_k.shape
-    b = buf_k.shape[3]
-    d_oob = jnp.where(dest >= 0, dest, b)[:, None]  # [S, 1, Hkv, cap]: -1 -> dropped
-    si = jnp.arange(s)[:, None, None, None]
-    li = jnp.arange(lh)[None, :, None, None]
-    hi = jnp.arange(hkv)[None, None, :, None]
-    buf_k = buf_k.at[si, li, hi, d_oob].set(k.astype(buf_k.dtype), mode="drop")
-    buf_v = buf_v.at[si, li, hi, d_oob].set(v.astype(buf_v.dtype), mode="drop")
-    buf_pos = buf_pos.at[jnp.arange(s)[:, None, None], jnp.arange(hkv)[None, :, None],
-                         jnp.where(dest >= 0, dest, b)].set(load_pos, mode="drop")
-    return buf_k, buf_v, buf_pos
+@compute_on("device_host")
+@jax.jit
+def _host_scatter(host_k, host_v, rows, k, v):
+    """On the host: rows [T] (N = dropped), k/v [T, D] written into host_k/v [N, D]."""
+    return host_k.at[rows].set(k, mode="drop"), host_v.at[rows].set(v, mode="drop")
 
 
-def full_update(host_k, host_v, buf_k, buf_v, buf_pos, page_table, idx, count, *, page_size: int):
-    """Re-fetches the whole selection (the baseline, and the fallback when a head's churn exceeds the cap):
-    buffer slot i holds selected position idx[..., i]."""
-    b = idx.shape[-1]
-    load = jnp.where(jnp.arange(b) < count[..., None], idx, -1)
-    dest = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32), idx.shape)
-    buf_pos = jnp.full_like(buf_pos, -1)
-    return elastic_update(host_k, host_v, buf_k, buf_v, buf_pos, page_table, load, dest, page_size=page_size)
+def _gather(src, rows):
+    """K/V rows [Lsel, C] from the device pool (src = pool) or the host mirror (src = (host_k, host_v))."""
+    if isinstance(src, tuple):
+        k, v = _host_gather(*src, jax.device_put(rows, host_sharding()))
+        return jax.device_put(k, device_sharding()), jax.device_put(v, device_sharding())
+    d = src.k.shape[-1]
+    return src.k.reshape(-1, d)[rows], src.v.reshape(-1, d)[rows]
 
 
-def transfer_bytes(num_seqs: int, host_layers: int, num_kv_heads: int, rows: int, head_dim: int,
-                   itemsize: int) -> int:
-    """Host -> device bytes of one update moving `rows` rows per (sequence, host layer, KV head), K + V."""
-    return 2 * num_seqs * host_layers * num_kv_heads * rows * head_dim * itemsize
+def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, page_size: int, chunk: int):
+    """Moves the selected entries `load` [S, Hkv, B] (positions idx, buffer slots dest) of every buffered
+    layer into `buf` (k, v only; pos is the caller's), compacted over the batch, `chunk` rows per round.
+    page_table [S, Lsel, Hkv, P] of the buffered layers, buf_rows [S] the buffer row of each sequence.
+    Returns (buf, rounds)."""
+    s, hkv, b = idx.shape
+    flat = load.reshape(-1)
+    n = jnp.sum(flat).astype(jnp.int32)
+    rank = jnp.where(flat, jnp.cumsum(flat) - 1, flat.shape[0] + chunk)
+    size = -(-flat.shape[0] // chunk) * chunk
+    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
+    rounds = (n + chunk - 1) // chunk
+
+    def one(state):
+        r, k_buf, v_buf = state
+        e = jax.lax.dynamic_slice(order, (r * chunk,), (chunk,))
+        real = r * chunk + jnp.arange(chunk) < n
+        si, hi, ji = e // (hkv * b), (e // b) % hkv, e % b
+        rows = _pool_slots(page_table, (si, hi, idx[si, hi, ji]), page_size)
+        k, v = _gather(src, rows)  # [Lsel, C, D]
+        row = jnp.where(real, buf_rows[si], k_buf.shape[1])  # out of bounds: dropped
+        slot = dest[si, hi, ji]
+        k_buf = k_buf.at[:, row, hi, slot].set(k.astype(k_buf.dtype), mode="drop")
+        v_buf = v_buf.at[:, row, hi, slot].set(v.astype(v_buf.dtype), mode="drop")
+        return r + 1, k_buf, v_buf
+
+    _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one, (jnp.int32(0), buf.k, buf.v))
+    return SelBuffer(k_buf, v_buf, buf.pos), rounds
+
+
+@functools.partial(jax.jit, donate_argnames=("host_k", "host_v"))
+def mirror_slots(host_k, host_v, pool_k, pool_v, slots):
+    """Copies the pool's flat slots `slots` (any shape, -1 = none) into the host mirror (donated)."""
+    d = pool_k.shape[-1]
+    flat = slots.reshape(-1)
+    k = pool_k.reshape(-1, d)[jnp.maximum(flat, 0)]
+    v = pool_v.reshape(-1, d)[jnp.maximum(flat, 0)]
+    rows = jnp.where(flat >= 0, flat, host_k.shape[0])
+    put = functools.partial(jax.device_put, device=host_sharding())
+    return _host_scatter(host_k, host_v, put(rows), put(k), put(v))
+
+
+def transfer_bytes(rows: int, layers: int, head_dim: int, itemsize: int) -> int:
+    """Host -> device bytes of moving `rows` (sequence, KV head) rows of `layers` layers, K + V."""
+    return 2 * rows * layers * head_dim * itemsize

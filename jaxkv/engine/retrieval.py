@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.pool import write_kv
+from jaxkv.engine import host_tier
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve.base import RetrievalPolicy
 from pallas_kernels.head_class_prefill.api import head_class_prefill
@@ -61,20 +62,6 @@ def gathered_attention(q, k, v, kpos, q_pos, *, window: int, scale: float):
     v = jnp.where(vis[..., None], v.astype(jnp.float32), 0.0)  # stale / free slots never reach the output
     out = jnp.einsum("shgn,shnd->shgd", e / jnp.where(den > 0, den, 1.0), v)
     return out.reshape(s, hq, d).astype(q.dtype)
-
-
-def _selected(pool, pt, sel_idx, sel_mask):
-    """Slots of the selected positions of one layer: pt [S, Hkv, P] page list, sel_idx [S, Hkv, B]
-    positions (== storage index on a global head) -> (k, v [S, Hkv, B, D], kpos [S, Hkv, B])."""
-    ps = pool.page_size
-    page = jnp.take_along_axis(pt, sel_idx // ps, axis=-1)
-    valid = sel_mask & (page >= 0)
-    flat = jnp.where(valid, page * ps + sel_idx % ps, 0)
-    d = pool.k.shape[-1]
-    k = pool.k.reshape(-1, d)[flat]
-    v = pool.v.reshape(-1, d)[flat]
-    kpos = jnp.where(valid, pool.pos.reshape(-1)[flat], -1)
-    return k, v, kpos
 
 
 def init_summary(pool):
@@ -120,22 +107,62 @@ def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
     return k, v, kpos
 
 
-def _held(prev_idx, prev_cnt, now):
-    """[S, Hkv] slots of `now` (a Selection) that the previous selection (ascending idx, count) held:
-    a binary search per slot (O(B log B); `base.overlap` compares B x B)."""
-    b = prev_idx.shape[-1]
-    big = jnp.iinfo(jnp.int32).max
-    pv = jnp.where(jnp.arange(b) < prev_cnt[..., None], prev_idx, big)  # ascending, padding last
-    search = jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v)))
-    at = jnp.minimum(search(pv, now.idx), b - 1)
-    hit = (jnp.take_along_axis(pv, at, axis=-1) == now.idx) & now.mask()
-    return jnp.sum(hit, axis=-1).astype(jnp.int32)
+def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl):
+    """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
+    place: the buffer is a page pool whose page (row, KV head, j) holds slots j * page_size.. of that head's
+    W slots (unordered; masked by stored position). The paged kernel reads bf16 K/V with fp32 accumulation (the
+    jnp twin elsewhere, fp32)."""
+    _, r, hkv, w, d = buf.k.shape
+    npg = w // page_size
+    pages = lambda x: x.reshape(r * hkv * npg, page_size, d)  # noqa: E731
+    pid = (buf_rows[:, None, None] * hkv + jnp.arange(hkv)[None, :, None]) * npg + jnp.arange(npg)
+    pt = jnp.where(buf_rows[:, None, None] >= 0, pid, -1).astype(jnp.int32)
+    s = q.shape[0]
+    return paged_attention(q, pages(buf.k[layer]), pages(buf.v[layer]), buf.pos.reshape(r * hkv * npg, page_size),
+                           pt, jnp.full((s, hkv), w, jnp.int32), q_seq, positions, jnp.zeros((hkv,), jnp.int32),
+                           jnp.full((hkv,), window, jnp.int32), scale=scale, implementation=attn_impl)
+
+
+def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start, *, page_size, chunk):
+    """Brings the buffer rows of the step's sequences to the selection `now` less the current token (always
+    its last entry; each layer adds it by the log-sum-exp): plans the diff and loads the lacking rows of
+    every buffered layer, from the host mirror for positions written before the dispatch when `host` is
+    given, else (and for positions written inside the dispatch) from the device pool. Returns (buf, per-row
+    stats [S, 3]: slots selected, of them selected the step before, rows the host loads; rows moved by the
+    load rounds [2]: host, device (padded to whole rounds))."""
+    r = buf.pos.shape[0]
+    bp = buf.pos[jnp.maximum(buf_rows, 0)]
+    pos, need, dest = host_tier.plan_diff(bp, now.idx, now.count - 1)
+    load = need & live[:, None, None]
+    old = now.idx < start[:, None, None]
+    load_rows = functools.partial(host_tier.load_rows, page_table=page_table, buf_rows=buf_rows, idx=now.idx,
+                                  dest=dest, page_size=page_size, chunk=chunk)
+    rounds_host = jnp.int32(0)
+    from_host = jnp.zeros_like(live, jnp.int32)
+    if host is not None:
+        buf, rounds_host = load_rows(buf, host, load=load & old)
+        from_host = jnp.sum(load & old, axis=(-2, -1))
+        load = load & ~old
+    buf, rounds_dev = load_rows(buf, pool, load=load)
+    buf = host_tier.SelBuffer(buf.k, buf.v, buf.pos.at[jnp.where(live, buf_rows, r)].set(pos, mode="drop"))
+    # The previous step's token was in its selection (forced) and is loaded now: held, for the overlap.
+    last = jnp.take_along_axis(now.idx, jnp.maximum(now.count - 2, 0)[..., None], axis=-1)[..., 0]
+    prev_tok = (now.count >= 2) & (last == positions[:, None] - 1)
+    held = now.count - 1 - jnp.sum(need, -1) + prev_tok
+    stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), from_host], -1)
+    return buf, stats.astype(jnp.int32), jnp.stack([rounds_host, rounds_dev]) * chunk
 
 
 def _sample(logits, b, greedy):
     from jaxkv.engine.runner import _sample as sample
 
     return sample(logits, b, greedy)
+
+
+def _merge_own(out, lse, q, k, v, scale):
+    from jaxkv.engine.runner import _merge_own as merge
+
+    return merge(out, lse, q, k, v, scale)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads"),
@@ -177,14 +204,18 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     return tokens, logprobs, pool, rstate, summary
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers"),
-                   donate_argnames=("pool", "rstate", "summary"))
-def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
-                      local_layers=()):
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk"),
+                   donate_argnames=("pool", "rstate", "summary", "sbuf"))
+def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None, greedy=False,
+                      local_layers=(), chunk=1):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
-    tokens, logprobs, ran [K, S], per-step selection stats [K, S, 2] (slots selected, slots already
-    selected the step before, from ``d["prev_idx"], d["prev_cnt"]`` at step 0; shared policies), the
-    last selection (idx [S, Hkv, B], count [S, Hkv]), pool, rstate."""
+    tokens, logprobs, ran [K, S], per-step stats [K, S, 3] (shared policies: slots selected, of them held
+    by the buffer already, rows loaded from the host), rows moved per step [K, 2] (host, device), pool,
+    rstate, summary, sbuf.
+
+    Shared policies keep the selection in `sbuf` (`host_tier.SelBuffer`, rows ``d["head_rows"]``; a row
+    whose ``d["known"]`` is False starts empty) and load only its difference each step, `chunk` rows per
+    round, from `host` (the pool's host mirror (k, v), for positions before the dispatch) or the pool."""
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
     scale = cfg.head_dim ** -0.5
@@ -195,76 +226,77 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, cfg, policy, attn_
     first = policy.tap_layer(head) if shared else policy.dense_layers
     hkv = cfg.num_kv_heads
     local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
+    if shared:
+        forget = jnp.where((d["head_rows"] >= 0) & ~d["known"], d["head_rows"], sbuf.pos.shape[0])
+        sbuf = host_tier.SelBuffer(sbuf.k, sbuf.v, sbuf.pos.at[forget].set(-1, mode="drop"))
 
     def body(carry, xs):
-        (pool, summary), rstate, tok, done, prev_idx, prev_cnt = carry
+        (pool, summary, sbuf), rstate, tok, done = carry
         k, slots, lengths, active = xs
         live = active & ~done
         positions = d["positions"] + k
         q_seq = jnp.where(live, rows, -1)
         slots = jnp.where(live[:, None, None], slots, -1)
         pos2 = positions[:, None]
-        sel = {}
+        brows = jnp.where(live, d["head_rows"], -1)
 
         def attend(layer, q, kk, vv, state):
-            pool, summary = state
+            pool, summary, sbuf = state
             pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
             if summary is not None:
                 summary = update_summary(summary, kk[:, 0], slots[:, layer], pool.page_size)
             qq = q[:, 0]
 
-            def full():
-                out, _ = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], lengths[:, layer],
-                                         q_seq, positions, d["sink"][layer], d["window"][layer], scale=scale,
-                                         implementation=attn_impl)
+            def full(length):
+                out, _ = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], length, q_seq, positions,
+                                         d["sink"][layer], d["window"][layer], scale=scale, implementation=attn_impl)
                 return out
 
             if layer < first:
-                return full()[:, None], (pool, summary)
-            if shared:
-                ks, vs, kpos = _selected(pool, pt_all[:, layer], sel["idx"], sel["mask"])
+                return full(lengths[:, layer])[:, None], (pool, summary, sbuf)
+            if shared:  # attention over the buffer (the selection less the current token), then the token
+                out, lse = _buffer_attention(qq, sbuf, layer - first, brows, q_seq, positions,
+                                             page_size=pool.page_size, window=cfg.layer_windows[layer], scale=scale,
+                                             attn_impl=attn_impl)
+                out = _merge_own(out, lse, qq, kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype), scale)
             else:
                 ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
                                             positions)
-            kpos = jnp.where(live[:, None, None], kpos, -1)
-            out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer],
-                                     scale=scale)
-            if layer in local_mask:  # ring heads keep their sink + window attention
+                kpos = jnp.where(live[:, None, None], kpos, -1)
+                out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
+            if layer in local_mask:  # ring heads keep their sink + window attention (only they read the ring)
                 g = cfg.num_heads // hkv
-                out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], full(), out)
-            return out[:, None], (pool, summary)
+                ring = full(jnp.where(local_mask[layer][None], lengths[:, layer], 0))
+                out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], ring, out)
+            return out[:, None], (pool, summary, sbuf)
 
         x = params["embed"][tok][:, None]
-        stats = jnp.zeros((s, 2), jnp.int32)
+        stats = jnp.zeros((s, 3), jnp.int32)
+        moved = jnp.zeros((2,), jnp.int32)
         for i, p in enumerate(params["layers"]):
             if shared and i == first:
-                hrow = jnp.where(live, d["head_rows"], -1)
-                rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, hrow)
+                rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
                 hs = rstate[jnp.maximum(d["head_rows"], 0), :n_slots] if rstate is not None else None
                 scores, _ = policy.scores(head, hs, x, pos2)
                 now = policy.select(scores, positions)
-                sel["idx"], sel["mask"] = now.idx, now.mask()
-                held = _held(prev_idx, prev_cnt, now)
-                stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1)], -1)
-                prev_idx = jnp.where(live[:, None, None], now.idx, prev_idx)
-                prev_cnt = jnp.where(live[:, None], now.count, prev_cnt)
-            x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, (pool, summary))
+                sbuf, stats, moved = _refresh(
+                    sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
+                    page_size=pool.page_size, chunk=chunk)
+            x, (pool, summary, sbuf) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, (pool, summary, sbuf))
         hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
              "counters": d["counters"] + k}
         tokens, logprobs = _sample(llama.lm_head(params, cfg, hidden[:, 0]), b, greedy)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         stats = jnp.where(live[:, None], stats, 0)
-        carry = ((pool, summary), rstate, jnp.where(live, tokens, tok), done | (live & stop), prev_idx,
-                 prev_cnt)
-        return carry, (tokens, logprobs, live, stats)
+        carry = ((pool, summary, sbuf), rstate, jnp.where(live, tokens, tok), done | (live & stop))
+        return carry, (tokens, logprobs, live, stats, moved)
 
-    carry = ((pool, summary), rstate, d["tokens"], jnp.zeros((s,), bool), d["prev_idx"], d["prev_cnt"])
+    carry = ((pool, summary, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["active"])
-    ((pool, summary), rstate, _, _, last_idx, last_cnt), (tokens, logprobs, ran, stats) = jax.lax.scan(
-        body, carry, xs)
-    return tokens, logprobs, ran, stats, (last_idx, last_cnt), pool, rstate, summary
+    ((pool, summary, sbuf), rstate, _, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, stats, moved, pool, rstate, summary, sbuf
 
 
 def _on_device(batch: dict) -> dict:
@@ -281,21 +313,30 @@ def num_compilations() -> int:
 class Retriever:
     """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, host_tier: bool = False):
         self.engine = engine
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
         self._summary = None  # per-page key bounds (kmin, kmax) [num_pages, D], made on first use
-        self._prev: dict = {}  # policy -> (idx [rows, Hkv, B], count [rows, Hkv]): each row's last selection
-        self._prev_owner: dict = {}  # (policy, row) -> request id whose selection the row holds
+        self._buf: dict = {}  # shared policy -> host_tier.SelBuffer: each row's selected K/V of layers tap..
+        self._owner: dict = {}  # (policy, row) -> request id whose selection the row's buffer holds
+        self.host_tier = host_tier
+        self._host = None  # (k, v) host mirror of the pool's flat slots, made on first use with host_tier
         window = np.asarray(engine.runner._heads["window"])
         self.local_layers = tuple((layer, tuple(int(x) for x in window[layer]))
                                   for layer in range(window.shape[0]) if (window[layer] > 0).any())
-        # Selection statistics of the shared policies since start (the host tier's transfer model).
+        # Selection statistics of the shared policies since start (every step after a request's first).
         self.steps = 0  # decode steps that read a selection (per request)
         self.slots_selected = 0  # sum over those steps of selected slots, summed over KV heads
-        self.slots_new = 0  # of those, slots not selected the step before (a diff prefetch loads these)
+        self.slots_new = 0  # of those, slots not selected the step before (what the buffer's diff loads)
+        # Host tier transfers over all selected steps (first ones included), in (sequence, KV head) rows
+        # of every buffered layer: moved = load rounds x chunk (padding included), needed = rows the buffer
+        # lacked, baseline = selected rows (re-fetching the selection every step).
+        self.host_steps = 0
+        self.host_rows_moved = 0
+        self.host_rows_needed = 0
+        self.host_rows_baseline = 0
 
     # ---- policies, params, state ------------------------------------------------------------------
     def params_for(self, policy: RetrievalPolicy):
@@ -323,7 +364,6 @@ class Retriever:
                 if (s, p, greedy, k) not in seen:
                     seen.add((s, p, greedy, k))
                     todo.append(("decode", s, k, p, greedy, False))
-        width = 1 if policy.layer_wise else policy.budget
         for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling retrieval variants",
                                                  disable=not progress):
             temp = np.zeros(s, np.float32)
@@ -346,13 +386,14 @@ class Retriever:
                 d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
-                         stop_ids=np.full((s, STOP_BUCKET), -1, np.int32),
-                         prev_idx=jnp.zeros((s, H, width), jnp.int32), prev_cnt=jnp.zeros((s, H), jnp.int32),
-                         **common)
-                *_, runner.pool, state_out, summary_out = _decode_retrieval(
+                         stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
+                *_, runner.pool, state_out, summary_out, sbuf = _decode_retrieval(
                     runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
-                    self._summary if summary is not None else None, cfg=cfg, policy=policy,
-                    attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers)
+                    self._summary if summary is not None else None, self._buffer_for(policy), self._host_for(policy),
+                    cfg=cfg, policy=policy, attn_impl=runner.attn_impl, greedy=greedy,
+                    local_layers=self.local_layers, chunk=self._chunk(policy, s))
+                if sbuf is not None:
+                    self._buf[policy] = sbuf
             if state_out is not None:
                 self._state[type(policy)] = state_out
             if summary_out is not None:
@@ -366,6 +407,55 @@ class Retriever:
             slots = eng.max_pages_per_head * eng.page_size
             self._state[key] = policy.init_state(self.params_for(policy), eng.scheduler.max_num_seqs, slots)
         return self._state[key]
+
+    def _buffer_for(self, policy: RetrievalPolicy):
+        """The selection buffer of a shared policy (None for layer-wise ones): [Lsel, rows, Hkv, W, D] with
+        W = the budget rounded up to whole pages (the buffer is read as a page pool)."""
+        if policy.layer_wise:
+            return None
+        if policy not in self._buf:
+            eng, cfg = self.engine, self.engine.runner.cfg
+            lsel = cfg.num_layers - policy.tap_layer(self.params_for(policy))
+            width = -(-policy.budget // eng.page_size) * eng.page_size
+            self._buf[policy] = host_tier.init_buffer(lsel, eng.scheduler.max_num_seqs, cfg.num_kv_heads, width,
+                                                      cfg.head_dim, eng.runner.pool.k.dtype)
+        return self._buf[policy]
+
+    def _host_for(self, policy: RetrievalPolicy):
+        """The pool's host mirror (k, v) [num_pages * page_size, D] when the host tier serves `policy`."""
+        if not self.host_tier or policy.layer_wise:
+            return None
+        if self._host is None:
+            pool = self.engine.runner.pool
+            d = pool.k.shape[-1]
+            self._host = (host_tier.to_host(pool.k.reshape(-1, d)), host_tier.to_host(pool.v.reshape(-1, d)))
+        return self._host
+
+    def _mirror(self, slots) -> None:
+        """Copies the pool slots a retrieval call just wrote into the host mirror (when there is one)."""
+        if self._host is not None:
+            pool = self.engine.runner.pool
+            self._host = host_tier.mirror_slots(*self._host, pool.k, pool.v, jnp.asarray(slots))
+
+    def _chunk(self, policy: RetrievalPolicy, num_seqs: int) -> int:
+        """Rows per load round of the buffer's diff (static): a fraction of the selection of the batch."""
+        split = host_tier.HOST_SPLIT if self.host_tier else host_tier.DEVICE_SPLIT
+        return max(1, num_seqs * self.engine.runner.cfg.num_kv_heads * policy.budget // split)
+
+    def transfer(self) -> dict:
+        """Host tier bytes per decode step and sequence: moved by the diff loads (padding included), the
+        rows the buffer lacked, and re-fetching the selection every step (the no-diff baseline)."""
+        cfg = self.engine.runner.cfg
+        policy = next(iter(self._buf), None)
+        if policy is None or not self.host_steps:
+            return {}
+        lsel = cfg.num_layers - policy.tap_layer(self.params_for(policy))
+        per_row = host_tier.transfer_bytes(1, lsel, cfg.head_dim, self.engine.runner.pool.k.dtype.itemsize)
+        steps = self.host_steps
+        return {"host_steps": steps, "h2d_bytes_per_step": self.host_rows_moved * per_row / steps,
+                "h2d_bytes_needed_per_step": self.host_rows_needed * per_row / steps,
+                "h2d_bytes_refetch_per_step": self.host_rows_baseline * per_row / steps,
+                "h2d_ratio": self.host_rows_baseline / max(self.host_rows_moved, 1)}
 
     def _row(self, req) -> int:
         rid = req.request_id
@@ -427,6 +517,7 @@ class Retriever:
             self._state.get(key),
             self.params_for(policy) if policy is not None else None, summary, cfg=runner.cfg, policy=policy,
             attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh)
+        self._mirror(b.slots)
         if key is not None:
             self._state[key] = state
         if summary is not None:
@@ -464,43 +555,43 @@ class Retriever:
         head = self.params_for(policy)
         state = self._state_for(policy)
         rows = np.full(b.tokens.shape[0], -1, np.int32)
-        if state is not None:
+        if state is not None or not policy.layer_wise:
             for row, c in enumerate(chunks):
                 rows[row] = self._row(c.request)
-        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
-        hkv = runner.cfg.num_kv_heads
-        if policy not in self._prev:
-            r, width = self.engine.scheduler.max_num_seqs, 1 if policy.layer_wise else policy.budget
-            self._prev[policy] = (jnp.zeros((r, hkv, width), jnp.int32), jnp.zeros((r, hkv), jnp.int32))
-        held_idx, held_cnt = self._prev[policy]
-        known = np.array([row < len(chunks) and rows[row] >= 0 and self._prev_owner.get(
+        known = np.array([row < len(chunks) and rows[row] >= 0 and self._owner.get(
             (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
-        rc = np.maximum(rows, 0)
-        prev_idx = held_idx[rc]
-        prev_cnt = jnp.where(jnp.asarray(known)[:, None], held_cnt[rc], 0)
-        arrays.update(head_rows=rows, prev_idx=prev_idx, prev_cnt=prev_cnt)
-        tokens, logprobs, ran, stats, last, runner.pool, state, summary = _decode_retrieval(
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
+        arrays.update(head_rows=rows, known=known)
+        tokens, logprobs, ran, stats, moved, runner.pool, state, summary, sbuf = _decode_retrieval(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
-            self._summary_for(policy),
+            self._summary_for(policy), self._buffer_for(policy), self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
-            local_layers=self.local_layers)
+            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)))
+        self._mirror(b.slots)
         if state is not None:
             self._state[type(policy)] = state
         if summary is not None:
             self._summary = summary
-        ran, stats = np.asarray(ran), np.asarray(stats)
-        if not policy.layer_wise:
-            n = len(chunks)
-            if state is not None:
-                self._prev[policy] = (held_idx.at[rows[:n]].set(last[0][:n]),
-                                      held_cnt.at[rows[:n]].set(last[1][:n]))
-                for row, c in enumerate(chunks):
-                    self._prev_owner[(policy, int(rows[row]))] = c.request.request_id
-            later = ran.copy()
-            for row in range(n):  # a request's first selected step has no previous selection
-                if not known[row]:
-                    later[np.argmax(ran[:, row]), row] = False
-            self.steps += int(later.sum())
-            self.slots_selected += int(stats[..., 0][later].sum())
-            self.slots_new += int((stats[..., 0] - stats[..., 1])[later].sum())
+        ran, stats, moved = np.asarray(ran), np.asarray(stats), np.asarray(moved)
+        if sbuf is not None:
+            self._buf[policy] = sbuf
+            self._count(policy, chunks, rows, known, ran, stats, moved)
         return np.asarray(tokens), np.asarray(logprobs), ran
+
+    def _count(self, policy, chunks, rows, known, ran, stats, moved) -> None:
+        """Records the buffer rows' owners and the selection / transfer statistics of a shared decode."""
+        n = len(chunks)
+        for row, c in enumerate(chunks):
+            self._owner[(policy, int(rows[row]))] = c.request.request_id
+        later = ran.copy()
+        for row in range(n):  # a request's first selected step has no previous selection
+            if not known[row]:
+                later[np.argmax(ran[:, row]), row] = False
+        self.steps += int(later.sum())
+        self.slots_selected += int(stats[..., 0][later].sum())
+        self.slots_new += int((stats[..., 0] - stats[..., 1])[later].sum())
+        if self.host_tier:
+            self.host_steps += int(ran.sum())
+            self.host_rows_moved += int(moved[:, 0].sum())
+            self.host_rows_needed += int(stats[..., 2].sum())
+            self.host_rows_baseline += int(stats[..., 0].sum())
