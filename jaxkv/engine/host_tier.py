@@ -115,18 +115,29 @@ def _pool_slots(page_table, pos, page_size: int):
     return jnp.where(pages >= 0, pages * page_size + (jnp.maximum(p, 0) % page_size)[:, None], 0).T
 
 
-@compute_on("device_host")
-@jax.jit
-def _host_gather(host_k, host_v, rows):
+def _on_host(f):
+    """`f` run on the host (`compute_on("device_host")`), or None where this jax's compute_on takes another
+    signature (jax 0.11 wants compute_type= and out_memory_spaces=): then the host tier is unavailable and
+    `Retriever` says so at construction, while everything else in this module still imports."""
+    try:
+        return compute_on("device_host")(jax.jit(f))
+    except TypeError:
+        return None
+
+
+def _gather(host_k, host_v, rows):
     """On the host: host_k/v [N, D], rows [...] -> [..., D] each."""
     return host_k[rows], host_v[rows]
 
 
-@compute_on("device_host")
-@jax.jit
-def _host_scatter(host_k, host_v, rows, k, v):
+def _scatter(host_k, host_v, rows, k, v):
     """On the host: rows [T] (N = dropped), k/v [T, D] written into host_k/v [N, D]."""
     return host_k.at[rows].set(k, mode="drop"), host_v.at[rows].set(v, mode="drop")
+
+
+_host_gather = _on_host(_gather)
+_host_scatter = _on_host(_scatter)
+AVAILABLE = _host_gather is not None
 
 
 def _gather(src, rows):

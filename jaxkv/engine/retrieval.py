@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxkv.cache.pool import write_kv
 from jaxkv.engine import host_tier
+from jaxkv.engine.host_tier import AVAILABLE as HOST_TIER_AVAILABLE
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve.base import RetrievalPolicy
 from pallas_kernels.head_class_prefill.api import head_class_prefill
@@ -321,6 +322,9 @@ class Retriever:
         self._summary = None  # per-page key bounds (kmin, kmax) [num_pages, D], made on first use
         self._buf: dict = {}  # shared policy -> host_tier.SelBuffer: each row's selected K/V of layers tap..
         self._owner: dict = {}  # (policy, row) -> request id whose selection the row's buffer holds
+        if host_tier and not HOST_TIER_AVAILABLE:
+            raise NotImplementedError("retrieval_host_tier needs jax.experimental.compute_on('device_host') "
+                                      f"(jax <= 0.10 signature); jax {jax.__version__} has another one")
         self.host_tier = host_tier
         self._host = None  # (k, v) host mirror of the pool's flat slots, made on first use with host_tier
         window = np.asarray(engine.runner._heads["window"])
