@@ -55,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each runs decode_steps tokens)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--warm", type=int, default=3, help="untimed engine steps first (prefill + compiles)")
     ap.add_argument("--trace-dir", default=None)
     args = ap.parse_args(argv)
     import jax
@@ -77,7 +78,7 @@ def main(argv=None):
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(rng.integers(10, model.config.vocab_size - 10, prompt).tolist(), sp)
-    for _ in range(3):   # prefill + first decode calls: compiles
+    for _ in range(args.warm):   # prefill + first decode calls: compiles
         eng.step()
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxkv-trace-"))
     t0 = time.perf_counter()
