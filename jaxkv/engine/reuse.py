@@ -267,7 +267,7 @@ class Reuser:
         table = self._allocate(L * H * npg).reshape(L, H, npg)
         storage = np.array(storage, np.int64)
         slots = table[:, :, storage // ps].transpose(2, 0, 1) * ps + (storage % ps)[:, None, None]
-        Pb = bucket_for(npg, powers_of_two(max(npg, eng.max_pages_per_head), start=4))
+        Pb = min(row_bucket(npg, floor=4, geometric_from=32), max(npg, eng.max_pages_per_head))
         b = {"tokens": np.zeros(T, np.int32), "positions": np.full(T, -1, np.int32),
              "is_new": np.zeros(T, bool), "forced": np.zeros(T, bool), "seg_offset": np.full(T, -1, np.int32),
              "slots": np.full((T, L, H), -1, np.int32), "page_table": np.full((1, L, H, Pb), -1, np.int32),
@@ -332,13 +332,13 @@ class Reuser:
         return out
 
 
-def row_bucket(n: int, floor: int) -> int:
-    """Static size for `n` rows (prompt tokens or sparse-phase rows): powers of two up to 2048, then 8 steps
-    per doubling (ratio <= 1.125; multiples of 256 from 2K, 512 from 4K, ..., 4096 from 32K). Padding is
-    at most 12.5 % instead of up to 100 % (33,040 tokens -> 36,864, not 65,536), and the compiled variants
-    stay bounded: 8 per doubling of the context, 48 from 2K to 128K."""
+def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
+    """Static size for `n` rows (prompt tokens, sparse-phase rows, pages per head): powers of two up to
+    `geometric_from`, then 8 steps per doubling (ratio <= 1.125; for rows multiples of 256 from 2K, 512 from
+    4K, ..., 4096 from 32K). Padding is at most 12.5 % instead of up to 100 % (33,040 tokens -> 36,864, not
+    65,536), and the compiled variants stay bounded: 8 per doubling, 48 from 2K to 128K rows."""
     n = max(n, floor)
-    if n <= 2048:
+    if n <= geometric_from:
         return 1 << (n - 1).bit_length()
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
