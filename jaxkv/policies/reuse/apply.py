@@ -112,15 +112,17 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
         return kc, vc
 
     def attend(i, q, pool, positions, sink, window):
-        """Paged attention of the rows over the request's pages; windowed heads read only their sink and
-        window pages (`ordered`: every page of this layout starts with a real token, docs/policies.md)."""
+        """Paged attention of the rows over the request's pages. `ordered`: pages are in position order and
+        every page starts with a real token (docs/policies.md, "Layout"), so the kernel reads only the pages
+        up to each query block's last position (causal: half the pages of a prefill, which `ordered=False`
+        scans in full) and, for windowed heads, only their sink and window pages."""
         if impl == "reference":
             return _dense_attend(q, pool, b["page_table"][0, i], b["lengths"][0, i], positions, sink, window,
                                  scale)
         q_seq = jnp.where(positions >= 0, 0, -1)
         out, _ = paged_attention(q, pool.k, pool.v, pool.pos, b["page_table"][:, i], b["lengths"][:, i],
                                  q_seq, jnp.maximum(positions, 0), sink, window, scale=scale,
-                                 implementation=impl, ordered=policy.local_windows)
+                                 implementation=impl, ordered=True)
         return out
 
     def layer_step(i, x, rows, pool, writes_mask, want_view=False, selected=None):
