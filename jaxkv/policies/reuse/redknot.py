@@ -36,7 +36,6 @@ from jaxkv.policies.reuse.base import LayerView, Layout, ReusePolicy, _check_fra
 @dataclasses.dataclass(frozen=True)
 class RedKnot(ReusePolicy):
     name = "redknot"
-    local_windows = True
     dense_until: int = 2  # layers with a dense FFN (the paper's 20 of 32-80; 2 of 8 here)
     mass_thresh: float = 0.5
     recent_n: int = 128
@@ -45,6 +44,9 @@ class RedKnot(ReusePolicy):
     # Sparse-FFN buffer as a fraction of the rows (1 = no cap). 0.5: the mass_thresh=0.5 selection keeps
     # 14-42 % of a 2K prompt's rows on the embedded model (docs/eval.md), so the cap does not bind there.
     ffn_capacity: float = 0.5
+    # Unpromoted local heads attend to sinks + window only (the paper); False: whole history, stale K/V
+    # included (costs full attention; with the restore off it is what keeps this repo's 2K evals right).
+    local_windows: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,6 +55,8 @@ class RedKnot(ReusePolicy):
         _check_frac(self, "mass_thresh")
         _check_frac(self, "edge_frac")
         _check_frac(self, "ffn_capacity")
+        if not isinstance(self.local_windows, bool):
+            raise ValueError(f"{self.name}: local_windows must be a bool (got {self.local_windows!r})")
         if self.ffn_capacity == 0:
             raise ValueError(f"{self.name}: ffn_capacity must be > 0 (the last prompt token needs the FFN)")
         if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
