@@ -11,8 +11,10 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
 from jaxkv.cache.segments import SegmentError, SegmentStore
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.reuse import row_bucket
 from jaxkv.models import llama, rope
 from jaxkv.policies.reuse import REUSE_POLICIES, get_reuse_policy
+from jaxkv.policies.reuse.apply import num_compilations
 from jaxkv.sampling import SamplingParams
 from pallas_kernels.rope_shift.api import rope_shift
 from tests.hf_tiny import make_tiny_checkpoint
@@ -186,3 +188,68 @@ def test_policy_fields_are_validated():
     with pytest.raises(ValueError, match="full_layers"):
         get_reuse_policy("sparsex", full_layers=-1)
     assert dataclasses.replace(get_reuse_policy("redknot"), edge_thresh=1.0).edge_thresh == 1.0
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="ffn_capacity"):
+            get_reuse_policy("redknot", ffn_capacity=bad)
+
+
+def test_row_buckets_are_fine_and_bounded():
+    assert row_bucket(100, floor=128) == 128 and row_bucket(1500, floor=8) == 2048
+    assert row_bucket(33040, floor=128) == 36864 and row_bucket(5220, floor=8) == 5632
+    sizes = {row_bucket(n, floor=128) for n in range(1, 131073, 7)}
+    assert len(sizes) <= 5 + 8 * 6  # powers of two to 2K, then 8 per doubling to 128K
+    for n in range(2049, 131073, 97):
+        assert n <= row_bucket(n, floor=128) <= 1.125 * n
+
+
+def local_heads_map(cfg, sink=2, window=4):
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    row = tuple(HeadClass.global_() if h == 0 else HeadClass.local(sink, window) for h in range(H))
+    return HeadClassMap(L, H, (row,) * L)
+
+
+def test_redknot_sparse_ffn_gathers_up_to_its_capacity(model, pieces):
+    pre, s1, s2, suf = pieces
+    kw = dict(edge_thresh=0.0, dense_until=0, recent_n=2, mass_thresh=0.2)
+    redknot = lambda cap: get_reuse_policy("redknot", ffn_capacity=cap, **kw)  # noqa: E731
+    _, uncapped = run(make_engine(model), pre, [s1, s2], suf, redknot(1.0))
+    # A capacity above what the mass selection keeps changes nothing (gather + scatter-add = masked FFN).
+    roomy_policy = redknot(0.7)
+    assert max(uncapped.ffn_rows) <= roomy_policy.ffn_capacity_rows(64) < 64  # 44 tokens -> 64 rows
+    _, roomy = run(make_engine(model), pre, [s1, s2], suf, roomy_policy)
+    np.testing.assert_allclose(roomy.first_logits, uncapped.first_logits, atol=1e-4)
+    assert roomy.ffn_rows == uncapped.ffn_rows and roomy.ffn_dropped == [0] * model.config.num_layers
+    assert max(uncapped.ffn_rows) < uncapped.prompt_tokens  # the selection really is sparse
+    # A tight capacity runs exactly that many rows and reports the rest as dropped.
+    _, tight = run(make_engine(model), pre, [s1, s2], suf, redknot(0.1))
+    cap = redknot(0.1).ffn_capacity_rows(64)  # the rows bucket of 44 tokens
+    assert tight.ffn_rows == [cap] * model.config.num_layers
+    assert tight.ffn_rows[0] + tight.ffn_dropped[0] == uncapped.ffn_rows[0]  # same choice, then capped
+
+
+def test_redknot_local_heads_attend_to_their_window_only(model, pieces):
+    cfg = model.config
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model)
+    eng.reuser.__init__(eng, reuse_head_classes=local_heads_map(cfg), keep_logits=True)
+    _, st = run(eng, pre, [s1, s2], suf, get_reuse_policy("redknot", edge_thresh=1.0, dense_until=99))
+    n, H = st.prompt_tokens, cfg.num_kv_heads
+    full_keys = n * (n + 1) // 2
+    local_keys = sum(min(p + 1, 2 + 4) for p in range(n))
+    assert st.keys_seen == [round((full_keys + (H - 1) * local_keys) / H)] * cfg.num_layers
+    # Promoted heads (restore on everywhere) see the whole history again.
+    eng = make_engine(model)
+    eng.reuser.__init__(eng, reuse_head_classes=local_heads_map(cfg), keep_logits=True)
+    _, st = run(eng, pre, [s1, s2], suf, get_reuse_policy("redknot", edge_thresh=0.0, dense_until=99))
+    assert st.keys_seen == [full_keys] * cfg.num_layers
+
+
+def test_selection_size_is_data_so_prompts_share_a_compilation(model, pieces):
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model)
+    pol = get_reuse_policy("sparsex", ratio=0.3, block=0, tail=0)
+    before = num_compilations()
+    _, a = run(eng, pre, [s1, s2], suf, pol)
+    _, b = run(eng, pre, [s1[:-2], s2], suf, pol)  # 2 fewer reused tokens, same pages: other k, same buckets
+    assert num_compilations() - before <= 1
+    assert a.recomputed_rows[-1] - b.recomputed_rows[-1] == 1  # ceil(0.3 * 32) - ceil(0.3 * 30) = 10 - 9

@@ -5,10 +5,11 @@ One call per request: (1) fresh pages get position -1 (holes stay invisible); (2
 reused page of every (layer, KV head) to the request's pages with its position delta, one fused pass;
 (3) layers ``< full_layers`` run on every prompt token; (4) at layer ``full_layers`` the rows to recompute
 are the forced tokens plus the method's top-k; (5) the remaining layers run on those rows only, writing
-K/V per (row, head) as `head_writes` says and the FFN on `ffn_rows`; (6) the last prompt token's logits
-are sampled like an engine step. Attention is the engine's paged attention over the request's page table
-(keys masked by their stored positions), so recomputed and reused K/V mix exactly as a later decode sees
-them.
+K/V per (row, head) as `head_writes` says, attention windowed per head where the method asks
+(`local_windows`), and the FFN gathered onto the `ffn_rows` rows (capacity `ffn_capacity_rows`); (6) the
+last prompt token's logits are sampled like an engine step. Attention is the engine's paged attention over
+the request's page table (keys masked by their stored positions), so recomputed and reused K/V mix exactly
+as a later decode sees them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from pallas_kernels.paged_attention.api import paged_attention
 from pallas_kernels.rope_shift.api import rope_shift
 
 
-def _dense_attend(q, pool: KVPool, page_table, lengths, positions, scale):
+def _dense_attend(q, pool: KVPool, page_table, lengths, positions, sink, window, scale):
     """One sequence's attention over its gathered page list (CPU path: the paged twin maps over queries).
-    q [R, Hq, D]; page_table [H, P]; lengths [H]; positions [R] (-1 = padding row) -> [R, Hq, D]."""
+    q [R, Hq, D]; page_table [H, P]; lengths [H]; positions [R] (-1 = padding row); sink / window [H]
+    (window 0 = whole history, else sinks + the last `window` positions, as the paged kernel)
+    -> [R, Hq, D]."""
     h, p = page_table.shape
     ps = pool.page_size
     pages = jnp.maximum(page_table, 0)
@@ -40,6 +43,8 @@ def _dense_attend(q, pool: KVPool, page_table, lengths, positions, scale):
     qg = q.reshape(r, h, hq // h, d).astype(jnp.float32)
     logits = jnp.einsum("rhgd,hnd->hgrn", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
     vis = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= positions[None, :, None])  # [H, R, N]
+    kp, qp = kpos[:, None, :], positions[None, :, None]
+    vis &= (window[:, None, None] == 0) | (kp > qp - window[:, None, None]) | (kp < sink[:, None, None])
     logits = jnp.where(vis[:, None], logits, NEG)
     m = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.where(vis[:, None], jnp.exp(logits - m), 0.0)
@@ -53,17 +58,39 @@ def _ffn(p, cfg, x):
     return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "num_selected", "impl"),
+def _sparse_ffn(p, cfg, x, keep, priority, capacity: int):
+    """FFN on at most `capacity` rows of `keep` (highest `priority` first), scatter-added back; the other
+    rows pass through the residual. Gathering first is what makes a sparse FFN cheaper: masking after a
+    dense FFN costs the dense FFN. Returns (x, rows run, kept rows dropped by the cap)."""
+    score = jnp.where(keep, priority.astype(jnp.float32), NEG)
+    val, idx = jax.lax.top_k(score, capacity)
+    ran = val > NEG / 2
+    f = _ffn(p, cfg, x[idx])
+    x = x.at[idx].add(jnp.where(ran[:, None], f, 0).astype(x.dtype))
+    n_ran = jnp.sum(ran)
+    return x, n_ran, jnp.sum(keep) - n_ran
+
+
+def _keys_seen(positions, sink, window):
+    """Sum over the valid rows of the keys each may see (causal, mean over KV heads; a windowed head sees
+    at most its sinks + window): the analytical attention work of the layer."""
+    n = (positions + 1)[:, None]
+    per = jnp.where(window[None] > 0, jnp.minimum(n, (sink + window)[None]), n)
+    return jnp.sum(jnp.where(positions[:, None] >= 0, per, 0)) / window.shape[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl"),
                    donate_argnames=("pool",))
 def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
-                  num_selected: int, impl: str | None = None):
+                  select_cap: int, impl: str | None = None):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
 
     b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); slots [T, L, H];
     page_table [1, L, H, P]; lengths [1, L, H]; probe [Np] row indices (-1 pad); clear [C] pages to blank,
-    src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; sampling rows [1].
-    heads: is_global, sink, window [L, H] (the reuse head-class map). num_rows: static row bucket of the
-    sparse phase (>= forced + selected); num_selected: static top-k.
+    src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; num_selected [] top-k size
+    (<= select_cap); sampling rows [1]. heads: is_global, sink, window [L, H] (the reuse head-class map).
+    num_rows: static row bucket of the sparse phase (>= forced + selected); select_cap: static bucket of
+    the top-k (the exact k is data, so prompts of one bucket share a compilation).
     """
     L, H = cfg.num_layers, cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
@@ -84,6 +111,20 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
         vc = pool.v.reshape(n_pages * ps, -1)[flat].reshape(*slots.shape, -1)
         return kc, vc
 
+    def attend(i, q, pool, positions, sink, window):
+        """Paged attention of the rows over the request's pages. `ordered`: pages are in position order and
+        every page starts with a real token (docs/policies.md, "Layout"), so the kernel reads only the pages
+        up to each query block's last position (causal: half the pages of a prefill, which `ordered=False`
+        scans in full) and, for windowed heads, only their sink and window pages."""
+        if impl == "reference":
+            return _dense_attend(q, pool, b["page_table"][0, i], b["lengths"][0, i], positions, sink, window,
+                                 scale)
+        q_seq = jnp.where(positions >= 0, 0, -1)
+        out, _ = paged_attention(q, pool.k, pool.v, pool.pos, b["page_table"][:, i], b["lengths"][:, i],
+                                 q_seq, jnp.maximum(positions, 0), sink, window, scale=scale,
+                                 implementation=impl, ordered=True)
+        return out
+
     def layer_step(i, x, rows, pool, writes_mask, want_view=False, selected=None):
         """One layer over rows: returns x, pool, stats. `rows` = dict of per-row arrays."""
         p = params["layers"][i]
@@ -99,6 +140,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
                              is_new=rows["is_new"], forced=rows["forced"], seg_offset=rows["seg_offset"],
                              probe=rows["probe"], is_global=heads["is_global"][i], sink=heads["sink"][i],
                              window=heads["window"][i], layer=i)
+        sink, window = zeros_h, zeros_h
         if writes_mask is None:
             w = (positions >= 0)[:, None] & jnp.ones((1, H), bool)
             promoted = jnp.zeros((H,), bool)
@@ -108,27 +150,32 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
             if promoted is None:
                 promoted = jnp.zeros((H,), bool)
             w = w | ((positions >= 0)[:, None] & promoted[None])
+            if policy.local_windows:  # unpromoted local heads attend to their sinks + window only
+                local = ~view.is_global & ~promoted
+                sink, window = jnp.where(local, view.sink, 0), jnp.where(local, view.window, 0)
         pool = write_kv(pool, kf, vf, positions, jnp.where(w, slots, -1))
-        if impl == "reference":
-            out = _dense_attend(q, pool, b["page_table"][0, i], b["lengths"][0, i], positions, scale)
-        else:
-            q_seq = jnp.where(positions >= 0, 0, -1)
-            out, _ = paged_attention(q, pool.k, pool.v, pool.pos, b["page_table"][:, i], b["lengths"][:, i],
-                                     q_seq, jnp.maximum(positions, 0), zeros_h, zeros_h, scale=scale,
-                                     implementation=impl)
+        out = attend(i, q, pool, positions, sink, window)
         out = out.reshape(out.shape[0], -1) @ p["wo"]
         x = x + (out + p["bo"] if cfg.o_bias else out)
-        ffn_mask = None
+        valid = positions >= 0
+        ffn = None
         if view is not None:
             def probs_after_writes():
                 kc_after, _ = cached_kv(pool, slots)
                 return view.probe_probs(kc_after)
-            ffn_mask = policy.ffn_rows(view, probs_after_writes)
-        f = _ffn(p, cfg, x)
-        valid = positions >= 0
-        fm = valid if ffn_mask is None else ffn_mask & valid
-        x = x + jnp.where(fm[:, None], f, 0).astype(x.dtype)
-        stats = (jnp.sum(w), jnp.sum(valid), jnp.sum(fm), jnp.sum(promoted))
+            ffn = policy.ffn_rows(view, probs_after_writes)
+        cap = policy.ffn_capacity_rows(x.shape[0])
+        if ffn is None:
+            x = x + jnp.where(valid[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
+            ran, dropped = jnp.sum(valid), jnp.int32(0)
+        elif cap >= x.shape[0]:
+            fm = ffn[0] & valid
+            x = x + jnp.where(fm[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
+            ran, dropped = jnp.sum(fm), jnp.int32(0)
+        else:
+            x, ran, dropped = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap)
+        stats = (jnp.sum(w), jnp.sum(valid), ran, jnp.sum(promoted), dropped,
+                 _keys_seen(positions, sink, window))
         return x, pool, stats, view
 
     all_rows = {k_: b[k_] for k_ in ("positions", "slots", "is_new", "forced", "seg_offset", "probe")}
@@ -144,7 +191,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     valid = b["positions"] >= 0
     forced = b["forced"] & valid
     selected = jnp.ones((T, H), bool)
-    if F < L and policy.selects and num_selected > 0:
+    if F < L and policy.selects and select_cap > 0:
         p = params["layers"][F]
         q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
                                jnp.maximum(b["positions"], 0)[None], freqs)
@@ -157,9 +204,9 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
         sc2 = sc if sc.ndim == 2 else sc[:, None]
         cand = valid & ~forced
         sc2 = jnp.where(cand[:, None], sc2, NEG)
-        kk = min(num_selected, T)
-        val, idx = jax.lax.top_k(sc2.T, kk)  # [H', k]
-        hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(val > NEG / 2).T
+        val, idx = jax.lax.top_k(sc2.T, min(select_cap, T))  # [H', cap], descending: first k = the top-k
+        take = (val > NEG / 2) & (jnp.arange(val.shape[1])[None] < b["num_selected"])
+        hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(take).T
         alive = forced | jnp.any(hsel, axis=1)
         selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads)
         selected = jnp.broadcast_to(selected, (T, H))
@@ -188,7 +235,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     tok, logprob = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"], b["seeds"],
                           b["counters"])
     st = {name: jnp.stack([s[j] for s in stats]) for j, name in
-          enumerate(("kv_writes", "query_rows", "ffn_rows", "promoted_heads"))}
+          enumerate(("kv_writes", "query_rows", "ffn_rows", "promoted_heads", "ffn_dropped", "keys_seen"))}
     st["rows"] = idx
     return pool, tok, logprob, logits[0], st
 

@@ -10,7 +10,9 @@ decides is which K/V to *recompute* so the answer stays right. The device pass
    the new text) plus ``num_selected`` more chosen by `score` (top-k over the reused tokens); layers
    ``full_layers .. L-1`` then run on those rows only, the other reused tokens keep their rotated cached
    K/V. Per layer, `head_writes` says which (row, KV head) K/V are written (all by default; RedKnot repairs
-   local heads only near segment starts) and `ffn_rows` which rows get the FFN (all by default).
+   local heads only near segment starts), whether local heads attend to their window only
+   (`local_windows`) and which rows get the FFN (`ffn_rows`, all by default; the chosen rows are gathered
+   into a buffer of `ffn_capacity_rows`, so skipped rows cost nothing).
 
 A method is one frozen dataclass: validated fields, host hooks over a `Layout` (numpy), pure-jnp device
 hooks over a `LayerView`. No method sees the engine, the pool or the page tables.
@@ -123,6 +125,9 @@ class ReusePolicy:
     reuses: ClassVar[bool] = True
     # The method's `score` picks extra rows at layer `full_layers` (else only the forced rows recompute).
     selects: ClassVar[bool] = False
+    # Unpromoted local heads attend to their sinks + window only in the sparse phase (RedKnot's local
+    # recovery); else every head sees the whole history.
+    local_windows: ClassVar[bool] = False
     full_layers: int = 0
 
     def __post_init__(self):
@@ -147,10 +152,15 @@ class ReusePolicy:
         `selected` [R, Hkv] is the per-head choice made at the selection layer (all True by default)."""
         return view.valid[:, None] & selected
 
-    def ffn_rows(self, view: LayerView, attn_probs_fn) -> jax.Array | None:
-        """[R] bool rows that get the FFN in this layer, or None for all. `attn_probs_fn()` returns the
-        probe attention over the rows' keys after this layer's writes ([Hkv, G, Np, R])."""
+    def ffn_rows(self, view: LayerView, attn_probs_fn) -> tuple[jax.Array, jax.Array] | None:
+        """(keep [R] bool, priority [R] float) rows that get the FFN in this layer, or None for all. At most
+        `ffn_capacity_rows` of them run (highest priority first). `attn_probs_fn()` returns the probe
+        attention over the rows' keys after this layer's writes ([Hkv, G, Np, R])."""
         return None
+
+    def ffn_capacity_rows(self, num_rows: int) -> int:
+        """Static number of rows a sparse-FFN layer gathers out of `num_rows` (all: no cap)."""
+        return num_rows
 
     def head_promote(self, view: LayerView) -> jax.Array | None:
         """[Hkv] bool heads to recompute for every row in this layer (RedKnot's restore), or None."""
