@@ -55,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each runs decode_steps tokens)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--max-step-tokens", type=int, default=8192, help="as scripts/bench_e2e.py's batch row")
     ap.add_argument("--warm", type=int, default=3, help="untimed engine steps first (prefill + compiles)")
     ap.add_argument("--trace-dir", default=None)
     args = ap.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv=None):
         make_checkpoint(shape, Path(tmp) / shape, prompt + new)
         model = jaxkv.load(Path(tmp) / shape, dtype="float32" if args.small else "bfloat16")
     eng = Engine(model, page_size=16, max_num_seqs=args.batch, max_model_len=prompt + new,
-                 enable_prefix_caching=False)
+                 max_step_tokens=min(args.max_step_tokens, prompt * args.batch), enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for _ in range(args.batch):
