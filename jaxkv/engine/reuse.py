@@ -307,7 +307,7 @@ class Reuser:
         t0 = time.perf_counter()
         pool, tok, logprob, logits, st = reuse_prefill(
             eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg, policy=pol, num_rows=R,
-            select_cap=select_cap, impl=self.impl)
+            select_cap=select_cap, impl=self.impl, rows_are_tokens=bool(forced.all()) and R == T)
         eng.runner.pool = pool
         tok, logprob = int(np.asarray(tok)[0]), float(np.asarray(logprob)[0])
         elapsed = time.perf_counter() - t0
