@@ -253,3 +253,24 @@ def test_selection_size_is_data_so_prompts_share_a_compilation(model, pieces):
     _, b = run(eng, pre, [s1[:-2], s2], suf, pol)  # 2 fewer reused tokens, same pages: other k, same buckets
     assert num_compilations() - before <= 1
     assert a.recomputed_rows[-1] - b.recomputed_rows[-1] == 1  # ceil(0.3 * 32) - ceil(0.3 * 30) = 10 - 9
+
+
+@pytest.mark.parametrize("spec", [dict(name="redknot", edge_thresh=1.0, dense_until=99),   # map windows
+                                  dict(name="redknot", edge_thresh=0.0, dense_until=99),   # all promoted
+                                  dict(name="full")])
+def test_token_ordered_rows_through_the_flash_path_match_the_paged_path(model, pieces, spec):
+    """Rows that are the prompt's tokens in order take the fresh-prefill kernel over gathered K/V (with the
+    map's windows when no local head is promoted); the paged path (reference impl) must give the same logits."""
+    cfg = model.config
+    pre, s1, s2, suf = pieces
+    spec = dict(spec)
+    policy = get_reuse_policy(spec.pop("name"), **spec)
+    logits = []
+    for impl in ("reference", None):
+        eng = Engine(model, page_size=4, max_model_len=128, attn_impl=impl,
+                     head_classes=all_global(cfg.num_layers, cfg.num_kv_heads))
+        eng.reuser.__init__(eng, reuse_head_classes=local_heads_map(cfg), keep_logits=True)
+        assert (eng.reuser.impl == "reference") == (impl == "reference")
+        _, st = run(eng, pre, [s1, s2], suf, policy)
+        logits.append(st.first_logits)
+    np.testing.assert_allclose(logits[1], logits[0], atol=2e-4, rtol=2e-4)

@@ -88,6 +88,10 @@ class Reuser:
         window = np.array([[c.window for c in row] for row in hc.classes], np.int32)
         self.heads = {"is_global": kinds != "local", "sink": np.where(kinds == "local", sink, 0),
                       "window": np.where(kinds == "local", window, 0)}
+        # The map's (sinks, windows) per layer as static tuples: a layer where no local head was promoted
+        # attends with the fresh-prefill kernel's own sink + window support (jaxkv/policies/reuse/apply.py).
+        self.head_windows = tuple((tuple(int(x) for x in self.heads["sink"][i]),
+                                   tuple(int(x) for x in self.heads["window"][i])) for i in range(len(kinds)))
         self.impl = "reference" if engine.runner.attn_impl == "reference" else None
         self.waiting: deque[_Pending] = deque()
         self.stats: dict[str, ReuseStats] = {}
@@ -262,6 +266,9 @@ class Reuser:
         width = H if getattr(pol, "per_head", False) else 1
         T = row_bucket(n, floor=128)
         R = min(T, row_bucket(int(forced.sum()) + width * k_sel, floor=8))
+        rows_are_tokens = bool(forced.all())
+        if rows_are_tokens:  # every token is a row: the prompt's own bucket, so the flash path applies
+            R = T
         select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
 
         table = self._allocate(L * H * npg).reshape(L, H, npg)
@@ -307,7 +314,8 @@ class Reuser:
         t0 = time.perf_counter()
         pool, tok, logprob, logits, st = reuse_prefill(
             eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg, policy=pol, num_rows=R,
-            select_cap=select_cap, impl=self.impl, rows_are_tokens=bool(forced.all()) and R == T)
+            select_cap=select_cap, impl=self.impl, rows_are_tokens=rows_are_tokens,
+            head_windows=self.head_windows)
         eng.runner.pool = pool
         tok, logprob = int(np.asarray(tok)[0]), float(np.asarray(logprob)[0])
         elapsed = time.perf_counter() - t0

@@ -81,9 +81,10 @@ def _keys_seen(positions, sink, window):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
-                                             "rows_are_tokens"), donate_argnames=("pool",))
+                                             "rows_are_tokens", "head_windows"), donate_argnames=("pool",))
 def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
-                  select_cap: int, impl: str | None = None, rows_are_tokens: bool = False):
+                  select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
+                  head_windows: tuple | None = None):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
 
     b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); slots [T, L, H];
@@ -93,6 +94,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     num_rows: static row bucket of the sparse phase (>= forced + selected); select_cap: static bucket of
     the top-k (the exact k is data, so prompts of one bucket share a compilation). rows_are_tokens: the
     sparse phase's rows are the prompt's tokens in order (the method forces every token, e.g. RedKnot).
+    head_windows: per layer (sinks, windows) of the map as static tuples (None: no windowed flash path).
     """
     L, H = cfg.num_layers, cfg.num_kv_heads
     scale = cfg.head_dim ** -0.5
@@ -131,17 +133,25 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
         """Rows are the prompt's tokens in order (positions 0..T-1): this layer's K/V, reused or recomputed,
         gathered into contiguous [T, Hkv, D] and attended with the fresh-prefill kernel (cuDNN / Mosaic flash
         on a GPU; ~3x the paged kernel's prefill mode at 32K on an H200) when every head attends to its
-        whole history; heads with a window this step (RedKnot's unpromoted local heads) take the paged path."""
+        whole history, or when the heads' windows are the map's (no local head promoted in this layer: the
+        kernel's own sink + window heads); any other mix (some local heads promoted) takes the paged path."""
         if impl == "reference":
             return attend(i, q, pool, positions, sink, window)
 
-        def dense():
+        def flash(sinks, windows):
             kc, vc = cached_kv(pool, b["slots"][:, i])
             ok = (b["slots"][:, i] >= 0)[..., None]      # padding rows: zeros, never a freed slot's NaN
             k, v = (jnp.where(ok, a, 0).astype(q.dtype) for a in (kc, vc))
-            return head_class_prefill(q, k, v, (0,) * H, (0,) * H, scale=scale)[0].astype(q.dtype)
+            return head_class_prefill(q, k, v, sinks, windows, scale=scale)[0].astype(q.dtype)
 
-        return jax.lax.cond(jnp.all(window == 0), dense, lambda: attend(i, q, pool, positions, sink, window))
+        branches = [lambda: flash((0,) * H, (0,) * H), lambda: attend(i, q, pool, positions, sink, window)]
+        which = jnp.where(jnp.all(window == 0), 0, 1)
+        if head_windows is not None and any(head_windows[i][1]):
+            map_sink, map_window = head_windows[i]
+            branches.append(lambda: flash(map_sink, map_window))
+            as_map = jnp.all(window == jnp.asarray(map_window)) & jnp.all(sink == jnp.asarray(map_sink))
+            which = jnp.where(as_map & ~jnp.all(window == 0), 2, which)
+        return jax.lax.switch(which, branches)
 
     def layer_step(i, x, rows, pool, writes_mask, want_view=False, selected=None, tokens=False):
         """One layer over rows: returns x, pool, stats. `rows` = dict of per-row arrays."""
