@@ -267,8 +267,8 @@ class Reuser:
         T = row_bucket(n, floor=128)
         R = min(T, row_bucket(int(forced.sum()) + width * k_sel, floor=8))
         rows_are_tokens = bool(forced.all())
-        if rows_are_tokens:  # every token is a row: the prompt's own bucket, so the flash path applies
-            R = T
+        if rows_are_tokens:  # every token is a row: one bucket for both, so the flash path applies
+            T = R
         select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
 
         table = self._allocate(L * H * npg).reshape(L, H, npg)
