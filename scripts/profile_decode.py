@@ -31,7 +31,8 @@ def kernel_table(trace_dir: Path, top: int) -> tuple[list[tuple[str, float, int]
         raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
     events = json.load(gzip.open(files[-1]))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    pids = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    pids = {e["pid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
     dev = [e for e in events if e.get("ph") == "X" and "dur" in e
            and ("gpu" in pids.get(e["pid"], "").lower() or "/device:" in pids.get(e["pid"], "").lower())]
     print("trace processes:", sorted(set(pids.values()))[:12])
@@ -53,7 +54,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each runs decode_steps tokens)")
+    ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each: decode_steps tokens)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--max-step-tokens", type=int, default=8192, help="as scripts/bench_e2e.py's batch row")
     ap.add_argument("--warm", type=int, default=3, help="untimed engine steps first (prefill + compiles)")
@@ -61,9 +62,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import jax
     import numpy as np
+    from bench_e2e import make_checkpoint
 
     import jaxkv
-    from bench_e2e import make_checkpoint
     from jaxkv.engine.engine import Engine
     from jaxkv.sampling import SamplingParams
 

@@ -260,7 +260,7 @@ def test_selection_size_is_data_so_prompts_share_a_compilation(model, pieces):
                                   dict(name="full")])
 def test_token_ordered_rows_through_the_flash_path_match_the_paged_path(model, pieces, spec):
     """Rows that are the prompt's tokens in order take the fresh-prefill kernel over gathered K/V (with the
-    map's windows when no local head is promoted); the paged path (reference impl) must give the same logits."""
+    map's windows when no local head is promoted); the paged path (reference impl) gives the same logits."""
     cfg = model.config
     pre, s1, s2, suf = pieces
     spec = dict(spec)
