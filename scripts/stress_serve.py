@@ -306,7 +306,7 @@ def restart_phase(s: ServerProcess, args: list[str], port: int) -> tuple[dict, S
     s.proc.kill()  # SIGKILL: no shutdown handler runs
     s.proc.wait()
     t0 = time.perf_counter()
-    s2 = ServerProcess([*args, "--port", str(port)])
+    s2 = ServerProcess([*args, "--port", str(port)], timeout=1200 if "--precompile" in args else 240)
     ready = time.perf_counter() - t0
     r = httpx.post(f"{s2.url}/completions", json={"model": s2.name, "prompt": "hi", "max_tokens": 2},
                    timeout=60)
@@ -380,6 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--write-docs", action="store_true", help="replace the table in docs/benchmarks.md")
+    ap.add_argument("--precompile", action="store_true",
+                    help="start the server with --precompile (every step variant compiled before serving)")
     ap.add_argument("--bursts", type=int, default=None,
                     help="identical load bursts (RSS after each: a leak grows every time); default 2, --short 1")
     a = ap.parse_args(argv)
@@ -395,9 +397,11 @@ def main(argv=None) -> int:
             "--request-timeout", str(timeout)]
     if a.model:
         base = ["--model", a.model, *base]
+    if a.precompile:
+        base = ["--precompile", *base]
     port = free_port()
     started = time.perf_counter()
-    s = ServerProcess([*base, "--port", str(port)])
+    s = ServerProcess([*base, "--port", str(port)], timeout=1200 if a.precompile else 240)
     s.max_model_len = max_model_len
     result = {"short": short, "num_pages": num_pages, "phase_s": {}}
 
