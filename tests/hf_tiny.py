@@ -210,3 +210,23 @@ def make_tiny_checkpoint(
         gen_cfg["pad_token_id"] = cfg.pad_token_id
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     return path
+
+
+def sharp_gqa_toy(path: Path, seed: int) -> Path:
+    """A random 3-layer GQA model (4 query / 2 KV heads of 8) in HF layout, from scripts/train_tiny.py, with
+    Q/K projections scaled 6x over the 0.02 init: attention sharp enough that page or token selections
+    change the output (retrieval policy tests)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_tiny", root / "scripts" / "train_tiny.py")
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    conf = json.loads((root / "configs" / "tiny_default.json").read_text())["model"]
+    conf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    cfg = tt.hf_config(conf)
+    params = tt.init_params(cfg, seed)
+    params = {k: v * (6.0 if "q_proj" in k or "k_proj" in k else 1.0) for k, v in params.items()}
+    tt.export_hf(params, cfg, path)
+    return path

@@ -2,9 +2,7 @@
 oracle that picks pages from a dense cache, per-request override, errors."""
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +11,7 @@ import pytest
 
 from jaxkv.policies import POLICIES, get_policy
 from jaxkv.policies.retrieve.quest import Quest, page_bounds
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.hf_tiny import sharp_gqa_toy
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +19,7 @@ def toy(tmp_path_factory):
     """A random 3-layer GQA model with sharp attention (so page choices matter)."""
     import jaxkv
 
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
-    conf = json.loads((ROOT / "configs" / "tiny_default.json").read_text())["model"]
-    conf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8)
-    cfg = tt.hf_config(conf)
-    out = tmp_path_factory.mktemp("quest-toy")
-    params = tt.init_params(cfg, 1)
-    params = {k: v * (6.0 if "q_proj" in k or "k_proj" in k else 1.0) for k, v in params.items()}
-    tt.export_hf(params, cfg, out)
-    return jaxkv.load(out)
+    return jaxkv.load(sharp_gqa_toy(tmp_path_factory.mktemp("quest-toy"), seed=1))
 
 
 def test_registered_and_validated():

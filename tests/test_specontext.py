@@ -14,6 +14,7 @@ import pytest
 from jaxkv.policies import POLICIES, get_policy
 from jaxkv.policies.retrieve import Selection, overlap, select
 from jaxkv.policies.retrieve import specontext as sc
+from tests.hf_tiny import sharp_gqa_toy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,18 +24,7 @@ def toy(tmp_path_factory):
     """A random 3-layer GQA model in HF layout with a random retrieval head (tap 1) beside it."""
     import jaxkv
 
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
-    conf = json.loads((ROOT / "configs" / "tiny_default.json").read_text())["model"]
-    conf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8)
-    cfg = tt.hf_config(conf)
-    out = tmp_path_factory.mktemp("toy")
-    params = tt.init_params(cfg, 0)
-    # Sharper attention than the 0.02 init, so selections matter.
-    params = {k: v * (6.0 if "q_proj" in k or "k_proj" in k else 1.0) for k, v in params.items()}
-    tt.export_hf(params, cfg, out)
+    out = sharp_gqa_toy(tmp_path_factory.mktemp("toy"), seed=0)
     model = jaxkv.load(out)
     head = sc.init_head(sc.HeadConfig.for_model(model.config, tap_layer=1, model_id=model.model_id),
                         jax.random.PRNGKey(3), scale=0.5)

@@ -129,12 +129,13 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
                                  implementation=impl, ordered=True)
         return out
 
-    def attend_tokens(i, q, pool, positions, sink, window):
+    def attend_tokens(i, q, pool, positions, sink, window, windowed: bool):
         """Rows are the prompt's tokens in order (positions 0..T-1): this layer's K/V, reused or recomputed,
         gathered into contiguous [T, Hkv, D] and attended with the fresh-prefill kernel (cuDNN / Mosaic flash
         on a GPU; ~3x the paged kernel's prefill mode at 32K on an H200) when every head attends to its
         whole history, or when the heads' windows are the map's (no local head promoted in this layer: the
-        kernel's own sink + window heads); any other mix (some local heads promoted) takes the paged path."""
+        kernel's own sink + window heads); any other mix (some local heads promoted) takes the paged path.
+        `windowed` (static): this layer's windows may be non-zero; else the full-history kernel, no switch."""
         if impl == "reference":
             return attend(i, q, pool, positions, sink, window)
 
@@ -144,6 +145,8 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
             k, v = (jnp.where(ok, a, 0).astype(q.dtype) for a in (kc, vc))
             return head_class_prefill(q, k, v, sinks, windows, scale=scale)[0].astype(q.dtype)
 
+        if not windowed:
+            return flash((0,) * H, (0,) * H)
         branches = [lambda: flash((0,) * H, (0,) * H), lambda: attend(i, q, pool, positions, sink, window)]
         which = jnp.where(jnp.all(window == 0), 0, 1)
         if head_windows is not None and any(head_windows[i][1]):
@@ -182,7 +185,11 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
                 local = ~view.is_global & ~promoted
                 sink, window = jnp.where(local, view.sink, 0), jnp.where(local, view.window, 0)
         pool = write_kv(pool, kf, vf, positions, jnp.where(w, slots, -1))
-        out = (attend_tokens if tokens else attend)(i, q, pool, positions, sink, window)
+        if tokens:
+            out = attend_tokens(i, q, pool, positions, sink, window,
+                                windowed=writes_mask is not None and policy.local_windows)
+        else:
+            out = attend(i, q, pool, positions, sink, window)
         out = out.reshape(out.shape[0], -1) @ p["wo"]
         x = x + (out + p["bo"] if cfg.o_bias else out)
         valid = positions >= 0
