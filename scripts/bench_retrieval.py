@@ -15,13 +15,17 @@ step (K = 1) per method at the context `prompt + new` instead (compile only; a C
     python scripts/bench_retrieval.py --batch 16 --prompt 2048 --gen 32768 --budget 1024 --host-tier  # GPU
     python scripts/bench_retrieval.py --batch 2 --prompt 64 --new 32 --budget 16 --page-size 4   # CPU smoke
     python scripts/bench_retrieval.py --cost --methods full,specontext --gen 30720               # CPU proxy
+    python scripts/bench_retrieval.py --shape 1b --batch 16 --prompt 2048 --gen 32768 --methods full,specontext
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +35,36 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 
+def random_head_beside(model, num_heads: int | None = None, seed: int = 0) -> None:
+    """Saves a random-weight retrieval head beside `model` (a random-weight checkpoint made here): its
+    selections mean nothing, but its cost per step is a distilled head's, which is what a speed run needs."""
+    import jax
+
+    from jaxkv.policies.retrieve import specontext as sc
+
+    cfg = model.config
+    hc = sc.HeadConfig.for_model(cfg, num_heads=num_heads or 2 * cfg.num_kv_heads, model_id=model.model_id)
+    sc.save_head(Path(model.path) / sc.HEAD_DIR, sc.init_head(hc, jax.random.PRNGKey(seed)),
+                 {"random": True, "seed": seed})
+
+
+def load_model(args, tmp: str):
+    """`--model` as is, or with `--shape` a random-weight checkpoint of that shape (scripts/bench_e2e.py) and
+    a random retrieval head beside it."""
+    import jaxkv
+
+    if not args.shape:
+        return jaxkv.load(args.model, dtype=args.dtype)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_e2e import make_checkpoint
+
+    path = Path(tmp) / args.shape
+    make_checkpoint(args.shape, path, args.prompt + args.new + 1)
+    model = jaxkv.load(path, dtype=args.dtype)
+    random_head_beside(model)
+    return model
+
+
 def make_engine(model, method: str, args, **kw):
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
@@ -38,7 +72,10 @@ def make_engine(model, method: str, args, **kw):
     cfg = model.config
     pol = {} if method == "full" else {"kv_policy": method, "kv_budget": args.budget,
                                        "retrieval_host_tier": args.host_tier}
-    return Engine(model, max_num_seqs=args.batch, max_model_len=args.prompt + args.new + 1,
+    max_len = args.prompt + args.new + 1
+    # Every row's whole context in the pool (the default pool budget would preempt real-size models).
+    kw.setdefault("num_pages", args.batch * cfg.num_layers * cfg.num_kv_heads * -(-max_len // args.page_size))
+    return Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
                   page_size=args.page_size, max_step_tokens=args.max_step_tokens,
                   head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
                   **pol, **kw)
@@ -74,9 +111,11 @@ def step_cost(model, method: str, args) -> dict:
             rn.params, rn.pool, retrieval._on_device(d), r._state_for(pol), r.params_for(pol), r._summary_for(pol),
             r._buffer_for(pol), r._host_for(pol), cfg=cfg, policy=pol, attn_impl=rn.attn_impl, greedy=True,
             local_layers=r.local_layers, chunk=r._chunk(pol, s))
-    c = lowered.compile().cost_analysis()
+    compiled = lowered.compile()
+    c = compiled.cost_analysis()
     c = c[0] if isinstance(c, list) else c
-    return {"method": method, "budget": None if method == "full" else args.budget, "batch": s,
+    targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
+    return {"custom_calls": dict(targets), "method": method, "budget": None if method == "full" else args.budget, "batch": s,
             "context": args.prompt + args.new, "flops": c.get("flops"), "bytes_accessed": c.get("bytes accessed")}
 
 
@@ -121,11 +160,58 @@ def run_method(model, method: str, args) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    import jaxkv
+def run_points(model, method: str, args) -> list[dict]:
+    """Steady decode speed at fixed contexts: per point, `batch` prompts of that many tokens, then
+    `--point-steps` engine steps of decode; steps that compiled nothing and decoded every row count."""
+    import jax
 
+    from jaxkv.engine import retrieval, runner
+    from jaxkv.sampling import SamplingParams
+
+    cfg = model.config
+    compiles = lambda: runner.num_compilations() + retrieval.num_compilations()  # noqa: E731
+    out = []
+    for ctx in (int(c) for c in args.points.split(",")):
+        a = argparse.Namespace(**{**vars(args), "prompt": ctx, "new": 16 * args.point_steps})
+        eng = make_engine(model, method, a)
+        rng = np.random.default_rng(ctx)
+        sp = SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True)
+        for _ in range(args.batch):
+            eng.add_request(rng.integers(10, cfg.vocab_size, ctx).tolist(), sp)
+        started, tokens, secs = set(), 0, 0.0
+        while eng.has_unfinished():
+            c0, t0 = compiles(), time.perf_counter()
+            outs = eng.step()
+            jax.block_until_ready(eng.runner.pool.k)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.new_token_ids) for o in outs)
+            if len(started) == args.batch and compiles() == c0 and n == args.batch * eng.decode_steps:
+                tokens, secs = tokens + n, secs + dt
+            started |= {o.request_id for o in outs if o.new_token_ids}
+        row = {"method": method, "context": ctx, "batch": args.batch, "steady_tokens": tokens,
+               "ms_per_token_step": 1e3 * secs * args.batch / tokens if tokens else float("nan")}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+        del eng
+    return out
+
+
+def estimate(points: list[dict], start: int, end: int) -> float:
+    """tokens/s of decoding every row from context `start` to `end`, the step time interpolated linearly
+    between the measured contexts (held flat outside them)."""
+    xs = np.array([p["context"] for p in points], float)
+    ys = np.array([p["ms_per_token_step"] for p in points], float)
+    ctx = np.arange(start, end, 64, dtype=float)
+    ms = np.interp(ctx, xs, ys).mean()
+    return 1e3 / ms
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
+    ap.add_argument("--shape", choices=("1b", "8b", "small"),
+                    help="instead of --model: a random-weight checkpoint of this shape (scripts/bench_e2e.py) "
+                         "with a random retrieval head (speed only: its selections mean nothing)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="full,specontext,quest")
     ap.add_argument("--batch", type=int, default=16)
@@ -138,8 +224,26 @@ def main(argv=None) -> int:
                     help="SpeContext loads its selection diff from a host-memory mirror of the pool")
     ap.add_argument("--cost", action="store_true", help="cost_analysis of one decode step per method, no run")
     ap.add_argument("--out", help="JSON lines file")
+    ap.add_argument("--points", help="contexts (comma-separated): steady decode step time at each instead of "
+                                     "one long run; the table adds the [prompt -> prompt + gen] estimate")
+    ap.add_argument("--point-steps", type=int, default=4, help="decode engine steps per point")
     args = ap.parse_args(argv)
-    model = jaxkv.load(args.model, dtype=args.dtype)
+    tmp = tempfile.TemporaryDirectory()
+    model = load_model(args, tmp.name)
+    if args.points:
+        per = {m: run_points(model, m, args) for m in args.methods.split(",")}
+        print(f"\n{' '.join(sys.argv)}")
+        ctxs = [p["context"] for p in next(iter(per.values()))]
+        print("| method | " + " | ".join(f"ms / step @ {c}" for c in ctxs)
+              + f" | est. tok/s [{args.prompt} -> {args.prompt + args.new}] | vs first |")
+        print("|---|" + "---|" * (len(ctxs) + 2))
+        first = None
+        for m, pts in per.items():
+            tps = args.batch * estimate(pts, args.prompt, args.prompt + args.new)
+            first = first or tps
+            print(f"| {m} | " + " | ".join(f"{p['ms_per_token_step']:.3f}" for p in pts)
+                  + f" | {tps:.0f} | {tps / first:.2f}x |")
+        return 0
     rows = []
     for method in args.methods.split(","):
         row = (step_cost if args.cost else run_method)(model, method, args)

@@ -2,6 +2,7 @@
 
     python scripts/profile_decode.py --batch 1 --prompt 8192      # 1B shape, random weights (GPU)
     python scripts/profile_decode.py --small                      # tiny model, CPU smoke run
+    python scripts/profile_decode.py --batch 16 --prompt 16384 --kv-policy specontext --kv-budget 1024
 
 Builds the random-weight checkpoint like scripts/bench_e2e.py, warms the engine (compiles), then records
 `--steps` engine steps with `jax.profiler` (perfetto trace) and prints the kernels by total time, their call
@@ -57,8 +58,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each: decode_steps tokens)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--max-step-tokens", type=int, default=8192, help="as scripts/bench_e2e.py's batch row")
-    ap.add_argument("--warm", type=int, default=3, help="untimed engine steps first (prefill + compiles)")
+    ap.add_argument("--warm", type=int, default=3, help="untimed decode engine steps after the prefill (compiles)")
     ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--kv-policy", default=None,
+                    help="engine-wide KV policy (e.g. specontext: a random retrieval head is saved beside the "
+                         "random checkpoint), all heads global")
+    ap.add_argument("--kv-budget", type=float, default=None)
     args = ap.parse_args(argv)
     import jax
     import numpy as np
@@ -71,16 +76,34 @@ def main(argv=None):
     shape = "small" if args.small else args.shape
     prompt = 64 if args.small else args.prompt
     new = 64 * (args.steps + 4)
-    with tempfile.TemporaryDirectory() as tmp:
-        make_checkpoint(shape, Path(tmp) / shape, prompt + new)
-        model = jaxkv.load(Path(tmp) / shape, dtype="float32" if args.small else "bfloat16")
-    eng = Engine(model, page_size=16, max_num_seqs=args.batch, max_model_len=prompt + new,
-                 max_step_tokens=min(args.max_step_tokens, prompt * args.batch), enable_prefix_caching=False)
+    tmpdir = tempfile.TemporaryDirectory()  # kept until exit: the retrieval head loads on first use
+    tmp = tmpdir.name
+    make_checkpoint(shape, Path(tmp) / shape, prompt + new)
+    model = jaxkv.load(Path(tmp) / shape, dtype="float32" if args.small else "bfloat16")
+    cfg = model.config
+    pol = {}
+    if args.kv_policy:
+        from bench_retrieval import random_head_beside
+
+        from jaxkv.cache.head_classes import all_global
+
+        if args.kv_policy == "specontext":
+            random_head_beside(model)
+        budget = int(args.kv_budget) if args.kv_budget and args.kv_budget >= 1 else args.kv_budget
+        pol = dict(kv_policy=args.kv_policy, kv_budget=budget,
+                   head_classes=all_global(cfg.num_layers, cfg.num_kv_heads))
+    pages = args.batch * cfg.num_layers * cfg.num_kv_heads * -(-(prompt + new) // 16)  # no preemption
+    eng = Engine(model, page_size=16, max_num_seqs=args.batch, max_model_len=prompt + new, num_pages=pages,
+                 max_step_tokens=min(args.max_step_tokens, prompt * args.batch), enable_prefix_caching=False,
+                 **pol)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(rng.integers(10, model.config.vocab_size - 10, prompt).tolist(), sp)
-    for _ in range(args.warm):   # prefill + first decode calls: compiles
+    started = set()
+    while len(started) < args.batch and eng.has_unfinished():  # the whole prefill, so only decode is traced
+        started |= {o.request_id for o in eng.step() if o.new_token_ids}
+    for _ in range(args.warm):   # first decode calls: compiles
         eng.step()
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxkv-trace-"))
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import pytest
 from jaxkv.policies import POLICIES, get_policy
 from jaxkv.policies.retrieve import Selection, overlap, select
 from jaxkv.policies.retrieve import specontext as sc
+from jaxkv.policies.retrieve.base import select_sorted
 from tests.hf_tiny import sharp_gqa_toy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,42 @@ def test_select_rule(budget, sink, recent):
             rest = [i for i in range(p + 1) if i not in forced]
             best = sorted(rest, key=lambda i: -scores[r, hh, i])[: c - len(forced)]
             assert set(got.tolist()) == forced | set(best)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "nan", "signed_zeros", "negative"])
+def test_select_radix_equals_sorted_twin(kind):
+    """The radix select (no top-k sort) picks exactly what top_k + sort picks, ties to the lower index."""
+    rng = np.random.default_rng(len(kind))
+    for _ in range(6):
+        s, h, n = 3, 2, int(rng.integers(5, 200))
+        budget = int(rng.integers(3, n + 8))
+        scores = {"uniform": lambda: rng.random((s, h, n)),
+                  "ties": lambda: rng.integers(0, 3, (s, h, n)) / 3,
+                  "nan": lambda: np.where(rng.random((s, h, n)) < 0.2, np.nan, rng.random((s, h, n))),
+                  "signed_zeros": lambda: np.where(rng.random((s, h, n)) < 0.5, -0.0, 0.0),
+                  "negative": lambda: -rng.exponential(size=(s, h, n))}[kind]().astype(np.float32)
+        q_pos = jnp.asarray(rng.integers(0, n, s), jnp.int32)
+        a = select(jnp.asarray(scores), q_pos, budget=budget, sink=1, recent=1)
+        b = select_sorted(jnp.asarray(scores), q_pos, budget=budget, sink=1, recent=1)
+        np.testing.assert_array_equal(np.asarray(a.count), np.asarray(b.count))
+        np.testing.assert_array_equal(np.asarray(a.idx), np.asarray(b.idx))
+
+
+def test_score_rows_reads_state_rows_in_place(toy):
+    """The engine's in-place scoring equals gathering the state rows and scoring them."""
+    _, head = toy
+    c = head.config
+    n, rows_in_state = 48, 4
+    pol = sc.SpeContext(budget=8)
+    x = jax.random.normal(jax.random.PRNGKey(1), (rows_in_state, n, c.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (rows_in_state, n))
+    state = pol.observe(head, pol.init_state(head, rows_in_state, 64), x, positions)
+    rows = jnp.array([2, 0, 3], jnp.int32)
+    qpos = jnp.array([[47], [20], [33]], jnp.int32)
+    xq = x[rows][jnp.arange(3), qpos[:, 0]][:, None]
+    got = pol.score_rows(head, state, xq, qpos, rows, n)
+    want, _ = pol.scores(head, state[rows, :n], xq, qpos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
 def test_overlap_counts_shared_slots():

@@ -277,8 +277,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
         for i, p in enumerate(params["layers"]):
             if shared and i == first:
                 rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
-                hs = rstate[jnp.maximum(d["head_rows"], 0), :n_slots] if rstate is not None else None
-                scores, _ = policy.scores(head, hs, x, pos2)
+                scores = policy.score_rows(head, rstate, x, pos2, jnp.maximum(d["head_rows"], 0), n_slots)
                 now = policy.select(scores, positions)
                 sbuf, stats, moved = _refresh(
                     sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],

@@ -97,11 +97,42 @@ class RetrievalPolicy:
     def scores(self, head, state, x: jax.Array, positions: jax.Array):
         raise NotImplementedError
 
+    def score_rows(self, head, state, x: jax.Array, positions: jax.Array, rows: jax.Array, num_slots: int):
+        """Engine form of `scores` for one decode query per row: the step's tokens are already in `state`
+        (`observe_tokens`), ``rows`` [S] is the state row of each query row, and only the first
+        ``num_slots`` slots are scored. Returns scores [S, Hkv, num_slots]. The default gathers the rows
+        (a copy) and calls `scores`; a method overrides it to read its state in place."""
+        hs = None if state is None else state[rows, :num_slots]
+        return self.scores(head, hs, x, positions)[0]
+
     def select(self, scores: jax.Array, q_pos: jax.Array) -> Selection:
         return select(scores, q_pos, budget=self.budget, sink=self.sink, recent=self.recent)
 
 
-def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, recent: int = 0) -> Selection:
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (-inf lowest, +inf highest; NaN must be removed first)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
+
+
+def kth_largest_key(key: jax.Array, k: jax.Array, digit_bits: int = 2) -> jax.Array:
+    """Per row of key [..., N] (uint32), the k-th largest value (k [...] >= 1): a radix select, most
+    significant digit first, each pass one fused count of the row against the 2^digit_bits - 1 candidate
+    prefixes (32 / digit_bits passes that read the row once each; no sort)."""
+    if 32 % digit_bits:
+        raise ValueError(f"digit_bits must divide 32 (got {digit_bits})")
+    prefix = jnp.zeros(key.shape[:-1], jnp.uint32)
+    steps = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)  # candidate digits 1..2^b-1
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+        cand = prefix[..., None] | (steps << shift)  # [..., C]
+        cnt = jnp.sum(key[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # [..., C]
+        digit = jnp.sum(cnt >= k[..., None], axis=-1).astype(jnp.uint32)  # largest digit with >= k above
+        prefix = prefix | (digit << shift)
+    return prefix
+
+
+def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, recent: int = 0,
+           digit_bits: int = 2) -> Selection:
     """The shared read rule for one decode query per row.
 
     scores [S, Hkv, N] float (slot i holds position i); q_pos [S] int32 position of the current token (its
@@ -118,13 +149,19 @@ def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, r
     s = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
     s = jnp.where(jnp.isnan(s), -jnp.inf, s)
     rank = jnp.where(forced, jnp.inf, s)  # forced first (at most budget of them), invisible last
-    _, top = jax.lax.top_k(rank, k)  # [S, Hkv, k] best first
     count = jnp.minimum(k, q_pos + 1).astype(jnp.int32)
     count = jnp.broadcast_to(count[:, None], scores.shape[:2])
-    take = jnp.arange(k) < count[..., None]
-    big = jnp.iinfo(jnp.int32).max
-    idx = jnp.sort(jnp.where(take, top, big), axis=-1)
-    idx = jnp.where(idx == big, 0, idx).astype(jnp.int32)
+    # The count-th largest rank, then every slot above it and the lowest-index ties at it: no top-k sort,
+    # and the taken slots come out ascending by a cumulative count.
+    key = _order_key(rank)
+    kth = kth_largest_key(key, count, digit_bits)[..., None]
+    above = key > kth
+    ties = (key == kth) & (jnp.cumsum(key == kth, axis=-1) <= count[..., None] - jnp.sum(above, -1, keepdims=True))
+    take = above | ties
+    dest = jnp.where(take, jnp.cumsum(take, axis=-1) - 1, k)
+    lead = jnp.indices(dest.shape[:-1] + (1,), sparse=True)[:-1]
+    idx = jnp.zeros(dest.shape[:-1] + (k,), jnp.int32).at[(*lead, dest)].set(
+        jnp.broadcast_to(i, dest.shape), mode="drop")
     if k < budget:
         idx = jnp.pad(idx, [(0, 0), (0, 0), (0, budget - k)])
     return Selection(idx=idx, count=count)
@@ -134,3 +171,26 @@ def overlap(prev: Selection, now: Selection) -> jax.Array:
     """[S, Hkv] int32: slots of `now` that `prev` already held (what an elastic buffer need not load)."""
     hit = (now.idx[..., :, None] == prev.idx[..., None, :]) & prev.mask()[..., None, :]
     return jnp.sum(jnp.any(hit, axis=-1) & now.mask(), axis=-1).astype(jnp.int32)
+
+
+def select_sorted(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, recent: int = 0
+                  ) -> Selection:
+    """`select` by `lax.top_k` and a sort: its twin (same rule, same ties), kept to check it and to time it
+    against (scripts/bench_select.py)."""
+    n = scores.shape[-1]
+    k = min(budget, n)
+    i = jnp.arange(n, dtype=jnp.int32)
+    p = q_pos[:, None, None]
+    visible = i <= p
+    forced = visible & ((i == p) | (i < sink) | (i >= p - recent))
+    s = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
+    _, top = jax.lax.top_k(jnp.where(forced, jnp.inf, s), k)  # [S, Hkv, k] best first, ties to the lower index
+    count = jnp.broadcast_to(jnp.minimum(k, q_pos + 1).astype(jnp.int32)[:, None], scores.shape[:2])
+    big = jnp.iinfo(jnp.int32).max
+    idx = jnp.sort(jnp.where(jnp.arange(k) < count[..., None], top, big), axis=-1)
+    idx = jnp.where(idx == big, 0, idx).astype(jnp.int32)
+    if k < budget:
+        idx = jnp.pad(idx, [(0, 0), (0, 0), (0, budget - k)])
+    return Selection(idx=idx, count=count)
+

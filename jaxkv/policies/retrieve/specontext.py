@@ -162,6 +162,20 @@ class SpeContext(RetrievalPolicy):
         w = group_weights(head_logits(head, q, state), visible)  # [S, Hkv, 1, N]
         return w[:, :, 0], state
 
+    def score_rows(self, head: RetrievalHead, state, x, positions, rows, num_slots):
+        """The decode query's weights over the state rows read in place: one multiply-reduce over the head
+        dim that XLA fuses with the row gather, instead of copying the rows out and writing the step's keys
+        (already in the state) into the copy (docs/specontext.md has the timings)."""
+        c = head.config
+        q, _ = head_qk(head, x[:, -1:], positions[:, -1:])  # [S, 1, Hq, Dr]
+        s = q.shape[0]
+        qg = q.reshape(s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim) * c.head_dim ** -0.5
+        keys = state[rows, :num_slots]  # [S, N, Hkv, Dr]: a gather XLA fuses into the reduce below
+        logits = jnp.sum(qg[:, None] * keys[:, :, :, None, :], axis=-1)  # [S, N, Hkv, G]
+        logits = jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [S, Hkv, G, 1, N]
+        visible = jnp.arange(num_slots)[None, None, :] <= positions[:, -1:, None]
+        return group_weights(logits, visible)[:, :, 0]
+
 
 # ---------------------------------------------------------------------------------------------- files
 
