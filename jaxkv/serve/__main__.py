@@ -24,7 +24,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt + completion tokens per request; default: max_position_embeddings")
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pool size in pages (one page = page_size slots of one layer and KV head); "
-                        "default: the engine's (about 1 GiB of KV)")
+                        "default: sized by --memory-utilization on an accelerator, 1 GiB of KV on the CPU")
+    p.add_argument("--memory-utilization", type=float, default=0.9, metavar="F",
+                   help="without --num-pages on an accelerator: the KV pool takes this fraction of the "
+                        "device allocator's limit, less the weights and a 2 GiB activation reserve")
     p.add_argument("--page-size", type=int, default=16, help="cache slots per page")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model and KV pages over this many devices by KV head (docs/parallel.md)")
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive integer (got {value})")
     if args.max_request_bytes < 0 or args.request_timeout < 0 or args.max_queued_requests < -1:
         p.error("--max-request-bytes and --request-timeout must be >= 0, --max-queued-requests >= -1")
+    if not 0.0 < args.memory_utilization <= 1.0:
+        p.error(f"--memory-utilization must lie in (0, 1] (got {args.memory_utilization})")
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535] (got {args.port})")
     if not Path(args.model).is_dir():
@@ -110,6 +115,7 @@ def main(argv=None) -> int:
     import jaxkv
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
+    from jaxkv.engine.memory import device_kv_bytes
     from jaxkv.parallel.mesh import make_mesh
     from jaxkv.serve.app import ServeLimits
     from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
@@ -124,7 +130,11 @@ def main(argv=None) -> int:
         head_classes = args.head_classes
         if head_classes == "global":
             head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
-        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
+        sized = {}
+        if args.num_pages is None:  # an accelerator: the pool from its memory (jaxkv/engine/memory.py)
+            kv_bytes = device_kv_bytes(args.memory_utilization)
+            sized = {} if kv_bytes is None else {"kv_cache_bytes": kv_bytes}
+        engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj)
@@ -149,9 +159,12 @@ def main(argv=None) -> int:
         warm_up(engine)
     policy = "none" if engine.kv_policy is None else (
         f"{engine.kv_policy.name} (budget {engine.kv_policy.budget:g})")
+    pool = engine.runner.pool
+    pool_gib = sum(x.nbytes for x in (pool.k, pool.v, pool.pos)) / 2**30
     classes = ", ".join(f"{n} {k}" for k, n in engine.head_classes.counts().items() if n)
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
-          f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots, KV heads: {classes}, "
+          f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots ({pool_gib:.2f} GiB), "
+          f"KV heads: {classes}, "
           f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
           f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}", flush=True)
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,

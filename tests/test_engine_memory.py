@@ -1,0 +1,48 @@
+"""The server's device-sized KV pool (jaxkv/engine/memory.py, `jaxkv.serve --memory-utilization`)."""
+
+import pytest
+
+from jaxkv.engine.memory import ACTIVATION_RESERVE, device_kv_bytes, pool_bytes
+
+GIB = 2**30
+
+
+def test_pool_bytes_is_the_limit_share_less_weights_and_reserve():
+    stats = {"bytes_limit": 100 * GIB, "bytes_in_use": 3 * GIB}
+    assert pool_bytes(stats, 0.9) == 90 * GIB - 3 * GIB - ACTIVATION_RESERVE
+    assert pool_bytes(stats, 0.5, reserve=0) == 47 * GIB
+    assert pool_bytes({"bytes_limit": 10 * GIB}, 1.0, reserve=GIB) == 9 * GIB  # nothing in use yet
+
+
+def test_pool_bytes_errors():
+    with pytest.raises(ValueError, match="no device memory left"):
+        pool_bytes({"bytes_limit": 4 * GIB, "bytes_in_use": 3 * GIB}, 0.9)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="utilization"):
+            pool_bytes({"bytes_limit": GIB}, bad)
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_kv_bytes_reads_allocator_stats_or_gives_none():
+    dev = _Device({"bytes_limit": 40 * GIB, "bytes_in_use": 2 * GIB})
+    assert device_kv_bytes(0.9, dev, reserve=0) == 34 * GIB
+    assert device_kv_bytes(0.9, _Device(None)) is None  # the CPU reports no stats: the engine default applies
+    assert device_kv_bytes(0.9, _Device({})) is None
+    assert device_kv_bytes(0.9) is None  # this CPU backend
+
+
+def test_serve_rejects_a_bad_utilization(capsys):
+    from jaxkv.serve.__main__ import parse_args
+
+    for bad in ("0", "1.2"):
+        with pytest.raises(SystemExit):
+            parse_args(["--memory-utilization", bad])
+        assert "--memory-utilization must lie in (0, 1]" in capsys.readouterr().err
+    assert parse_args(["--memory-utilization", "0.5"]).memory_utilization == 0.5
