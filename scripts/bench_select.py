@@ -80,7 +80,11 @@ def main(argv=None) -> int:
     for bits in (1, 2, 4):
         f = jax.jit(functools.partial(select, budget=b, digit_bits=bits))
         out.append((f"select: radix, {bits}-bit digits", timed(f, scores, q_pos, iters=args.iters)))
+    kernel = sc.SpeContext(budget=b, scores_impl="pallas" if jax.default_backend() == "gpu" else "reference")
+    by_kernel = jax.jit(lambda st, x, p: kernel.score_rows(head, st, x, p, rows, n))
     out += [("scores: in place (score_rows)", timed(in_place, state, x, pos, iters=args.iters)),
+            ("scores: retrieval-logits kernel (scores_impl=pallas)", timed(by_kernel, state, x, pos,
+                                                                            iters=args.iters)),
             ("scores: einsum over all state rows", timed(jax.jit(all_rows), state, x, pos, iters=args.iters)),
             ("scores: row copy + scores (before)", timed(copied, state, x, pos, iters=args.iters))]
     print(f"\n{' '.join(sys.argv)}  ({jax.devices()[0].device_kind})")

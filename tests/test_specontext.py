@@ -67,7 +67,8 @@ def test_select_radix_equals_sorted_twin(kind):
         budget = int(rng.integers(3, n + 8))
         u = rng.random((s, h, n))
         scores = {"uniform": u, "ties": np.floor(3 * u) / 3, "nan": np.where(u < 0.2, np.nan, u),
-                  "signed_zeros": np.where(u < 0.5, -0.0, 0.0), "negative": np.log(u)}[kind].astype(np.float32)
+                  "signed_zeros": np.where(u < 0.5, -0.0, 0.0), "negative": np.log(u)}[kind]
+        scores = scores.astype(np.float32)
         q_pos = jnp.asarray(rng.integers(0, n, s), jnp.int32)
         a = select(jnp.asarray(scores), q_pos, budget=budget, sink=1, recent=1)
         b = select_sorted(jnp.asarray(scores), q_pos, budget=budget, sink=1, recent=1)
@@ -87,9 +88,12 @@ def test_score_rows_reads_state_rows_in_place(toy):
     rows = jnp.array([2, 0, 3], jnp.int32)
     qpos = jnp.array([[47], [20], [33]], jnp.int32)
     xq = x[rows][jnp.arange(3), qpos[:, 0]][:, None]
-    got = pol.score_rows(head, state, xq, qpos, rows, n)
     want, _ = pol.scores(head, state[rows, :n], xq, qpos)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    for impl in ("xla", "pallas", "reference"):  # pallas: the retrieval-logits kernel, interpret mode here
+        got = sc.SpeContext(budget=8, scores_impl=impl).score_rows(head, state, xq, qpos, rows, n)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="scores_impl"):
+        sc.SpeContext(scores_impl="cuda")
 
 
 def test_overlap_counts_shared_slots():

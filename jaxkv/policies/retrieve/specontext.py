@@ -28,6 +28,7 @@ from jaxkv.models import rope
 from jaxkv.models.llama import rms_norm
 from jaxkv.policies.registry import register
 from jaxkv.policies.retrieve.base import RetrievalPolicy
+from pallas_kernels.retrieval_logits import retrieval_logits
 
 HEAD_DIR = "retrieval_head"
 FORMAT = "jaxkv.retrieval_head/v1"
@@ -136,6 +137,16 @@ class SpeContext(RetrievalPolicy):
     forced sinks or recent tokens besides the current one)."""
 
     name = "specontext"
+    # How the engine scores the key cache (`score_rows`): "xla" (a fused gather + multiply-reduce), or the
+    # retrieval-logits kernel ("pallas"; "reference" = its jnp twin). xla stays the default until the
+    # kernel is timed on a GPU (scripts/bench_select.py).
+    scores_impl: str = "xla"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.scores_impl not in ("xla", "pallas", "reference"):
+            raise ValueError(f"specontext: scores_impl must be 'xla', 'pallas' or 'reference' "
+                             f"(got {self.scores_impl!r})")
 
     def tap_layer(self, head: RetrievalHead) -> int:
         return head.config.tap_layer
@@ -170,9 +181,13 @@ class SpeContext(RetrievalPolicy):
         q, _ = head_qk(head, x[:, -1:], positions[:, -1:])  # [S, 1, Hq, Dr]
         s = q.shape[0]
         qg = q.reshape(s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim) * c.head_dim ** -0.5
-        keys = state[rows, :num_slots]  # [S, N, Hkv, Dr]: a gather XLA fuses into the reduce below
-        logits = jnp.sum(qg[:, None] * keys[:, :, :, None, :], axis=-1)  # [S, N, Hkv, G]
-        logits = jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [S, Hkv, G, 1, N]
+        if self.scores_impl == "xla":
+            keys = state[rows, :num_slots]  # [S, N, Hkv, Dr]: a gather XLA fuses into the reduce below
+            logits = jnp.sum(qg[:, None] * keys[:, :, :, None, :], axis=-1)  # [S, N, Hkv, G]
+            logits = jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [S, Hkv, G, 1, N]
+        else:
+            logits = retrieval_logits(qg, state, rows, positions[:, -1], num_slots=num_slots,
+                                      implementation=self.scores_impl)[:, :, :, None]
         visible = jnp.arange(num_slots)[None, None, :] <= positions[:, -1:, None]
         return group_weights(logits, visible)[:, :, 0]
 
