@@ -416,6 +416,24 @@ def test_engine_full_budget_equals_full_attention(toy, decode_steps):
     assert r.steps > 0 and r.slots_new == r.steps * model.config.num_kv_heads
 
 
+@pytest.mark.parametrize("attn_impl", [None, "pallas"])
+def test_engine_full_budget_with_local_heads_equals_full_cache(toy, attn_impl):
+    """Ring (local) heads keep their sink + window attention under the policy: with the whole context in
+    budget, the retrieval decode (deferred K/V writes, own token by the lse) equals the full-cache engine
+    with the same head-class map."""
+    from jaxkv.cache.head_classes import HeadClass, HeadClassMap
+
+    model, _ = toy
+    cfg = model.config
+    row = (HeadClass.global_(),) + (HeadClass.local(2, 8),) * (cfg.num_kv_heads - 1)
+    classes = HeadClassMap(cfg.num_layers, cfg.num_kv_heads, (row,) * cfg.num_layers)
+    ids = _prompt(model, 40, 1)
+    kw = dict(head_classes=classes, attn_impl=attn_impl)
+    (full,), _ = _engine_run(model, [(ids, None, None)], **kw)
+    (got,), _ = _engine_run(model, [(ids, None, None)], kv_policy="specontext", kv_budget=256, **kw)
+    assert got == full
+
+
 def test_engine_small_budget_equals_dense_masked_oracle(toy):
     """Small budget: the engine's tokens equal the library decode over a dense cache (itself checked
     against a dense forward masked to the selected positions above)."""
@@ -430,6 +448,20 @@ def test_engine_small_budget_equals_dense_masked_oracle(toy):
         assert got == want
         (full,), _ = _engine_run(model, [(ids, None, None)])
         assert got != full  # the budget matters on this toy
+
+
+def test_engine_small_budget_pallas_path_equals_library_decode(toy):
+    """The Pallas attention path (interpret mode here): one buffer attention plan per step, K/V written
+    once after the last layer, every layer adding the token's own K/V by the lse; same tokens as the
+    library decode."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    ids = _prompt(model, 40, 3)
+    want = decode.generate(model, pol, head, ids, 12)["token_ids"]
+    (got,), _ = _engine_run(model, [(ids, None, None)], kv_policy=pol, attn_impl="pallas")
+    assert got == want
 
 
 def test_engine_per_request_override_and_mixed_steps(toy):

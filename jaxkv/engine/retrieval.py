@@ -38,7 +38,11 @@ from jaxkv.engine.host_tier import AVAILABLE as HOST_TIER_AVAILABLE
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve.base import RetrievalPolicy
 from pallas_kernels.head_class_prefill.api import head_class_prefill
-from pallas_kernels.paged_attention.api import paged_attention
+from pallas_kernels.paged_attention.api import (
+    paged_attention,
+    paged_attention_plan,
+    paged_attention_with_plan,
+)
 
 
 def is_retrieval(req) -> bool:
@@ -108,20 +112,40 @@ def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
     return k, v, kpos
 
 
-def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl):
-    """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
-    place: the buffer is a page pool whose page (row, KV head, j) holds slots j * page_size.. of that head's
-    W slots (unordered; masked by stored position). The paged kernel reads bf16 K/V with fp32 accumulation (the
-    jnp twin elsewhere, fp32)."""
-    _, r, hkv, w, d = buf.k.shape
+def _buffer_view(buf, buf_rows, page_size):
+    """The selection buffer as a page pool: page (row, KV head, j) holds slots j * page_size.. of that
+    head's W slots (unordered; masked by stored position) -> (page_table [S, Hkv, W / page_size], slot
+    positions [pages, page_size], lengths [S, Hkv])."""
+    _, r, hkv, w, _ = buf.k.shape
     npg = w // page_size
-    pages = lambda x: x.reshape(r * hkv * npg, page_size, d)  # noqa: E731
     pid = (buf_rows[:, None, None] * hkv + jnp.arange(hkv)[None, :, None]) * npg + jnp.arange(npg)
     pt = jnp.where(buf_rows[:, None, None] >= 0, pid, -1).astype(jnp.int32)
-    s = q.shape[0]
-    return paged_attention(q, pages(buf.k[layer]), pages(buf.v[layer]), buf.pos.reshape(r * hkv * npg, page_size),
-                           pt, jnp.full((s, hkv), w, jnp.int32), q_seq, positions, jnp.zeros((hkv,), jnp.int32),
-                           jnp.full((hkv,), window, jnp.int32), scale=scale, implementation=attn_impl)
+    return pt, buf.pos.reshape(r * hkv * npg, page_size), jnp.full((buf_rows.shape[0], hkv), w, jnp.int32)
+
+
+def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl,
+                      plan=None):
+    """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
+    place (`_buffer_view`). The paged kernel reads bf16 K/V with fp32 accumulation (the jnp twin elsewhere,
+    fp32). With `plan` (the step's `paged_attention_plan` of the buffer, shared by every buffered layer of
+    this window) the kernel runs without re-planning per layer."""
+    d = buf.k.shape[-1]
+    pt, slot_pos, lengths = _buffer_view(buf, buf_rows, page_size)
+    pages = lambda x: x.reshape(-1, page_size, d)  # noqa: E731
+    if plan is not None:
+        return paged_attention_with_plan(plan, q, pages(buf.k[layer]), pages(buf.v[layer]), slot_pos, pt,
+                                         scale=scale)
+    hkv = pt.shape[1]
+    return paged_attention(q, pages(buf.k[layer]), pages(buf.v[layer]), slot_pos, pt, lengths, q_seq, positions,
+                           jnp.zeros((hkv,), jnp.int32), jnp.full((hkv,), window, jnp.int32), scale=scale,
+                           implementation=attn_impl)
+
+
+def _buffer_plan(buf, buf_rows, q_seq, positions, *, page_size, window, num_q_heads):
+    pt, slot_pos, lengths = _buffer_view(buf, buf_rows, page_size)
+    hkv = pt.shape[1]
+    return paged_attention_plan(slot_pos, pt, lengths, q_seq, positions, jnp.zeros((hkv,), jnp.int32),
+                                jnp.full((hkv,), window, jnp.int32), num_q_heads=num_q_heads, ordered=False)
 
 
 def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start, *, page_size, chunk):
@@ -224,6 +248,12 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     pt_all = d["page_table"]  # [S, L, Hkv, P]
     n_slots = pt_all.shape[-1] * pool.page_size
     shared = not policy.layer_wise
+    # Shared policies defer the step's K/V writes to one scatter after the last layer (as the runner's
+    # decode): every layer attends the pool as it was before the step and adds the token's own K/V by the
+    # lse, so no layer needs it in the pool (the buffer never holds the current token). On the Pallas
+    # path the buffer's attention plan is built once per step, not per layer.
+    deferred = shared
+    use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
     first = policy.tap_layer(head) if shared else policy.dense_layers
     hkv = cfg.num_kv_heads
     local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
@@ -233,33 +263,45 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
 
     def body(carry, xs):
         (pool, summary, sbuf), rstate, tok, done = carry
-        k, slots, lengths, active = xs
+        k, slots, lengths, prev_lengths, active = xs
         live = active & ~done
         positions = d["positions"] + k
         q_seq = jnp.where(live, rows, -1)
         slots = jnp.where(live[:, None, None], slots, -1)
         pos2 = positions[:, None]
         brows = jnp.where(live, d["head_rows"], -1)
+        plans = {}  # window -> the buffer's attention plan of this step (built after the refresh)
 
         def attend(layer, q, kk, vv, state):
-            pool, summary, sbuf = state
-            pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
+            pool, summary, sbuf, ks, vs = state
+            own_k, own_v = kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype)
+            if deferred:
+                ks, vs = ks + (kk[:, 0],), vs + (vv[:, 0],)
+            else:
+                pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
             if summary is not None:
                 summary = update_summary(summary, kk[:, 0], slots[:, layer], pool.page_size)
             qq = q[:, 0]
 
-            def full(length):
-                out, _ = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], length, q_seq, positions,
-                                         d["sink"][layer], d["window"][layer], scale=scale, implementation=attn_impl)
-                return out
+            def full(now, before):
+                """Paged attention over the pool (head lengths `now` with the token written; with deferred
+                writes over the pool before the step, `before`, plus the token's own K/V by the lse)."""
+                out, lse = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], before if deferred else now,
+                                           q_seq, positions, d["sink"][layer], d["window"][layer], scale=scale,
+                                           implementation=attn_impl)
+                return _merge_own(out, lse, qq, own_k, own_v, scale) if deferred else out
 
             if layer < first:
-                return full(lengths[:, layer])[:, None], (pool, summary, sbuf)
+                return full(lengths[:, layer], prev_lengths[:, layer])[:, None], (pool, summary, sbuf, ks, vs)
             if shared:  # attention over the buffer (the selection less the current token), then the token
+                window = cfg.layer_windows[layer]
+                if use_plan and window not in plans:
+                    plans[window] = _buffer_plan(sbuf, brows, q_seq, positions, page_size=pool.page_size,
+                                                 window=window, num_q_heads=cfg.num_heads)
                 out, lse = _buffer_attention(qq, sbuf, layer - first, brows, q_seq, positions,
-                                             page_size=pool.page_size, window=cfg.layer_windows[layer], scale=scale,
-                                             attn_impl=attn_impl)
-                out = _merge_own(out, lse, qq, kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype), scale)
+                                             page_size=pool.page_size, window=window, scale=scale,
+                                             attn_impl=attn_impl, plan=plans.get(window))
+                out = _merge_own(out, lse, qq, own_k, own_v, scale)
             else:
                 ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
                                             positions)
@@ -267,11 +309,13 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
             if layer in local_mask:  # ring heads keep their sink + window attention (only they read the ring)
                 g = cfg.num_heads // hkv
-                ring = full(jnp.where(local_mask[layer][None], lengths[:, layer], 0))
+                lm = local_mask[layer][None]
+                ring = full(jnp.where(lm, lengths[:, layer], 0), jnp.where(lm, prev_lengths[:, layer], 0))
                 out = jnp.where(jnp.repeat(local_mask[layer], g)[None, :, None], ring, out)
-            return out[:, None], (pool, summary, sbuf)
+            return out[:, None], (pool, summary, sbuf, ks, vs)
 
         x = params["embed"][tok][:, None]
+        ks, vs = (), ()
         stats = jnp.zeros((s, 3), jnp.int32)
         moved = jnp.zeros((2,), jnp.int32)
         for i, p in enumerate(params["layers"]):
@@ -282,7 +326,13 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 sbuf, stats, moved = _refresh(
                     sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
                     page_size=pool.page_size, chunk=chunk)
-            x, (pool, summary, sbuf) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend, (pool, summary, sbuf))
+            x, (pool, summary, sbuf, ks, vs) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend,
+                                                                   (pool, summary, sbuf, ks, vs))
+        if deferred:  # every layer's K/V of the step in one scatter (layer-major rows)
+            n_layers, hk, dh = len(ks), ks[0].shape[1], ks[0].shape[2]
+            pool = write_kv(pool, jnp.stack(ks).reshape(n_layers * s, hk, dh),
+                            jnp.stack(vs).reshape(n_layers * s, hk, dh), jnp.tile(positions, n_layers),
+                            slots.transpose(1, 0, 2).reshape(n_layers * s, hk))
         hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
              "counters": d["counters"] + k}
@@ -294,7 +344,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
 
     carry = ((pool, summary, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
-    xs = (steps, d["slots"], d["lengths"], d["active"])
+    xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
     ((pool, summary, sbuf), rstate, _, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(body, carry, xs)
     return tokens, logprobs, ran, stats, moved, pool, rstate, summary, sbuf
 
