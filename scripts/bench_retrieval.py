@@ -148,7 +148,8 @@ def run_method(model, method: str, args) -> dict:
     r = eng.retriever
     row = {"method": method, "budget": None if method == "full" else args.budget, "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
-           "tok_per_s": steady_tokens / steady_s if steady_s else float("nan")}
+           "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
+           "preemptions": eng.scheduler.num_preemptions}
     if method == "specontext":
         item = eng.runner.pool.k.dtype.itemsize
         tap = eng.retriever.params_for(eng.kv_policy).config.tap_layer
@@ -189,7 +190,8 @@ def run_points(model, method: str, args) -> list[dict]:
                 tokens, secs = tokens + n, secs + dt
             started |= {o.request_id for o in outs if o.new_token_ids}
         row = {"method": method, "context": ctx, "batch": args.batch, "steady_tokens": tokens,
-               "ms_per_token_step": 1e3 * secs * args.batch / tokens if tokens else float("nan")}
+               "ms_per_token_step": 1e3 * secs * args.batch / tokens if tokens else float("nan"),
+               "preemptions": eng.scheduler.num_preemptions}  # > 0: the pool was too small, timings moot
         out.append(row)
         print(json.dumps(row), flush=True)
         del eng

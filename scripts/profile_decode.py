@@ -115,6 +115,8 @@ def main(argv=None):
     tokens = args.steps * eng.decode_steps
     print(f"{args.steps} engine steps ({tokens} decode tokens x batch {args.batch}) in {wall:.1f} ms wall; "
           f"device events {busy:.1f} ms over a {span:.1f} ms span ({busy / tokens:.3f} ms per token step)")
+    if eng.scheduler.num_preemptions:
+        print(f"WARNING: {eng.scheduler.num_preemptions} preemptions: the trace holds re-prefill work")
     print("| kernel | total ms | calls | per token step (us) | share |")
     print("|---|---|---|---|---|")
     for name, t, c in rows:

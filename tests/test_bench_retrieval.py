@@ -29,6 +29,7 @@ def test_points_mode_times_both_methods(capsys):
     assert mod.main(["--shape", "small", "--batch", "2", "--budget", "16", "--page-size", "4", "--points", "64",
                      "--prompt", "64", "--new", "64", "--methods", "full,specontext", "--point-steps", "3"]) == 0
     out = capsys.readouterr().out
+    assert '"preemptions": 0' in out  # the pool is sized for every row's whole context
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert {"full", "specontext"} <= set(rows)
     for m in ("full", "specontext"):
