@@ -303,10 +303,10 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                                              attn_impl=attn_impl, plan=plans.get(window))
                 out = _merge_own(out, lse, qq, own_k, own_v, scale)
             else:
-                ks, vs, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
+                kq, vq, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
                                             positions)
                 kpos = jnp.where(live[:, None, None], kpos, -1)
-                out = gathered_attention(qq, ks, vs, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
+                out = gathered_attention(qq, kq, vq, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
             if layer in local_mask:  # ring heads keep their sink + window attention (only they read the ring)
                 g = cfg.num_heads // hkv
                 lm = local_mask[layer][None]
