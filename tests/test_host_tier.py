@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv.cache.pool import KVPool
 from jaxkv.engine import host_tier as ht
@@ -89,3 +90,23 @@ def _load_text(buf, host, load):
     args = (buf, host, jnp.zeros((1, 1, 1, 8), jnp.int32), jnp.zeros((1,), jnp.int32),
             jnp.zeros((1, 1, 4), jnp.int32), jnp.zeros((1, 1, 4), jnp.int32), load)
     return jax.jit(f).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("form", ["context", "keyword"])
+def test_both_compute_on_forms_gather_on_the_host(form):
+    """jax <= 0.10's compute_on("device_host") and the keyword form jax 0.11 has (compute_type=,
+    out_memory_spaces=): the same rows, computed on the host, the results left in host memory."""
+    n, d = 16, 4
+    hk = ht.to_host(jnp.arange(n * d, dtype=jnp.float32).reshape(n, d))
+    hv = ht.to_host(-jnp.arange(n * d, dtype=jnp.float32).reshape(n, d))
+    rows = jax.device_put(jnp.asarray([[3, 0], [15, 7]], jnp.int32), ht.host_sharding())
+    try:
+        gather = ht._on_host(ht._gather_host_rows, 2, form=form)
+    except TypeError as e:
+        pytest.skip(f"this jax has no {form} form of compute_on: {e}")
+    k, v = jax.jit(gather)(hk, hv, rows)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(hk)[np.asarray(rows)])
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(hv)[np.asarray(rows)])
+    text = jax.jit(gather).lower(hk, hv, rows).as_text()
+    assert '_xla_compute_type = "host"' in text
+

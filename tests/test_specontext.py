@@ -590,13 +590,20 @@ def test_buffer_diff_held_count_equals_overlap():
     np.testing.assert_array_equal(held, np.asarray(overlap(prev, now)))
 
 
-@pytest.mark.parametrize("host", [False, True])
-def test_engine_buffer_and_host_tier_equal_library_decode(toy, host):
+@pytest.mark.parametrize("host", [False, True, "keyword"])
+def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch):
     """Two SpeContext requests at budget 6 through the persistent selection buffer (diff loads from the
     device pool, or from the pool's host mirror) give the library decode's tokens; with the host tier the
-    diff moves fewer bytes than re-fetching the selection."""
+    diff moves fewer bytes than re-fetching the selection. "keyword": the host gathers built with the
+    keyword form of compute_on that jax 0.11 has."""
+    from jaxkv.engine import host_tier as ht
     from jaxkv.policies.retrieve import decode
 
+    if host == "keyword":
+        monkeypatch.setattr(ht, "_host_gather", ht._on_host(ht._gather_host_rows, 2, form="keyword"))
+        monkeypatch.setattr(ht, "_host_scatter", ht._on_host(ht._scatter_host_rows, 2, form="keyword"))
+        jax.clear_caches()  # the decode and mirror programs traced with the other form must not be reused
+        host = True
     model, head = toy
     pol = sc.SpeContext(budget=6, sink=1, recent=1)
     a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)

@@ -115,28 +115,50 @@ def _pool_slots(page_table, pos, page_size: int):
     return jnp.where(pages >= 0, pages * page_size + (jnp.maximum(p, 0) % page_size)[:, None], 0).T
 
 
-def _on_host(f):
-    """`f` run on the host (`compute_on("device_host")`), or None where this jax's compute_on takes another
-    signature (jax 0.11 wants compute_type= and out_memory_spaces=): then the host tier is unavailable and
-    `Retriever` says so at construction, while everything else in this module still imports."""
+def _host_space():
+    """The host memory space of `out_memory_spaces` (public `jax.memory.Space` where this jax has it)."""
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    if space is None:
+        from jax._src.core import MemorySpace as space
+    return space.Host
+
+
+def _on_host(f, num_outputs: int, form: str | None = None):
+    """`f` run on the host with its `num_outputs` results in host memory, or None where this jax offers
+    neither form (then the host tier is unavailable and `Retriever` says so at construction).
+
+    form "context": `compute_on("device_host")(jit(f))` (jax <= 0.10's context-manager API); "keyword":
+    `compute_on2(f, compute_type="device_host", out_memory_spaces=...)`, which jax 0.11 exports as
+    `compute_on` itself; None: the first form this jax takes."""
+    import jax.experimental.compute_on as con
+
+    if form in (None, "context"):
+        try:
+            return compute_on("device_host")(jax.jit(f))
+        except TypeError:
+            if form == "context":
+                raise
+    keyword = getattr(con, "compute_on2", None) or compute_on
     try:
-        return compute_on("device_host")(jax.jit(f))
-    except TypeError:
+        return keyword(jax.jit(f), compute_type="device_host", out_memory_spaces=(_host_space(),) * num_outputs)
+    except (TypeError, ImportError):
+        if form == "keyword":
+            raise
         return None
 
 
-def _gather(host_k, host_v, rows):
+def _gather_host_rows(host_k, host_v, rows):
     """On the host: host_k/v [N, D], rows [...] -> [..., D] each."""
     return host_k[rows], host_v[rows]
 
 
-def _scatter(host_k, host_v, rows, k, v):
+def _scatter_host_rows(host_k, host_v, rows, k, v):
     """On the host: rows [T] (N = dropped), k/v [T, D] written into host_k/v [N, D]."""
     return host_k.at[rows].set(k, mode="drop"), host_v.at[rows].set(v, mode="drop")
 
 
-_host_gather = _on_host(_gather)
-_host_scatter = _on_host(_scatter)
+_host_gather = _on_host(_gather_host_rows, 2)
+_host_scatter = _on_host(_scatter_host_rows, 2)
 AVAILABLE = _host_gather is not None
 
 

@@ -372,8 +372,9 @@ class Retriever:
         self._buf: dict = {}  # shared policy -> host_tier.SelBuffer: each row's selected K/V of layers tap..
         self._owner: dict = {}  # (policy, row) -> request id whose selection the row's buffer holds
         if host_tier and not HOST_TIER_AVAILABLE:
-            raise NotImplementedError("retrieval_host_tier needs jax.experimental.compute_on('device_host') "
-                                      f"(jax <= 0.10 signature); jax {jax.__version__} has another one")
+            raise NotImplementedError("retrieval_host_tier needs jax.experimental.compute_on: the "
+                                      "context form compute_on('device_host') or the keyword form "
+                                      f"(compute_type=, out_memory_spaces=); jax {jax.__version__} has neither")
         self.host_tier = host_tier
         self._host = None  # (k, v) host mirror of the pool's flat slots, made on first use with host_tier
         window = np.asarray(engine.runner._heads["window"])
