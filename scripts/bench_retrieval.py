@@ -115,34 +115,47 @@ def step_cost(model, method: str, args) -> dict:
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, list) else c
     targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
-    return {"custom_calls": dict(targets), "method": method, "budget": None if method == "full" else args.budget, "batch": s,
-            "context": args.prompt + args.new, "flops": c.get("flops"), "bytes_accessed": c.get("bytes accessed")}
+    return {"method": method, "budget": None if method == "full" else args.budget, "batch": s,
+            "context": args.prompt + args.new, "flops": c.get("flops"), "bytes_accessed": c.get("bytes accessed"),
+            "custom_calls": dict(targets)}
 
 
-def run_method(model, method: str, args) -> dict:
+def start(model, method: str, args, seed: int):
+    """An engine for `method` with `batch` random prompts of `prompt` tokens, `new` tokens each."""
+    from jaxkv.sampling import SamplingParams
+
+    eng = make_engine(model, method, args)
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+    for _ in range(args.batch):
+        eng.add_request(rng.integers(10, model.config.vocab_size, args.prompt).tolist(), sp)
+    return eng
+
+
+def timed_steps(eng):
+    """Runs `eng` to the end: per step (outputs, seconds, whether it compiled anything)."""
     import jax
 
     from jaxkv.engine import retrieval, runner
-    from jaxkv.sampling import SamplingParams
 
-    cfg = model.config
-    eng = make_engine(model, method, args)
-    rng = np.random.default_rng(0)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
-    for _ in range(args.batch):
-        eng.add_request(rng.integers(10, cfg.vocab_size, args.prompt).tolist(), sp)
     compiles = lambda: runner.num_compilations() + retrieval.num_compilations()  # noqa: E731
-    steady_tokens, steady_s, all_tokens, t_all = 0, 0.0, 0, time.perf_counter()
-    decode_started = False
     while eng.has_unfinished():
         c0, t0 = compiles(), time.perf_counter()
         outs = eng.step()
         jax.block_until_ready(eng.runner.pool.k)
-        dt = time.perf_counter() - t0
+        yield outs, time.perf_counter() - t0, compiles() != c0
+
+
+def run_method(model, method: str, args) -> dict:
+    cfg = model.config
+    eng = start(model, method, args, seed=0)
+    steady_tokens, steady_s, all_tokens, t_all = 0, 0.0, 0, time.perf_counter()
+    decode_started = False
+    for outs, dt, compiled in timed_steps(eng):
         n = sum(len(o.new_token_ids) for o in outs)
         all_tokens += n
         decode_started = decode_started or (n > 0 and not eng.scheduler.waiting)
-        if decode_started and compiles() == c0 and n:
+        if decode_started and not compiled and n:
             steady_tokens += n
             steady_s += dt
     r = eng.retriever
@@ -164,29 +177,17 @@ def run_method(model, method: str, args) -> dict:
 def run_points(model, method: str, args) -> list[dict]:
     """Steady decode speed at fixed contexts: per point, `batch` prompts of that many tokens, then
     `--point-steps` engine steps of decode; steps that compiled nothing and decoded every row count."""
-    import jax
+    from jaxkv.engine.engine import DEFAULT_DECODE_STEPS
 
-    from jaxkv.engine import retrieval, runner
-    from jaxkv.sampling import SamplingParams
-
-    cfg = model.config
-    compiles = lambda: runner.num_compilations() + retrieval.num_compilations()  # noqa: E731
     out = []
     for ctx in (int(c) for c in args.points.split(",")):
-        a = argparse.Namespace(**{**vars(args), "prompt": ctx, "new": 16 * args.point_steps})
-        eng = make_engine(model, method, a)
-        rng = np.random.default_rng(ctx)
-        sp = SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True)
-        for _ in range(args.batch):
-            eng.add_request(rng.integers(10, cfg.vocab_size, ctx).tolist(), sp)
+        new = DEFAULT_DECODE_STEPS * args.point_steps
+        a = argparse.Namespace(**{**vars(args), "prompt": ctx, "new": new})
+        eng = start(model, method, a, seed=ctx)
         started, tokens, secs = set(), 0, 0.0
-        while eng.has_unfinished():
-            c0, t0 = compiles(), time.perf_counter()
-            outs = eng.step()
-            jax.block_until_ready(eng.runner.pool.k)
-            dt = time.perf_counter() - t0
+        for outs, dt, compiled in timed_steps(eng):
             n = sum(len(o.new_token_ids) for o in outs)
-            if len(started) == args.batch and compiles() == c0 and n == args.batch * eng.decode_steps:
+            if len(started) == args.batch and not compiled and n == args.batch * eng.decode_steps:
                 tokens, secs = tokens + n, secs + dt
             started |= {o.request_id for o in outs if o.new_token_ids}
         row = {"method": method, "context": ctx, "batch": args.batch, "steady_tokens": tokens,
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--shape", choices=("1b", "8b", "small"),
-                    help="instead of --model: a random-weight checkpoint of this shape (scripts/bench_e2e.py) "
+                    help="instead of --model: a random-weight checkpoint of this shape (bench_e2e.py) "
                          "with a random retrieval head (speed only: its selections mean nothing)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="full,specontext,quest")

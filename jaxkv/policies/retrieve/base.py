@@ -131,6 +131,19 @@ def kth_largest_key(key: jax.Array, k: jax.Array, digit_bits: int = 2) -> jax.Ar
     return prefix
 
 
+def _rank(scores, q_pos, k: int, sink: int, recent: int):
+    """The read rule's ranking, shared by `select` and its twin: (slot index [N], rank [S, Hkv, N] with
+    forced slots +inf and invisible or NaN ones -inf, count [S, Hkv] = min(k, q_pos + 1))."""
+    i = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    p = q_pos[:, None, None]
+    visible = i <= p
+    forced = visible & ((i == p) | (i < sink) | (i >= p - recent))
+    s = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
+    count = jnp.broadcast_to(jnp.minimum(k, q_pos + 1).astype(jnp.int32)[:, None], scores.shape[:2])
+    return i, jnp.where(forced, jnp.inf, s), count  # forced first (at most budget of them), invisible last
+
+
 def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, recent: int = 0,
            digit_bits: int = 2) -> Selection:
     """The shared read rule for one decode query per row.
@@ -140,17 +153,8 @@ def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, r
     positions > q_pos - 1 - recent are forced; the rest of the budget goes to the highest scores (ties to
     the lower index). Returns ascending indices, count = min(budget, q_pos + 1) per head.
     """
-    n = scores.shape[-1]
-    k = min(budget, n)
-    i = jnp.arange(n, dtype=jnp.int32)
-    p = q_pos[:, None, None]
-    visible = i <= p
-    forced = visible & ((i == p) | (i < sink) | (i >= p - recent))
-    s = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
-    rank = jnp.where(forced, jnp.inf, s)  # forced first (at most budget of them), invisible last
-    count = jnp.minimum(k, q_pos + 1).astype(jnp.int32)
-    count = jnp.broadcast_to(count[:, None], scores.shape[:2])
+    k = min(budget, scores.shape[-1])
+    i, rank, count = _rank(scores, q_pos, k, sink, recent)
     # The count-th largest rank, then every slot above it and the lowest-index ties at it: no top-k sort,
     # and the taken slots come out ascending by a cumulative count.
     key = _order_key(rank)
@@ -177,16 +181,9 @@ def select_sorted(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int
                   ) -> Selection:
     """`select` by `lax.top_k` and a sort: its twin (same rule, same ties), kept to check it and to time it
     against (scripts/bench_select.py)."""
-    n = scores.shape[-1]
-    k = min(budget, n)
-    i = jnp.arange(n, dtype=jnp.int32)
-    p = q_pos[:, None, None]
-    visible = i <= p
-    forced = visible & ((i == p) | (i < sink) | (i >= p - recent))
-    s = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
-    _, top = jax.lax.top_k(jnp.where(forced, jnp.inf, s), k)  # [S, Hkv, k] best first, ties to the lower index
-    count = jnp.broadcast_to(jnp.minimum(k, q_pos + 1).astype(jnp.int32)[:, None], scores.shape[:2])
+    k = min(budget, scores.shape[-1])
+    _, rank, count = _rank(scores, q_pos, k, sink, recent)
+    _, top = jax.lax.top_k(rank, k)  # [S, Hkv, k] best first, ties to the lower index
     big = jnp.iinfo(jnp.int32).max
     idx = jnp.sort(jnp.where(jnp.arange(k) < count[..., None], top, big), axis=-1)
     idx = jnp.where(idx == big, 0, idx).astype(jnp.int32)
