@@ -65,12 +65,36 @@ def load_model(args, tmp: str):
     return model
 
 
+def policy_of(method: str):
+    """A --methods entry -> the engine's kv_policy: "full" (None), a policy name, or
+    "name:field=value:field=value" (values JSON, else strings), e.g. "specontext:key_dtype=bfloat16"."""
+    if method == "full":
+        return None
+    name, *items = method.split(":")
+    if not items:
+        return name
+    import json
+
+    from jaxkv.policies import get_policy
+
+    fields = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--methods: {item!r} in {method!r} is not field=value")
+        try:
+            fields[key] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key] = value
+    return get_policy(name, **fields)
+
+
 def make_engine(model, method: str, args, **kw):
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
 
     cfg = model.config
-    pol = {} if method == "full" else {"kv_policy": method, "kv_budget": args.budget,
+    pol = {} if method == "full" else {"kv_policy": policy_of(method), "kv_budget": args.budget,
                                        "retrieval_host_tier": args.host_tier}
     max_len = args.prompt + args.new + 1
     # Every row's whole context in the pool (the default pool budget would preempt real-size models).
@@ -163,7 +187,7 @@ def run_method(model, method: str, args) -> dict:
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
            "preemptions": eng.scheduler.num_preemptions}
-    if method == "specontext":
+    if method.split(":")[0] == "specontext":
         item = eng.runner.pool.k.dtype.itemsize
         tap = eng.retriever.params_for(eng.kv_policy).config.tap_layer
         per_slot = (cfg.num_layers - tap) * 2 * cfg.head_dim * item  # one KV head's slot, K + V, host layers
@@ -193,6 +217,9 @@ def run_points(model, method: str, args) -> list[dict]:
         row = {"method": method, "context": ctx, "batch": args.batch, "steady_tokens": tokens,
                "ms_per_token_step": 1e3 * secs * args.batch / tokens if tokens else float("nan"),
                "preemptions": eng.scheduler.num_preemptions}  # > 0: the pool was too small, timings moot
+        r = eng.retriever
+        if r.slots_selected:  # what a step's diff load moved: 1 - overlap of the selection (a random head:
+            row["overlap"] = 1 - r.slots_new / r.slots_selected  # little overlap, the load's worst case)
         out.append(row)
         print(json.dumps(row), flush=True)
         del eng

@@ -3,6 +3,7 @@
     python scripts/profile_decode.py --batch 1 --prompt 8192      # 1B shape, random weights (GPU)
     python scripts/profile_decode.py --small                      # tiny model, CPU smoke run
     python scripts/profile_decode.py --batch 16 --prompt 16384 --kv-policy specontext --kv-budget 1024
+    python scripts/profile_decode.py --batch 16 --prompt 32768 --kv-policy specontext:key_dtype=bfloat16 --kv-budget 1024
 
 Builds the random-weight checkpoint like scripts/bench_e2e.py, warms the engine (compiles), then records
 `--steps` engine steps with `jax.profiler` (perfetto trace) and prints the kernels by total time, their call
@@ -83,14 +84,14 @@ def main(argv=None):
     cfg = model.config
     pol = {}
     if args.kv_policy:
-        from bench_retrieval import random_head_beside
+        from bench_retrieval import policy_of, random_head_beside
 
         from jaxkv.cache.head_classes import all_global
 
-        if args.kv_policy == "specontext":
+        if args.kv_policy.split(":")[0] == "specontext":
             random_head_beside(model)
         budget = int(args.kv_budget) if args.kv_budget and args.kv_budget >= 1 else args.kv_budget
-        pol = dict(kv_policy=args.kv_policy, kv_budget=budget,
+        pol = dict(kv_policy=policy_of(args.kv_policy), kv_budget=budget,
                    head_classes=all_global(cfg.num_layers, cfg.num_kv_heads))
     pages = args.batch * cfg.num_layers * cfg.num_kv_heads * -(-(prompt + new) // 16)  # no preemption
     eng = Engine(model, page_size=16, max_num_seqs=args.batch, max_model_len=prompt + new, num_pages=pages,

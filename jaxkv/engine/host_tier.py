@@ -184,6 +184,10 @@ def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, pag
     order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
     rounds = (n + chunk - 1) // chunk
 
+    lsel, nrows, _, w, d = buf.k.shape
+    flat_size = lsel * nrows * hkv * w
+    layer = jnp.arange(lsel, dtype=jnp.int32)[:, None]
+
     def one(state):
         r, k_buf, v_buf = state
         e = jax.lax.dynamic_slice(order, (r * chunk,), (chunk,))
@@ -191,13 +195,19 @@ def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, pag
         si, hi, ji = e // (hkv * b), (e // b) % hkv, e % b
         rows = _pool_slots(page_table, (si, hi, idx[si, hi, ji]), page_size)
         k, v = _gather(src, rows)  # [Lsel, C, D]
-        row = jnp.where(real, buf_rows[si], k_buf.shape[1])  # out of bounds: dropped
-        slot = dest[si, hi, ji]
-        k_buf = k_buf.at[:, row, hi, slot].set(k.astype(k_buf.dtype), mode="drop")
-        v_buf = v_buf.at[:, row, hi, slot].set(v.astype(v_buf.dtype), mode="drop")
+        # One flat row index per (layer, entry) and unique indices (padding: distinct, out of bounds): XLA
+        # lowers this to a plain row copy instead of a windowed scatter (docs/specontext.md, "load").
+        slot, row = dest[si, hi, ji], buf_rows[si]
+        dst = ((layer * nrows + row[None]) * hkv + hi[None]) * w + slot[None]
+        pad = flat_size + layer * chunk + jnp.arange(chunk, dtype=jnp.int32)[None]
+        dst = jnp.where((real & (slot < w) & (row >= 0))[None], dst, pad).reshape(-1)
+        k_buf = k_buf.at[dst].set(k.reshape(-1, d).astype(k_buf.dtype), mode="drop", unique_indices=True)
+        v_buf = v_buf.at[dst].set(v.reshape(-1, d).astype(v_buf.dtype), mode="drop", unique_indices=True)
         return r + 1, k_buf, v_buf
 
-    _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one, (jnp.int32(0), buf.k, buf.v))
+    _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one,
+                                         (jnp.int32(0), buf.k.reshape(-1, d), buf.v.reshape(-1, d)))
+    k_buf, v_buf = k_buf.reshape(buf.k.shape), v_buf.reshape(buf.v.shape)
     return SelBuffer(k_buf, v_buf, buf.pos), rounds
 
 

@@ -124,21 +124,32 @@ def _buffer_view(buf, buf_rows, page_size):
 
 
 def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl,
-                      plan=None):
+                      plan=None, slot_pos_all=None):
     """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
     place (`_buffer_view`). The paged kernel reads bf16 K/V with fp32 accumulation (the jnp twin elsewhere,
     fp32). With `plan` (the step's `paged_attention_plan` of the buffer, shared by every buffered layer of
-    this window) the kernel runs without re-planning per layer."""
-    d = buf.k.shape[-1]
+    this window) the kernel runs without re-planning per layer.
+
+    The kernel gets the whole buffer as one page pool (layer l's pages offset by l x pages per layer, the
+    slot positions tiled per layer: `slot_pos_all`, built once per step), not the slice ``buf.k[layer]``:
+    XLA copies a slice operand of a custom call, 2 x 15 copies of the layer per step on the 1B shape."""
+    lsel, _, _, _, d = buf.k.shape
     pt, slot_pos, lengths = _buffer_view(buf, buf_rows, page_size)
-    pages = lambda x: x.reshape(-1, page_size, d)  # noqa: E731
+    if slot_pos_all is None:
+        slot_pos_all = _tile_layers(slot_pos, lsel)
+    pt = jnp.where(pt >= 0, pt + layer * slot_pos.shape[0], -1)
+    k_pages, v_pages = buf.k.reshape(-1, page_size, d), buf.v.reshape(-1, page_size, d)
     if plan is not None:
-        return paged_attention_with_plan(plan, q, pages(buf.k[layer]), pages(buf.v[layer]), slot_pos, pt,
-                                         scale=scale)
+        return paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos_all, pt, scale=scale)
     hkv = pt.shape[1]
-    return paged_attention(q, pages(buf.k[layer]), pages(buf.v[layer]), slot_pos, pt, lengths, q_seq, positions,
+    return paged_attention(q, k_pages, v_pages, slot_pos_all, pt, lengths, q_seq, positions,
                            jnp.zeros((hkv,), jnp.int32), jnp.full((hkv,), window, jnp.int32), scale=scale,
                            implementation=attn_impl)
+
+
+def _tile_layers(slot_pos, layers: int):
+    """The buffer's slot positions [pages, page_size] repeated for every buffered layer's pages."""
+    return jnp.tile(slot_pos, (layers, 1))
 
 
 def _buffer_plan(buf, buf_rows, q_seq, positions, *, page_size, window, num_q_heads):
@@ -270,7 +281,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
         slots = jnp.where(live[:, None, None], slots, -1)
         pos2 = positions[:, None]
         brows = jnp.where(live, d["head_rows"], -1)
-        plans = {}  # window -> the buffer's attention plan of this step (built after the refresh)
+        plans = {}  # window -> the buffer's attention plan of this step (built after the refresh); slot_pos
 
         def attend(layer, q, kk, vv, state):
             pool, summary, sbuf, ks, vs = state
@@ -298,9 +309,12 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 if use_plan and window not in plans:
                     plans[window] = _buffer_plan(sbuf, brows, q_seq, positions, page_size=pool.page_size,
                                                  window=window, num_q_heads=cfg.num_heads)
+                if "slot_pos" not in plans:
+                    plans["slot_pos"] = _tile_layers(sbuf.pos.reshape(-1, pool.page_size), sbuf.k.shape[0])
                 out, lse = _buffer_attention(qq, sbuf, layer - first, brows, q_seq, positions,
                                              page_size=pool.page_size, window=window, scale=scale,
-                                             attn_impl=attn_impl, plan=plans.get(window))
+                                             attn_impl=attn_impl, plan=plans.get(window),
+                                             slot_pos_all=plans["slot_pos"])
                 out = _merge_own(out, lse, qq, own_k, own_v, scale)
             else:
                 kq, vq, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,

@@ -27,7 +27,7 @@ def _kernel(rows_ref, qpos_ref, q_ref, state_ref, o_ref, *, block_n: int, slots:
     n = j * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     ok = n < num_slots
     ids = (row * slots + jnp.where(ok, n, 0)) * num_kv_heads + h
-    k = state_ref[ids]  # [block_n, D]
+    k = state_ref[ids].astype(jnp.float32)  # [block_n, D]
     logits = plt.dot(q_ref[...], k, trans_b=True, allow_tf32=False)  # [G16, block_n] exact fp32
     visible = ok & (n <= qpos_ref[s])
     o_ref[...] = jnp.where(visible[None, :], logits, -jnp.inf)

@@ -117,17 +117,17 @@ def group_weights(logits: jax.Array, visible: jax.Array) -> jax.Array:
     return jnp.max(probs, axis=2)
 
 
-def init_state(head: RetrievalHead, num_seqs: int, max_len: int) -> jax.Array:
-    """The head's key cache: [S, N, Hkv, Dr] float32, slot i = position i."""
+def init_state(head: RetrievalHead, num_seqs: int, max_len: int, dtype=jnp.float32) -> jax.Array:
+    """The head's key cache: [S, N, Hkv, Dr] (float32 unless asked), slot i = position i."""
     c = head.config
-    return jnp.zeros((num_seqs, max_len, c.num_kv_heads, c.head_dim), jnp.float32)
+    return jnp.zeros((num_seqs, max_len, c.num_kv_heads, c.head_dim), dtype)
 
 
 def write_keys(head: RetrievalHead, state: jax.Array, x: jax.Array, positions: jax.Array):
     """Appends the keys of x [S, T, hidden] at positions [S, T]; returns (state, q [S, T, Hq, Dr])."""
     q, k = head_qk(head, x, positions)
     rows = jnp.arange(state.shape[0])[:, None]
-    return state.at[rows, positions].set(k, mode="drop"), q
+    return state.at[rows, positions].set(k.astype(state.dtype), mode="drop"), q
 
 
 @register
@@ -141,18 +141,23 @@ class SpeContext(RetrievalPolicy):
     # retrieval-logits kernel ("pallas"; "reference" = its jnp twin). xla stays the default until the
     # kernel is timed on a GPU (scripts/bench_select.py).
     scores_impl: str = "xla"
+    # The dtype of the head's key cache. Scoring reads the whole cache every step, so this halves its bytes
+    # at "bfloat16" (logits still accumulate in float32); float32 keeps the library decode bit-exact.
+    key_dtype: str = "float32"
 
     def __post_init__(self):
         super().__post_init__()
         if self.scores_impl not in ("xla", "pallas", "reference"):
             raise ValueError(f"specontext: scores_impl must be 'xla', 'pallas' or 'reference' "
                              f"(got {self.scores_impl!r})")
+        if self.key_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"specontext: key_dtype must be 'float32' or 'bfloat16' (got {self.key_dtype!r})")
 
     def tap_layer(self, head: RetrievalHead) -> int:
         return head.config.tap_layer
 
     def init_state(self, head: RetrievalHead, num_seqs: int, max_len: int):
-        return init_state(head, num_seqs, max_len)
+        return init_state(head, num_seqs, max_len, jnp.dtype(self.key_dtype))
 
     def observe(self, head: RetrievalHead, state, x, positions):
         return write_keys(head, state, x, positions)[0]
@@ -163,7 +168,7 @@ class SpeContext(RetrievalPolicy):
     def observe_tokens(self, head: RetrievalHead, state, x, positions, rows):
         _, k = head_qk(head, x[None], positions[None])
         rows = jnp.where(rows >= 0, rows, state.shape[0])  # out of bounds: dropped
-        return state.at[rows, positions].set(k[0], mode="drop")
+        return state.at[rows, positions].set(k[0].astype(state.dtype), mode="drop")
 
     def scores(self, head: RetrievalHead, state, x, positions):
         state, q = write_keys(head, state, x, positions)
