@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     q_pos = jnp.full((s,), n - 1, jnp.int32)
     hc = sc.HeadConfig(args.hidden, args.group * h, h, args.head_dim, 1, 500000.0)
     head = sc.init_head(hc, key)
-    pol = sc.SpeContext(budget=b)
+    pol = sc.SpeContext(budget=b, scores_impl="xla")
     kdt = jnp.dtype(args.key_dtype)
     state = jax.random.normal(key, (s + 2, n, h, args.head_dim), kdt)
     state_hm = jnp.swapaxes(state, 1, 2)  # head-major [R, Hkv, N, D]

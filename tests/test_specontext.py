@@ -450,6 +450,27 @@ def test_engine_small_budget_equals_dense_masked_oracle(toy):
         assert got != full  # the budget matters on this toy
 
 
+def test_key_dtype_auto_follows_the_model_and_bf16_keys_match_library_decode(toy):
+    """key_dtype "auto" is the model's dtype; with a bfloat16 key cache the engine (in-place scoring) still
+    gives the library decode's tokens (both score the same rounded keys)."""
+    import dataclasses
+
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    assert sc.SpeContext().for_model(model).key_dtype == "float32"
+    bf16 = dataclasses.replace(model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params))
+    assert sc.SpeContext().for_model(bf16).key_dtype == "bfloat16"
+    pol = sc.SpeContext(budget=6, sink=1, recent=1, key_dtype="bfloat16")
+    assert pol.init_state(head, 1, 8).dtype == jnp.bfloat16
+    ids = _prompt(model, 50, 0)
+    want = decode.generate(model, pol, head, ids, 12)["token_ids"]
+    (got,), _ = _engine_run(model, [(ids, None, None)], kv_policy=pol)
+    assert got == want
+    with pytest.raises(ValueError, match="key_dtype"):
+        sc.SpeContext(key_dtype="float16")
+
+
 def test_engine_small_budget_pallas_path_equals_library_decode(toy):
     """The Pallas attention path (interpret mode here): one buffer attention plan per step, K/V written
     once after the last layer, every layer adding the token's own K/V by the lse; same tokens as the

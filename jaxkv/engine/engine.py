@@ -436,6 +436,7 @@ _RETRIEVAL_CHECKED: set = set()  # (policy class, model path, model id) whose pa
 def _bind_retrieval(policy: RetrievalPolicy, model) -> RetrievalPolicy:
     """Checks the policy's parameters load for this model (e.g. SpeContext's shipped retrieval head); once
     per policy class and model, so per-request policies do not re-read files."""
+    policy = policy.for_model(model)
     key = (type(policy), str(getattr(model, "path", "")), getattr(model, "model_id", ""))
     if key not in _RETRIEVAL_CHECKED:
         policy.load_params(model)

@@ -8,7 +8,7 @@ from pallas_kernels.retrieval_logits.reference import retrieval_logits as retrie
 
 
 def retrieval_logits(q, state, rows, q_pos, *, num_slots: int, implementation: str | None = None,
-                     interpret: bool | None = None, block_n: int = 128):
+                     interpret: bool | None = None, block_n: int = 256):
     """Decode-query logits of each row over its key-cache row -> [S, Hkv, G, num_slots] float32.
 
     Contract in reference.py. Fallback order: Pallas on GPU, then the jnp twin."""

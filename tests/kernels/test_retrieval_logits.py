@@ -8,12 +8,13 @@ import pytest
 from pallas_kernels.retrieval_logits import retrieval_logits
 
 
-@pytest.mark.parametrize("g,d,num_slots,block_n", [(2, 16, 40, 16), (1, 8, 64, 32), (4, 32, 33, 16)])
-def test_kernel_equals_twin_and_oracle(g, d, num_slots, block_n):
+@pytest.mark.parametrize("g,d,num_slots,block_n,dtype", [(2, 16, 40, 16, "float32"), (1, 8, 64, 32, "float32"),
+                                                          (4, 32, 33, 16, "float32"), (3, 16, 50, 16, "bfloat16")])
+def test_kernel_equals_twin_and_oracle(g, d, num_slots, block_n, dtype):
     s, hkv, r, n = 3, 2, 5, 64
     kq, ks = jax.random.split(jax.random.PRNGKey(g * 100 + d))
     q = jax.random.normal(kq, (s, hkv, g, d), jnp.float32)
-    state = jax.random.normal(ks, (r, n, hkv, d), jnp.float32)
+    state = jax.random.normal(ks, (r, n, hkv, d), jnp.float32).astype(dtype)  # bf16: the oracle reads it too
     rows = jnp.array([4, 0, 2], jnp.int32)
     q_pos = jnp.array([num_slots - 1, 5, 0], jnp.int32)
     got = retrieval_logits(q, state, rows, q_pos, num_slots=num_slots, implementation="pallas",
@@ -21,7 +22,7 @@ def test_kernel_equals_twin_and_oracle(g, d, num_slots, block_n):
     twin = retrieval_logits(q, state, rows, q_pos, num_slots=num_slots, implementation="reference")
     assert got.shape == (s, hkv, g, num_slots)
     np.testing.assert_allclose(np.asarray(got), np.asarray(twin), rtol=1e-5, atol=1e-5)
-    qn, sn = np.asarray(q, np.float64), np.asarray(state, np.float64)
+    qn, sn = np.asarray(q, np.float64), np.asarray(state.astype(jnp.float32), np.float64)
     for i in range(s):
         want = np.einsum("hgd,nhd->hgn", qn[i], sn[int(rows[i]), :num_slots])
         want[..., int(q_pos[i]) + 1:] = -np.inf

@@ -71,6 +71,11 @@ class RetrievalPolicy:
         selection applies to layers tap_layer.. (0 = the selection depends on the step's input alone)."""
         return 0
 
+    def for_model(self, model) -> RetrievalPolicy:
+        """This policy with its model-dependent fields resolved (e.g. a dtype "auto"); the engine and the
+        library decode call it once per policy and model."""
+        return self
+
     def init_state(self, head, num_seqs: int, max_len: int):
         """The method's device state for `num_seqs` rows of up to `max_len` slots (None when stateless)."""
         return None

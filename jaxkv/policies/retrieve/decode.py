@@ -129,6 +129,7 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
     fraction of each head's selection the previous step already held, mean over heads)}.
     """
     cfg, params = model.config, model.params
+    policy = policy.for_model(model)
     n = len(prompt_ids)
     tb = _bucket(n)
     size = _bucket(n + max_new_tokens)

@@ -137,27 +137,34 @@ class SpeContext(RetrievalPolicy):
     forced sinks or recent tokens besides the current one)."""
 
     name = "specontext"
-    # How the engine scores the key cache (`score_rows`): "xla" (a fused gather + multiply-reduce), or the
-    # retrieval-logits kernel ("pallas"; "reference" = its jnp twin). xla stays the default until the
-    # kernel is timed on a GPU (scripts/bench_select.py).
-    scores_impl: str = "xla"
-    # The dtype of the head's key cache. Scoring reads the whole cache every step, so this halves its bytes
-    # at "bfloat16" (logits still accumulate in float32); float32 keeps the library decode bit-exact.
-    key_dtype: str = "float32"
+    # How the engine scores the key cache (`score_rows`): "auto" (the kernel on a GPU, else the XLA form),
+    # "xla" (a fused gather + multiply-reduce), or the retrieval-logits kernel ("pallas"; "reference" = its
+    # jnp twin). On an H200 the kernel reads the cache at about twice the XLA form's rate (benchmarks.md).
+    scores_impl: str = "auto"
+    # The dtype of the head's key cache; "auto" = the model's KV dtype (`for_model`). Scoring reads the
+    # whole cache every step, so bfloat16 halves its bytes; logits still accumulate in float32.
+    key_dtype: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
-        if self.scores_impl not in ("xla", "pallas", "reference"):
-            raise ValueError(f"specontext: scores_impl must be 'xla', 'pallas' or 'reference' "
+        if self.scores_impl not in ("auto", "xla", "pallas", "reference"):
+            raise ValueError(f"specontext: scores_impl must be 'auto', 'xla', 'pallas' or 'reference' "
                              f"(got {self.scores_impl!r})")
-        if self.key_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"specontext: key_dtype must be 'float32' or 'bfloat16' (got {self.key_dtype!r})")
+        if self.key_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"specontext: key_dtype must be 'auto', 'float32' or 'bfloat16' "
+                             f"(got {self.key_dtype!r})")
+
+    def for_model(self, model) -> SpeContext:
+        if self.key_dtype != "auto":
+            return self
+        dtype = jnp.dtype(jax.tree.leaves(model.params)[0].dtype)
+        return dataclasses.replace(self, key_dtype="bfloat16" if dtype == jnp.bfloat16 else "float32")
 
     def tap_layer(self, head: RetrievalHead) -> int:
         return head.config.tap_layer
 
     def init_state(self, head: RetrievalHead, num_seqs: int, max_len: int):
-        return init_state(head, num_seqs, max_len, jnp.dtype(self.key_dtype))
+        return init_state(head, num_seqs, max_len, jnp.dtype("float32" if self.key_dtype == "auto" else self.key_dtype))
 
     def observe(self, head: RetrievalHead, state, x, positions):
         return write_keys(head, state, x, positions)[0]
@@ -186,13 +193,16 @@ class SpeContext(RetrievalPolicy):
         q, _ = head_qk(head, x[:, -1:], positions[:, -1:])  # [S, 1, Hq, Dr]
         s = q.shape[0]
         qg = q.reshape(s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim) * c.head_dim ** -0.5
-        if self.scores_impl == "xla":
+        impl = self.scores_impl
+        if impl == "auto":
+            impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        if impl == "xla":
             keys = state[rows, :num_slots]  # [S, N, Hkv, Dr]: a gather XLA fuses into the reduce below
             logits = jnp.sum(qg[:, None] * keys[:, :, :, None, :], axis=-1)  # [S, N, Hkv, G]
             logits = jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [S, Hkv, G, 1, N]
         else:
             logits = retrieval_logits(qg, state, rows, positions[:, -1], num_slots=num_slots,
-                                      implementation=self.scores_impl)[:, :, :, None]
+                                      implementation=impl)[:, :, :, None]
         visible = jnp.arange(num_slots)[None, None, :] <= positions[:, -1:, None]
         return group_weights(logits, visible)[:, :, 0]
 
