@@ -39,7 +39,7 @@ def test_diff_loads_keep_the_buffer_equal_to_the_selection():
     assert host[0].sharding.memory_kind == ht.host_memory_kind()
     rows = jnp.asarray([1, 0], jnp.int32)  # buffer rows of the two sequences
     sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)]) for _ in range(s)])
-    for src in (pool, host):
+    for src, chunk in ((pool, 5), (pool, None), (host, 5)):  # None: one round of every entry, no loop
         buf = ht.init_buffer(lsel, 2, hkv, b, d, jnp.float32)
         moved = 0
         for step in range(6):
@@ -52,9 +52,11 @@ def test_diff_loads_keep_the_buffer_equal_to_the_selection():
                         sel[r, h] = np.sort(sel[r, h])
             idx = jnp.asarray(sel, jnp.int32)
             pos, need, dest = ht.plan_diff(buf.pos[rows], idx, jnp.full((s, hkv), b, jnp.int32))
-            buf, rounds = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps, chunk=5)
+            buf, n = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps, chunk=chunk)
             buf = ht.SelBuffer(buf.k, buf.v, buf.pos.at[rows].set(pos))
-            moved += int(rounds) * 5
+            need_n = int(np.asarray(need).sum())
+            assert int(n) == need_n if chunk is None else need_n <= int(n) < need_n + chunk  # whole rounds
+            moved += int(n)
             bp, bk, bv = np.asarray(buf.pos), np.asarray(buf.k), np.asarray(buf.v)
             for r in range(s):
                 br = int(rows[r])

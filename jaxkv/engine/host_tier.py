@@ -30,10 +30,11 @@ import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
-# A load round moves 1/split of the batch's selected rows (padding <= one round per step): finer from the
-# host (bytes), coarser on the device (fewer rounds of the while-loop).
+# A host load round moves 1/split of the batch's selected rows (padding <= one round per step, in bytes
+# that cross to the device). Device loads run as one round of every entry instead: a data-dependent
+# while-loop on a GPU reads its predicate back to the host every round, a stall that cost more than the
+# copies (docs/specontext.md, "The load").
 HOST_SPLIT = 16
-DEVICE_SPLIT = 4
 
 
 @jax.tree_util.register_dataclass
@@ -171,14 +172,18 @@ def _gather(src, rows):
     return src.k.reshape(-1, d)[rows], src.v.reshape(-1, d)[rows]
 
 
-def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, page_size: int, chunk: int):
+def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, page_size: int,
+              chunk: int | None):
     """Moves the selected entries `load` [S, Hkv, B] (positions idx, buffer slots dest) of every buffered
-    layer into `buf` (k, v only; pos is the caller's), compacted over the batch, `chunk` rows per round.
-    page_table [S, Lsel, Hkv, P] of the buffered layers, buf_rows [S] the buffer row of each sequence.
-    Returns (buf, rounds)."""
+    layer into `buf` (k, v only; pos is the caller's), compacted over the batch, `chunk` rows per round
+    (None: one round of every entry, no loop). page_table [S, Lsel, Hkv, P] of the buffered layers,
+    buf_rows [S] the buffer row of each sequence. Returns (buf, rows moved: rounds x chunk, or the rows
+    loaded for one round)."""
     s, hkv, b = idx.shape
     flat = load.reshape(-1)
     n = jnp.sum(flat).astype(jnp.int32)
+    single = chunk is None
+    chunk = flat.shape[0] if single else chunk
     rank = jnp.where(flat, jnp.cumsum(flat) - 1, flat.shape[0] + chunk)
     size = -(-flat.shape[0] // chunk) * chunk
     order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
@@ -205,10 +210,13 @@ def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, pag
         v_buf = v_buf.at[dst].set(v.reshape(-1, d).astype(v_buf.dtype), mode="drop", unique_indices=True)
         return r + 1, k_buf, v_buf
 
-    _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one,
-                                         (jnp.int32(0), buf.k.reshape(-1, d), buf.v.reshape(-1, d)))
+    init = (jnp.int32(0), buf.k.reshape(-1, d), buf.v.reshape(-1, d))
+    if single:
+        _, k_buf, v_buf = one(init)
+    else:
+        _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one, init)
     k_buf, v_buf = k_buf.reshape(buf.k.shape), v_buf.reshape(buf.v.shape)
-    return SelBuffer(k_buf, v_buf, buf.pos), rounds
+    return SelBuffer(k_buf, v_buf, buf.pos), n if single else rounds * chunk
 
 
 @functools.partial(jax.jit, donate_argnames=("host_k", "host_v"))

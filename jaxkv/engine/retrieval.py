@@ -164,8 +164,8 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     its last entry; each layer adds it by the log-sum-exp): plans the diff and loads the lacking rows of
     every buffered layer, from the host mirror for positions written before the dispatch when `host` is
     given, else (and for positions written inside the dispatch) from the device pool. Returns (buf, per-row
-    stats [S, 3]: slots selected, of them selected the step before, rows the host loads; rows moved by the
-    load rounds [2]: host, device (padded to whole rounds))."""
+    stats [S, 3]: slots selected, of them selected the step before, rows the host loads; rows moved [2]:
+    host (padded to whole rounds of `chunk`), device (one round of every entry))."""
     r = buf.pos.shape[0]
     bp = buf.pos[jnp.maximum(buf_rows, 0)]
     pos, need, dest = host_tier.plan_diff(bp, now.idx, now.count - 1)
@@ -173,20 +173,20 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     old = now.idx < start[:, None, None]
     load_rows = functools.partial(host_tier.load_rows, page_table=page_table, buf_rows=buf_rows, idx=now.idx,
                                   dest=dest, page_size=page_size, chunk=chunk)
-    rounds_host = jnp.int32(0)
+    moved_host = jnp.int32(0)
     from_host = jnp.zeros_like(live, jnp.int32)
     if host is not None:
-        buf, rounds_host = load_rows(buf, host, load=load & old)
+        buf, moved_host = load_rows(buf, host, load=load & old)
         from_host = jnp.sum(load & old, axis=(-2, -1))
         load = load & ~old
-    buf, rounds_dev = load_rows(buf, pool, load=load)
+    buf, moved_dev = load_rows(buf, pool, load=load, chunk=None)
     buf = host_tier.SelBuffer(buf.k, buf.v, buf.pos.at[jnp.where(live, buf_rows, r)].set(pos, mode="drop"))
     # The previous step's token was in its selection (forced) and is loaded now: held, for the overlap.
     last = jnp.take_along_axis(now.idx, jnp.maximum(now.count - 2, 0)[..., None], axis=-1)[..., 0]
     prev_tok = (now.count >= 2) & (last == positions[:, None] - 1)
     held = now.count - 1 - jnp.sum(need, -1) + prev_tok
     stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), from_host], -1)
-    return buf, stats.astype(jnp.int32), jnp.stack([rounds_host, rounds_dev]) * chunk
+    return buf, stats.astype(jnp.int32), jnp.stack([moved_host, moved_dev])
 
 
 def _sample(logits, b, greedy):
@@ -506,9 +506,8 @@ class Retriever:
             self._host = host_tier.mirror_slots(*self._host, pool.k, pool.v, jnp.asarray(slots))
 
     def _chunk(self, policy: RetrievalPolicy, num_seqs: int) -> int:
-        """Rows per load round of the buffer's diff (static): a fraction of the selection of the batch."""
-        split = host_tier.HOST_SPLIT if self.host_tier else host_tier.DEVICE_SPLIT
-        return max(1, num_seqs * self.engine.runner.cfg.num_kv_heads * policy.budget // split)
+        """Rows per host load round of the buffer's diff (static): a fraction of the batch's selection."""
+        return max(1, num_seqs * self.engine.runner.cfg.num_kv_heads * policy.budget // host_tier.HOST_SPLIT)
 
     def transfer(self) -> dict:
         """Host tier bytes per decode step and sequence: moved by the diff loads (padding included), the
