@@ -8,10 +8,10 @@ size, -1 = empty slot), and each step moves only what the selection gained (the 
 * `plan_diff`: which selected positions the buffer lacks, which buffer slots they go to (slots whose
   position left the selection, or empty ones), the buffer's positions after the step. Slots that stay
   selected are not touched, so the order inside the buffer is arbitrary: attention masks by position.
-* `load_rows`: the lacking rows of every buffered layer, compacted over the whole batch and moved in rounds
-  of ``chunk`` rows (a `lax.while_loop`, usually one or a few rounds), from the device pool or from the
-  **host mirror** of the pool (``pinned_host`` memory; the gather runs on the host through
-  `compute_on("device_host")`, only the ``[Lsel, chunk, D]`` block crosses to the device).
+* `load_rows`: the lacking rows of every buffered layer, compacted over the whole batch, as one flat row
+  copy: from the device pool in one round of every entry, or from the **host mirror** of the pool
+  (``pinned_host`` memory) in rounds of ``chunk`` rows (a `lax.while_loop`; the gather runs on the host
+  through `compute_on`, only the ``[Lsel, chunk, D]`` block crosses to the device).
 * `mirror_slots`: copies newly written pool slots into the host mirror (after each engine call that wrote
   the pool for retrieval requests), so the mirror holds every position written before a decode dispatch;
   positions written inside the dispatch are loaded from the device pool instead.
