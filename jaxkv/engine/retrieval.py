@@ -124,7 +124,7 @@ def _buffer_view(buf, buf_rows, page_size):
 
 
 def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl,
-                      plan=None, slot_pos_all=None):
+                      slot_pos_all, plan=None):
     """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
     place (`_buffer_view`). The paged kernel reads bf16 K/V with fp32 accumulation (the jnp twin elsewhere,
     fp32). With `plan` (the step's `paged_attention_plan` of the buffer, shared by every buffered layer of
@@ -133,10 +133,8 @@ def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, w
     The kernel gets the whole buffer as one page pool (layer l's pages offset by l x pages per layer, the
     slot positions tiled per layer: `slot_pos_all`, built once per step), not the slice ``buf.k[layer]``:
     XLA copies a slice operand of a custom call, 2 x 15 copies of the layer per step on the 1B shape."""
-    lsel, _, _, _, d = buf.k.shape
+    d = buf.k.shape[-1]
     pt, slot_pos, lengths = _buffer_view(buf, buf_rows, page_size)
-    if slot_pos_all is None:
-        slot_pos_all = _tile_layers(slot_pos, lsel)
     pt = jnp.where(pt >= 0, pt + layer * slot_pos.shape[0], -1)
     k_pages, v_pages = buf.k.reshape(-1, page_size, d), buf.v.reshape(-1, page_size, d)
     if plan is not None:
@@ -281,7 +279,9 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
         slots = jnp.where(live[:, None, None], slots, -1)
         pos2 = positions[:, None]
         brows = jnp.where(live, d["head_rows"], -1)
-        plans = {}  # window -> the buffer's attention plan of this step (built after the refresh); slot_pos
+        # Built once per step after the refresh: window -> the buffer's attention plan, and "slot_pos" -> the
+        # buffer's slot positions tiled over its layers (`_tile_layers`).
+        plans = {}
 
         def attend(layer, q, kk, vv, state):
             pool, summary, sbuf, ks, vs = state

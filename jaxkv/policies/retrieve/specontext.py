@@ -164,7 +164,8 @@ class SpeContext(RetrievalPolicy):
         return head.config.tap_layer
 
     def init_state(self, head: RetrievalHead, num_seqs: int, max_len: int):
-        return init_state(head, num_seqs, max_len, jnp.dtype("float32" if self.key_dtype == "auto" else self.key_dtype))
+        dtype = "float32" if self.key_dtype == "auto" else self.key_dtype  # unresolved (no for_model): fp32
+        return init_state(head, num_seqs, max_len, jnp.dtype(dtype))
 
     def observe(self, head: RetrievalHead, state, x, positions):
         return write_keys(head, state, x, positions)[0]
