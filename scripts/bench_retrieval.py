@@ -65,12 +65,30 @@ def load_model(args, tmp: str):
     return model
 
 
+def _items(method: str) -> tuple[str, dict, list]:
+    """A --methods entry -> (name, Engine keyword arguments from its `engine.X=V` items, the other items)."""
+    import json
+
+    name, *items = method.split(":")
+    engine_kw = {}
+    for item in [i for i in items if i.startswith("engine.")]:
+        key, _, value = item[len("engine."):].partition("=")
+        engine_kw[key] = json.loads(value)
+    return name, engine_kw, [i for i in items if not i.startswith("engine.")]
+
+
+def engine_kwargs(method: str) -> dict:
+    """Engine options of a --methods entry, e.g. "full:engine.pipeline_decode=false" (values JSON)."""
+    return _items(method)[1]
+
+
 def policy_of(method: str):
     """A --methods entry -> the engine's kv_policy: "full" (None), a policy name, or
-    "name:field=value:field=value" (values JSON, else strings), e.g. "specontext:key_dtype=bfloat16"."""
-    if method == "full":
+    "name:field=value:field=value" (values JSON, else strings), e.g. "specontext:key_dtype=bfloat16".
+    Items "engine.X=V" are Engine options (`engine_kwargs`), not policy fields."""
+    name, _, items = _items(method)
+    if name == "full":
         return None
-    name, *items = method.split(":")
     if not items:
         return name
     import json
@@ -94,8 +112,10 @@ def make_engine(model, method: str, args, **kw):
     from jaxkv.engine.engine import Engine
 
     cfg = model.config
-    pol = {} if method == "full" else {"kv_policy": policy_of(method), "kv_budget": args.budget,
-                                       "retrieval_host_tier": args.host_tier}
+    policy = policy_of(method)
+    pol = {} if policy is None else {"kv_policy": policy, "kv_budget": args.budget,
+                                     "retrieval_host_tier": args.host_tier}
+    kw = {**engine_kwargs(method), **kw}
     max_len = args.prompt + args.new + 1
     # Every row's whole context in the pool (the default pool budget would preempt real-size models).
     kw.setdefault("num_pages", args.batch * cfg.num_layers * cfg.num_kv_heads * -(-max_len // args.page_size))
@@ -157,16 +177,15 @@ def start(model, method: str, args, seed: int):
 
 
 def timed_steps(eng):
-    """Runs `eng` to the end: per step (outputs, seconds, whether it compiled anything)."""
-    import jax
-
+    """Runs `eng` to the end: per step (outputs, seconds, whether it compiled anything). Nothing blocks on
+    the device between steps: a step returns when its tokens are on the host, while the engine may already
+    have the next decode call on the device (pipelined decode), so the sum of step times is the wall time."""
     from jaxkv.engine import retrieval, runner
 
     compiles = lambda: runner.num_compilations() + retrieval.num_compilations()  # noqa: E731
     while eng.has_unfinished():
         c0, t0 = compiles(), time.perf_counter()
         outs = eng.step()
-        jax.block_until_ready(eng.runner.pool.k)
         yield outs, time.perf_counter() - t0, compiles() != c0
 
 
@@ -183,7 +202,7 @@ def run_method(model, method: str, args) -> dict:
             steady_tokens += n
             steady_s += dt
     r = eng.retriever
-    row = {"method": method, "budget": None if method == "full" else args.budget, "tokens": all_tokens,
+    row = {"method": method, "budget": None if policy_of(method) is None else args.budget, "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
            "preemptions": eng.scheduler.num_preemptions}

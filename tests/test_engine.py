@@ -97,3 +97,51 @@ def test_fresh_long_prompt_prefills_alone_through_head_class_prefill(tmp_path):
     got = jaxkv.generate(model, prompts, sp, engine=fresh)
     ref, _, _ = run(model, prompts, sp, attn_impl="reference", **kw)
     assert [o.token_ids for o in got] == ref
+
+
+def test_pipelined_decode_equals_one_call_at_a_time(llama):
+    # Call t+1 is dispatched from call t's last tokens on the device before call t is read; a request that
+    # stops inside call t (stop token) or finishes on length must not gain tokens from the call after it.
+    prompts = prompts_for(llama, [5, 11, 17], seed=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=27, ignore_eos=True)
+    plain, _, _ = run(llama, prompts[:1], [greedy], decode_steps=1)
+    stop_id = plain[0][9]
+    samplings = [dataclasses.replace(greedy, stop_token_ids=(stop_id,)),
+                 SamplingParams(temperature=1.0, top_p=0.9, max_tokens=14, seed=5, ignore_eos=True),
+                 dataclasses.replace(greedy, max_tokens=31)]
+    one, _, _ = run(llama, prompts, samplings, decode_steps=4, pipeline_decode=False)
+    kw = {"page_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_step_tokens": 16, "decode_steps": 4}
+    engine = Engine(llama, enable_prefix_caching=False, **kw)
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, samplings)]
+    got, overlapped = {i: [] for i in ids}, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+        overlapped += engine._inflight is not None  # a call still on the device when step() returned
+    assert [got[i] for i in ids] == one
+    assert one[0][-1] == stop_id and len(one[0]) == plain[0].index(stop_id) + 1
+    assert [len(t) for t in one[1:]] == [14, 31]
+    assert overlapped >= 3
+    assert engine._inflight is None
+    assert engine.allocator.num_free == engine.allocator.num_pages  # reserved-ahead pages all returned
+
+
+def test_abort_while_a_decode_call_is_in_flight(llama):
+    prompts = prompts_for(llama, [6, 9], seed=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    kw = {"page_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_step_tokens": 16, "decode_steps": 4}
+    alone, _, _ = run(llama, prompts[1:], [sp], **kw)
+    engine = Engine(llama, enable_prefix_caching=False, **kw)
+    a, b = engine.add_request(prompts[0], sp), engine.add_request(prompts[1], sp)
+    got = {a: [], b: []}
+    while engine._inflight is None or not got[a]:
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    n_a = len(got[a])
+    engine.abort(a)  # its rows are in the call on the device and in the one after it
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert len(got[a]) == n_a < 30
+    assert got[b] == alone[0]
+    assert engine.allocator.num_free == engine.allocator.num_pages

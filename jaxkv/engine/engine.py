@@ -24,9 +24,9 @@ from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.device_tables import DeviceTables
 from jaxkv.engine.request import Request, RequestOutput, Status
-from jaxkv.engine.retrieval import Retriever
+from jaxkv.engine.retrieval import Retriever, is_retrieval
 from jaxkv.engine.reuse import Reuser
-from jaxkv.engine.runner import DecodeBatch, ModelRunner, StepBatch
+from jaxkv.engine.runner import DecodeBatch, ModelRunner, PendingDecode, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
 from jaxkv.policies import CompressPolicy, get_policy
 from jaxkv.policies.retrieve import RetrievalPolicy
@@ -74,7 +74,7 @@ class Engine:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
                  decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
-                 retrieval_host_tier: bool = False):
+                 retrieval_host_tier: bool = False, pipeline_decode: bool = True):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -123,6 +123,7 @@ class Engine:
                                    host_slots=False)
         self.page_size = page_size
         self.decode_steps = decode_steps
+        self.pipeline_decode = pipeline_decode  # dispatch decode call t+1 before reading call t (step())
         self.compressor = Compressor(self)
         self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
@@ -139,6 +140,8 @@ class Engine:
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()
         self._requests: dict[str, Request] = {}
+        # The decode call on the device whose results are not read yet: (chunks, PendingDecode) or None.
+        self._inflight: tuple[list[Chunk], PendingDecode] | None = None
         self._ids = itertools.count()
         self._rng = random.Random(0)
         self._eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
@@ -227,13 +230,29 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduled device call (after any reuse prefills waiting). A multi-step decode call returns one
-        output per generated token (in order), so streaming stays token by token."""
+        output per generated token (in order), so streaming stays token by token.
+
+        Decode calls are pipelined: while one is on the device, the next one for the same requests is
+        scheduled and dispatched (fed from the first call's last tokens on the device) before the first
+        call's results are read, so the host's per-call work overlaps the device (docs/engine.md)."""
         outputs = self.reuser.step() if self.reuser.waiting else []
-        chunks = self.scheduler.schedule(self.decode_steps, room=self._room)
-        if not chunks:
-            return outputs
-        if chunks[0].steps:
-            return outputs + self._step_decode(chunks)
+        if self._inflight is None:
+            chunks = self.scheduler.schedule(self.decode_steps, room=self._room)
+            if not chunks:
+                return outputs
+            if not chunks[0].steps:
+                return outputs + self._step_ragged(chunks)
+            self._inflight = (chunks, self._dispatch_decode(chunks))
+        chunks, pending = self._inflight
+        following = self._continue(chunks, pending)
+        outputs += self._collect(chunks, pending)
+        if following is not None and all(c.request.finished for c in following[0]):
+            following = None  # every request stopped in the call just read: nothing to keep
+        self._inflight = following
+        return outputs
+
+    def _step_ragged(self, chunks: list[Chunk]) -> list[RequestOutput]:
+        outputs = []
         if self.retriever.active(chunks):
             tokens, logprobs = self.retriever.run(chunks)
         else:
@@ -257,18 +276,56 @@ class Engine:
         self.compressor.after_step([c.request for c in chunks])
         return outputs
 
-    def _step_decode(self, chunks: list[Chunk]) -> list[RequestOutput]:
+    # ---- pipelined multi-step decode ----------------------------------------------------------
+    def _dispatch_decode(self, chunks: list[Chunk], prev=None) -> PendingDecode:
+        """Dispatches a multi-step decode call without waiting. Each request's reserved tokens count as
+        computed from now on (a request that stops early finishes, so the count never overshoots)."""
+        for c in chunks:
+            c.request.num_computed = c.start + c.num_tokens
         if self.retriever.active(chunks):
-            tokens, logprobs, ran = self.retriever.decode(chunks)
-        else:
-            tokens, logprobs, ran = self.runner.decode(self._build_decode(chunks))
+            return self.retriever.decode(chunks, prev=prev)
+        return self.runner.decode(self._build_decode(chunks, prev))
+
+    def _continue(self, chunks: list[Chunk], pending: PendingDecode):
+        """The next decode call for the same requests, dispatched before `pending` is read, or None when
+        the host must look at the results first: something waits to be admitted, a request may finish on
+        length or needs a compression, pages would have to be freed, or the call cannot chain."""
+        reqs = [c.request for c in chunks]
+        if (not self.pipeline_decode or pending.last is None or self.scheduler.waiting or self.reuser.waiting
+                or len(self.scheduler.running) != len(reqs)
+                or any(r.finished or r not in self.scheduler.running for r in reqs)
+                or any(r.kv_policy is not None and not is_retrieval(r) for r in reqs)):
+            return None
+        sizes = []
+        for c in chunks:
+            req = c.request
+            room = min(req.sampling.max_tokens - len(req.output_ids),
+                       self.max_model_len - req.num_tokens) - c.num_tokens
+            if room <= 0:
+                return None  # it finishes on length in `pending` (or is one token from it)
+            sizes.append(min(self.decode_steps, room))
+        need = sum(self.tables.pages_needed(c.request.request_id, n) for c, n in zip(chunks, sizes))
+        if not self.allocator.can_allocate(need):
+            return None
+        following = []
+        for c, n in zip(chunks, sizes):
+            start = c.start + c.num_tokens
+            slots = self.tables.append(c.request.request_id, np.arange(start, start + n, dtype=np.int32),
+                                       return_slots=False)
+            following.append(Chunk(c.request, start, n, slots, steps=n))
+        prev = (pending.last, [c.num_tokens for c in chunks])
+        return following, self._dispatch_decode(following, prev)
+
+    def _collect(self, chunks: list[Chunk], pending: PendingDecode) -> list[RequestOutput]:
+        """Waits for a decode call and turns its tokens into outputs; rows of requests that finished (or
+        were aborted) before this call's tokens are read are dropped."""
+        tokens, logprobs, ran = pending.result()
         outputs = []
         for k in range(tokens.shape[0]):  # step-major: every request's k-th token before any (k+1)-th
             for row, chunk in enumerate(chunks):
                 req = chunk.request
                 if req.finished or k >= chunk.num_tokens or not ran[k, row]:
                     continue
-                req.num_computed += 1
                 tok, lp = int(tokens[k, row]), float(logprobs[k, row])
                 req.output_ids.append(tok)
                 req.output_logprobs.append(lp)
@@ -293,7 +350,9 @@ class Engine:
         sp = req.sampling
         return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
 
-    def _build_decode(self, chunks: list[Chunk]) -> DecodeBatch:
+    def _build_decode(self, chunks: list[Chunk], prev=None) -> DecodeBatch:
+        """`prev` = (last tokens [S] on the device, tokens each row produced in that call): the batch of a
+        call dispatched before the previous one's results reached the host."""
         K = self.decode_steps
         S = bucket_for(len(chunks), self._seq_buckets)
         seq_ids = [c.request.request_id for c in chunks]
@@ -316,6 +375,9 @@ class Engine:
             sp = req.sampling
             b.temperature[row], b.top_k[row], b.top_p[row] = sp.temperature, sp.top_k, sp.top_p
             b.seeds[row], b.counters[row] = req.seed, len(req.output_ids)
+        if prev is not None:
+            b.tokens = prev[0]
+            b.counters[:len(chunks)] += np.asarray(prev[1], np.int32)
         return b
 
     def _build_batch(self, chunks: list[Chunk]) -> StepBatch:

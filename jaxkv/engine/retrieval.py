@@ -35,6 +35,7 @@ import numpy as np
 from jaxkv.cache.pool import write_kv
 from jaxkv.engine import host_tier
 from jaxkv.engine.host_tier import AVAILABLE as HOST_TIER_AVAILABLE
+from jaxkv.engine.runner import PendingDecode
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve.base import RetrievalPolicy
 from pallas_kernels.head_class_prefill.api import head_class_prefill
@@ -243,7 +244,7 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
 def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None, greedy=False,
                       local_layers=(), chunk=1):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
-    tokens, logprobs, ran [K, S], per-step stats [K, S, 3] (shared policies: slots selected, of them held
+    tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3] (shared policies: slots selected, of them held
     by the buffer already, rows loaded from the host), rows moved per step [K, 2] (host, device), pool,
     rstate, summary, sbuf.
 
@@ -359,8 +360,8 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     carry = ((pool, summary, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    ((pool, summary, sbuf), rstate, _, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(body, carry, xs)
-    return tokens, logprobs, ran, stats, moved, pool, rstate, summary, sbuf
+    ((pool, summary, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, last, stats, moved, pool, rstate, summary, sbuf
 
 
 def _on_device(batch: dict) -> dict:
@@ -550,8 +551,8 @@ class Retriever:
             t, lp = self._ragged(sub)
             tokens[rest], logprobs[rest] = t[:len(sub)], lp[:len(sub)]
         if dec:
-            t, lp, _ = self.decode([chunks[i] for i in dec], steps=1)
-            tokens[dec], logprobs[dec] = t[0], lp[0]
+            t, lp, _ = self.decode([chunks[i] for i in dec], steps=1).result()
+            tokens[dec], logprobs[dec] = t[0, :len(dec)], lp[0, :len(dec)]
         return tokens, logprobs
 
     def _summary_for(self, policy):
@@ -592,32 +593,34 @@ class Retriever:
         return np.asarray(tokens), np.asarray(logprobs)
 
     # ---- decode -----------------------------------------------------------------------------------
-    def decode(self, chunks, steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Decode chunks grouped by policy (no policy: the runner's decode); [K, len(chunks)] arrays. K is
-        the engine's `decode_steps` (one compiled shape), or `steps` (1 for decode tokens split off a
-        ragged step)."""
+    def decode(self, chunks, steps: int | None = None, prev=None) -> PendingDecode:
+        """Dispatches decode chunks grouped by policy (no policy: the runner's decode); the results are
+        [K, >= len(chunks)]. K is the engine's `decode_steps` (one compiled shape), or `steps` (1 for decode
+        tokens split off a ragged step). `prev` (engine `_build_decode`) chains the call to the one before.
+        One policy: one call, returned without waiting. Several: one call each, gathered on the host."""
         eng = self.engine
         k = steps or eng.decode_steps
-        tokens = np.zeros((k, len(chunks)), np.int32)
-        logprobs = np.zeros((k, len(chunks)), np.float32)
-        ran = np.zeros((k, len(chunks)), bool)
         groups: dict = {}
         for i, c in enumerate(chunks):
             groups.setdefault(c.request.kv_policy if is_retrieval(c.request) else None, []).append(i)
+        if len(groups) == 1:
+            return self._dispatch(next(iter(groups)), chunks, eng._build_decode(chunks, prev), k)
+        tokens = np.zeros((k, len(chunks)), np.int32)
+        logprobs = np.zeros((k, len(chunks)), np.float32)
+        ran = np.zeros((k, len(chunks)), bool)
         for policy, idx in groups.items():
             sub = [chunks[i] for i in idx]
-            b = eng._build_decode(sub)
-            for f in ("slots", "lengths", "prev_lengths", "active"):
-                setattr(b, f, getattr(b, f)[:k])
-            if policy is None:
-                t, lp, r = eng.runner.decode(b)
-            else:
-                t, lp, r = self._decode(policy, sub, b)
+            t, lp, r = self._dispatch(policy, sub, eng._build_decode(sub), k).result()
             n = len(sub)
             tokens[:, idx], logprobs[:, idx], ran[:, idx] = t[:, :n], lp[:, :n], r[:, :n]
-        return tokens, logprobs, ran
+        return PendingDecode(tokens, logprobs, ran, None)
 
-    def _decode(self, policy, chunks, b):
+    def _dispatch(self, policy, chunks, b, k: int) -> PendingDecode:
+        for f in ("slots", "lengths", "prev_lengths", "active"):
+            setattr(b, f, getattr(b, f)[:k])
+        return self.engine.runner.decode(b) if policy is None else self._decode(policy, chunks, b)
+
+    def _decode(self, policy, chunks, b) -> PendingDecode:
         runner = self.engine.runner
         head = self.params_for(policy)
         state = self._state_for(policy)
@@ -629,7 +632,7 @@ class Retriever:
             (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
         arrays.update(head_rows=rows, known=known)
-        tokens, logprobs, ran, stats, moved, runner.pool, state, summary, sbuf = _decode_retrieval(
+        tokens, logprobs, ran, last, stats, moved, runner.pool, state, summary, sbuf = _decode_retrieval(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
             self._summary_for(policy), self._buffer_for(policy), self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
@@ -639,17 +642,20 @@ class Retriever:
             self._state[type(policy)] = state
         if summary is not None:
             self._summary = summary
-        ran, stats, moved = np.asarray(ran), np.asarray(stats), np.asarray(moved)
-        if sbuf is not None:
-            self._buf[policy] = sbuf
-            self._count(policy, chunks, rows, known, ran, stats, moved)
-        return np.asarray(tokens), np.asarray(logprobs), ran
-
-    def _count(self, policy, chunks, rows, known, ran, stats, moved) -> None:
-        """Records the buffer rows' owners and the selection / transfer statistics of a shared decode."""
-        n = len(chunks)
-        for row, c in enumerate(chunks):
+        if sbuf is None:
+            return PendingDecode(tokens, logprobs, ran, last)
+        self._buf[policy] = sbuf
+        for row, c in enumerate(chunks):  # the rows' buffers hold these requests' selections from now on
             self._owner[(policy, int(rows[row]))] = c.request.request_id
+
+        def count(_tokens, _logprobs, ran_host):
+            self._count(chunks, known, ran_host, np.asarray(stats), np.asarray(moved))
+
+        return PendingDecode(tokens, logprobs, ran, last, on_result=count)
+
+    def _count(self, chunks, known, ran, stats, moved) -> None:
+        """Records the selection / transfer statistics of a shared decode."""
+        n = len(chunks)
         later = ran.copy()
         for row in range(n):  # a request's first selected step has no previous selection
             if not known[row]:

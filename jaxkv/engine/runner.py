@@ -6,7 +6,8 @@ request objects. The KV pool is donated into every call. Two entry points:
 * `run(StepBatch)`: one ragged step (prefill chunks and/or single decode tokens), one token per row.
 * `decode(DecodeBatch)`: `K` decode steps in one `lax.scan` (one dispatch, one host sync for K tokens);
   the slots of all K steps were reserved by the host beforehand, and a row stops on the device when it
-  samples a stop token or uses up its reserved steps. With the Pallas kernel each step writes the pool
+  samples a stop token or uses up its reserved steps. It returns a `PendingDecode` without waiting: the
+  engine may dispatch the next call (fed from `last` on the device) before it reads these results. With the Pallas kernel each step writes the pool
   once, after all layers (each layer merges its token's own K/V by the lse).
 
 With the Pallas kernel, the paged-attention metadata is one multi-layer plan per step (built before any
@@ -72,6 +73,27 @@ class DecodeBatch:
     top_p: np.ndarray  # [S] float32
     seeds: np.ndarray  # [S] uint32
     counters: np.ndarray  # [S] int32, output index sampled at step 0
+
+
+@dataclasses.dataclass
+class PendingDecode:
+    """A dispatched multi-step decode whose results are still on the device. `last` [S] is each row's last
+    sampled token, so a next call can start from it without a host round trip; `result()` waits for the
+    call and brings tokens, logprobs and ran ([K, S] each) to the host, then runs `on_result` on them
+    (host bookkeeping that needs the results, e.g. retrieval statistics)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    ran: jax.Array
+    last: jax.Array | None
+    on_result: object = None  # callable(tokens, logprobs, ran) or None
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tokens, logprobs, ran = np.asarray(self.tokens), np.asarray(self.logprobs), np.asarray(self.ran)
+        if self.on_result is not None:
+            self.on_result(tokens, logprobs, ran)
+            self.on_result = None
+        return tokens, logprobs, ran
 
 
 def _sample(logits, b, greedy: bool):
@@ -193,10 +215,11 @@ def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads
 @functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "mesh"),
                    donate_argnames=("pool",))
 def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False, mesh=None):
-    """K decode steps in one lax.scan; -> tokens [K, S], logprobs [K, S], ran [K, S] bool, pool."""
+    """K decode steps in one lax.scan; -> tokens [K, S], logprobs [K, S], ran [K, S] bool, last [S] (each
+    row's last sampled token: the next call's input), pool."""
     if mesh is not None:
         body = functools.partial(_decode_body, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy, tp=True)
-        return tp_shard.tp_call(body, mesh, params, pool, d, cfg, (None, None, None, "pool"))
+        return tp_shard.tp_call(body, mesh, params, pool, d, cfg, (None, None, None, None, "pool"))
     return _decode_body(params, pool, d, cfg, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy)
 
 
@@ -223,8 +246,8 @@ def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False)
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     carry = (pool, d["tokens"], jnp.zeros((s,), bool))
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    (pool, _, _), (tokens, logprobs, ran) = jax.lax.scan(body, carry, xs)
-    return tokens, logprobs, ran, pool
+    (pool, last, _), (tokens, logprobs, ran) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, last, pool
 
 
 def num_compilations() -> int:
@@ -269,12 +292,15 @@ class ModelRunner:
                                             fresh_heads=fresh, **self._kw(not batch.temperature.any()))
         return np.asarray(tokens), np.asarray(logprobs)
 
-    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Runs K decode steps; returns tokens, logprobs and whether the step ran, each [K, S] (host)."""
+    def decode(self, batch: DecodeBatch) -> PendingDecode:
+        """Dispatches K decode steps and returns at once (nothing waits for the device). Every input goes
+        up as a device array in one `device_put`: `tokens` may already be one (a previous call's `last`),
+        and jit keeps numpy and device inputs as separate variants, so all calls must agree on one."""
         arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-        tokens, logprobs, ran, self.pool = _decode(self.params, self.pool, {**arrays, **self._heads},
-                                                   **self._kw(not batch.temperature.any()))
-        return np.asarray(tokens), np.asarray(logprobs), np.asarray(ran)
+        tokens, logprobs, ran, last, self.pool = _decode(self.params, self.pool,
+                                                         jax.device_put({**arrays, **self._heads}),
+                                                         **self._kw(not batch.temperature.any()))
+        return PendingDecode(tokens, logprobs, ran, last)
 
 
 def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):
