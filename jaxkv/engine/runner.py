@@ -112,9 +112,10 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
     shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple per shard."""
     scale = cfg.head_dim ** -0.5
     plan = None
+    pt_layers = b["page_table"].transpose(1, 0, 2, 3)  # layer-major [L, S, Hkv, P], once per step
     if use_plan and fresh_heads is None:
         plan = paged_attention_plan(
-            pool.pos, b["page_table"].transpose(1, 0, 2, 3), b["lengths"].transpose(1, 0, 2), b["q_seq"],
+            pool.pos, pt_layers, b["lengths"].transpose(1, 0, 2), b["q_seq"],
             b["positions"], b["sink"], b["window"], num_q_heads=cfg.num_heads, ordered=False)
 
     def attend(layer, q, k, v, pool):
@@ -125,8 +126,8 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
                         for h in heads]
             out = tp_shard.per_shard(branches, q[0], k[0], v[0])
         elif plan is not None:
-            out, _ = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos,
-                                               b["page_table"][:, layer], scale=scale)
+            out, _ = paged_attention_with_plan(plan, q[0], pool.k, pool.v, pool.pos, pt_layers, scale=scale,
+                                               layer=layer)
         else:
             out, _ = paged_attention(
                 q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
@@ -171,15 +172,15 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     and merges the token's own K/V through the lse; three pool scatters per step instead of three per
     layer, which the H200 profile showed costing more than the attention itself."""
     scale = cfg.head_dim ** -0.5
-    pt = b["page_table"]
+    pt_layers = b["page_table"].transpose(1, 0, 2, 3)  # layer-major [L, S, Hkv, P], once per step
     plan = paged_attention_plan(
-        pool.pos, pt.transpose(1, 0, 2, 3), b["prev_lengths"].transpose(1, 0, 2), b["q_seq"], b["positions"],
+        pool.pos, pt_layers, b["prev_lengths"].transpose(1, 0, 2), b["q_seq"], b["positions"],
         b["sink"], b["window"], num_q_heads=cfg.num_heads, ordered=False)
 
     def attend(layer, q, k, v, state):
         pool, ks, vs = state
-        out, lse = paged_attention_with_plan(plan.layer(layer), q[0], pool.k, pool.v, pool.pos, pt[:, layer],
-                                             scale=scale)
+        out, lse = paged_attention_with_plan(plan, q[0], pool.k, pool.v, pool.pos, pt_layers, scale=scale,
+                                             layer=layer)
         return _merge_own(out, lse, q[0], k[0], v[0], scale)[None], (pool, ks + (k[0],), vs + (v[0],))
 
     hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,

@@ -115,11 +115,14 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
 def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_pages, slot_pos, *,
                            scale: float, num_splits: int, pages_per_block: int, max_pages: int,
                            num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
-                           out_dtype=jnp.float32):
+                           out_dtype=jnp.float32, block_offset: int = 0):
     """Run the kernel over prepared blocks.
 
     meta [NB, Hkv, 8] int32, qpos_rows [NB, R] int32, q_rows [NB, Hkv, R, D],
     page_table_flat [S * Hkv * max_pages] int32, pools as in the contract.
+    `block_offset` (static): meta and qpos_rows hold several layers' blocks ([L * NB, ...]) and this call
+    reads rows block_offset + b; meta's unit column then indexes page_table_flat across layers too, so a
+    layer of a multi-layer plan runs without slicing (a sliced custom-call operand is a copy per layer).
     Returns partial out [K, NB, Hkv, R, D] and lse [K, NB, Hkv, R] float32; only the splits
     `k < max(1, cdiv(nv, pps))` of a unit are written (see `merge_splits`); meta's pps column must satisfy
     cdiv(nv, pps) <= num_splits and be a multiple of pages_per_block (`unit_split_pages`).
@@ -137,8 +140,8 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
         kernel,
         grid=(nb, hkv, num_splits),
         in_specs=[
-            pl.BlockSpec((None, None, META_WIDTH), lambda b, h, k: (b, h, 0)),
-            pl.BlockSpec((None, rows), lambda b, h, k: (b, 0)),
+            pl.BlockSpec((None, None, META_WIDTH), lambda b, h, k: (b + block_offset, h, 0)),
+            pl.BlockSpec((None, rows), lambda b, h, k: (b + block_offset, 0)),
             pl.BlockSpec((None, None, rows, d), lambda b, h, k: (b, h, 0, 0)),
             full(page_table_flat), full(k_flat), full(v_flat), full(pos_flat),
         ],
@@ -211,13 +214,14 @@ def _merge_kernel(meta_ref, o_ref, l_ref, out_ref, lse_ref):
     lse_ref[...] = lse
 
 
-def merge_splits(meta, o_part, l_part, *, out_dtype, interpret: bool = False):
-    """Merge each unit's written splits: o_part [K, NB, Hkv, R, D] -> out [NB, Hkv, R, D], lse."""
+def merge_splits(meta, o_part, l_part, *, out_dtype, interpret: bool = False, block_offset: int = 0):
+    """Merge each unit's written splits: o_part [K, NB, Hkv, R, D] -> out [NB, Hkv, R, D], lse.
+    `block_offset`: as in `paged_attention_blocks`."""
     k, nb, hkv, rows, d = o_part.shape
     return pl.pallas_call(
         _merge_kernel,
         grid=(nb, hkv),
-        in_specs=[pl.BlockSpec((None, None, META_WIDTH), lambda b, h: (b, h, 0)),
+        in_specs=[pl.BlockSpec((None, None, META_WIDTH), lambda b, h: (b + block_offset, h, 0)),
                   pl.BlockSpec((k, None, None, rows, d), lambda b, h: (0, b, h, 0, 0)),
                   pl.BlockSpec((k, None, None, rows), lambda b, h: (0, b, h, 0))],
         out_specs=[pl.BlockSpec((None, None, rows, d), lambda b, h: (b, h, 0, 0)),

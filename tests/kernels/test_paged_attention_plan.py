@@ -130,6 +130,30 @@ def test_multi_layer_step_in_one_jit_matches_per_layer_calls(schedule):
         np.testing.assert_allclose(np.asarray(got[layer]), np.asarray(ref), atol=1e-4, rtol=2e-5)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]])
+def test_layer_of_multi_layer_plan_reads_the_whole_table_in_place(case):
+    """layer=l with the whole layer-major page table (no per-layer slices: the grid schedule offsets its
+    metadata blocks and page-table rows) == plan.layer(l) with layer l's table, bit for bit."""
+    c, a = _case(case[0], case[1], seed=23)
+    kw, sched = _plan_kw(case)
+    pts, lens, sink, window = _layers(c)
+    qs = jnp.asarray(np.random.default_rng(2).standard_normal((3, *c["q"].shape)).astype(np.float32))
+    plan = paged_attention_plan(a[3], jnp.asarray(pts), jnp.asarray(lens), a[6], a[7], jnp.asarray(sink),
+                                jnp.asarray(window), num_q_heads=qs.shape[2], **kw, **sched)
+    assert plan.units_per_layer == pts.shape[1] * pts.shape[2]
+    for layer in range(3):
+        got = paged_attention_with_plan(plan, qs[layer], a[1], a[2], a[3], jnp.asarray(pts), scale=0.25,
+                                        layer=layer)
+        want = paged_attention_with_plan(plan.layer(layer), qs[layer], a[1], a[2], a[3],
+                                         jnp.asarray(pts[layer]), scale=0.25)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="layer-major"):
+        paged_attention_with_plan(plan, qs[0], a[1], a[2], a[3], jnp.asarray(pts[0]), scale=0.25, layer=0)
+    with pytest.raises(ValueError, match="multi-layer plan"):
+        paged_attention_with_plan(plan, qs[0], a[1], a[2], a[3], jnp.asarray(pts), scale=0.25)
+
+
 @pytest.mark.parametrize("pps", [[4] * 7, [4, 4, 8, 4, 4, 4, 12]])   # uniform and per-unit split sizes
 def test_work_list_covers_every_nonempty_split_once_full_splits_first(pps):
     k = 3
