@@ -273,3 +273,26 @@ def test_hardkv_calibration_file_round_trips_and_rejects_other_models(model, tmp
                  attn_impl="reference")
     _, (kept,) = run_capturing(eng, [prompt])
     assert max(len(h) for row in kept for h in row) <= 64
+
+
+def test_pipelined_decode_under_a_compression_policy(model):
+    # Calls chain between compressions (every 40 tokens, calls of 8) and drain before each one: same
+    # tokens and compressions as one call at a time.
+    prompts = prompts_for(model, [40, 33], seed=9)
+    pol = get_policy("hardkv", budget=48, window=8, decode_interval=40)
+    sp = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    runs = []
+    for pipeline in (False, True):
+        eng = Engine(model, page_size=8, max_step_tokens=64, kv_policy=pol, attn_impl="reference",
+                     decode_steps=8, pipeline_decode=pipeline)
+        ids = [eng.add_request(p, sp) for p in prompts]
+        got, overlapped = {i: [] for i in ids}, 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+            overlapped += eng._inflight is not None
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        runs.append(([got[i] for i in ids], eng.compressor.num_compressions, overlapped))
+    (serial, n_serial, none), (piped, n_piped, some) = runs
+    assert piped == serial and n_piped == n_serial >= 2  # at prefill end, then every 40 tokens
+    assert none == 0 and some >= 5

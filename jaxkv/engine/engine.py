@@ -24,7 +24,7 @@ from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.device_tables import DeviceTables
 from jaxkv.engine.request import Request, RequestOutput, Status
-from jaxkv.engine.retrieval import Retriever, is_retrieval
+from jaxkv.engine.retrieval import Retriever
 from jaxkv.engine.reuse import Reuser
 from jaxkv.engine.runner import DecodeBatch, ModelRunner, PendingDecode, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
@@ -289,20 +289,27 @@ class Engine:
     def _continue(self, chunks: list[Chunk], pending: PendingDecode):
         """The next decode call for the same requests, dispatched before `pending` is read, or None when
         the host must look at the results first: something waits to be admitted, a request may finish on
-        length or needs a compression, pages would have to be freed, or the call cannot chain."""
+        length or is due for compression after `pending`, pages would have to be freed, or the call cannot
+        chain (several policies in one step)."""
         reqs = [c.request for c in chunks]
         if (not self.pipeline_decode or pending.last is None or self.scheduler.waiting or self.reuser.waiting
                 or len(self.scheduler.running) != len(reqs)
-                or any(r.finished or r not in self.scheduler.running for r in reqs)
-                or any(r.kv_policy is not None and not is_retrieval(r) for r in reqs)):
+                or any(r.finished or r not in self.scheduler.running for r in reqs)):
             return None
         sizes = []
         for c in chunks:
             req = c.request
             room = min(req.sampling.max_tokens - len(req.output_ids),
                        self.max_model_len - req.num_tokens) - c.num_tokens
+            pol = req.kv_policy
+            if isinstance(pol, CompressPolicy):  # the next compression must run between two calls
+                if req.kv_compressed_at is None or req.kv_compressed_epoch != req.num_preemptions:
+                    return None
+                if pol.decode_interval:
+                    room = min(room, pol.decode_interval
+                               - (len(req.output_ids) + c.num_tokens - req.kv_compressed_at))
             if room <= 0:
-                return None  # it finishes on length in `pending` (or is one token from it)
+                return None  # it finishes on length in `pending` (or is one token from it), or compresses
             sizes.append(min(self.decode_steps, room))
         need = sum(self.tables.pages_needed(c.request.request_id, n) for c, n in zip(chunks, sizes))
         if not self.allocator.can_allocate(need):
