@@ -30,12 +30,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_e2e import make_checkpoint, write_section  # noqa: E402
 
 
-def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_interval):
-    """Fresh engine, one batch to completion -> (seconds, tokens generated, peak pages held)."""
+def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_interval, engine_kwargs=None):
+    """Fresh engine, one batch to completion -> (seconds, tokens generated, peak pages held, compressions,
+    step variants compiled during the run)."""
     import numpy as np
 
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
+    from jaxkv.engine.runner import num_compilations
     from jaxkv.policies import POLICIES, CompressPolicy, get_policy
     from jaxkv.sampling import SamplingParams
 
@@ -50,11 +52,12 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
     eng = Engine(model, page_size=page_size, max_num_seqs=batch, max_model_len=prompt + new + 1,
                  max_step_tokens=max(prompt, 512), enable_prefix_caching=False,
                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), kv_cache_bytes=kv_cache_bytes,
-                 kv_policy=pol)
+                 kv_policy=pol, **(engine_kwargs or {}))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, prompt).tolist() for _ in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     free0 = eng.allocator.num_free
+    compiled0 = num_compilations()
     t0 = time.perf_counter()
     for p in prompts:
         eng.add_request(p, sp)
@@ -62,7 +65,8 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
     while eng.has_unfinished():
         generated += sum(len(o.new_token_ids) for o in eng.step())
         peak = max(peak, free0 - eng.allocator.num_free)
-    return time.perf_counter() - t0, generated, peak, eng.compressor.num_compressions
+    secs = time.perf_counter() - t0
+    return secs, generated, peak, eng.compressor.num_compressions, num_compilations() - compiled0
 
 
 def main(argv=None) -> list[dict]:
@@ -79,6 +83,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--decode-interval", type=int, default=512, help="policies compress every N new tokens")
     ap.add_argument("--out", default=None, help="markdown file whose section is replaced")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--engine", default="{}",
+                    help='extra Engine keyword arguments as JSON, e.g. \'{"pipeline_decode": false}\'')
     args = ap.parse_args(argv)
     if args.small:
         args.shape, args.batch, args.prompt, args.new, args.decode_interval = "small", 4, 64, 48, 16
@@ -97,13 +103,15 @@ def main(argv=None) -> list[dict]:
         kv_cache_bytes = int(1.1 * args.batch * (args.prompt + args.new + 2 * page_size) * token_bytes)
         for method in args.methods.split(","):
             kw = dict(batch=args.batch, prompt=args.prompt, new=args.new, page_size=page_size,
-                      kv_cache_bytes=kv_cache_bytes, decode_interval=args.decode_interval)
+                      kv_cache_bytes=kv_cache_bytes, decode_interval=args.decode_interval,
+                      engine_kwargs=json.loads(args.engine))
             warm = kw if method == "full" else dict(kw, new=min(args.new, args.policy_warm_new))
             run(model, method, **warm)  # compiles
-            secs, gen, peak, ncomp = run(model, method, **kw)
+            secs, gen, peak, ncomp, ncompiled = run(model, method, **kw)
             page_bytes = page_size * 2 * cfg.head_dim * (4 if args.small else 2)
             row = {"method": method, "seconds": secs, "tokens": gen, "tok_s": gen / secs,
-                   "peak_kv_gb": peak * page_bytes / 1e9, "compressions": ncomp}
+                   "peak_kv_gb": peak * page_bytes / 1e9, "compressions": ncomp,
+                   "compiled_in_timed_run": ncompiled}
             rows.append(row)
             print(json.dumps(row), flush=True)
     base = rows[0]["tok_s"] if rows and rows[0]["method"] == "full" else None
