@@ -25,3 +25,17 @@ def test_bench_e2e_small_writes_its_table(tmp_path):
     assert "python scripts/bench_e2e.py --small" in text
     bench.main(["--small", "--only", "ttft", "--out", str(out)])  # a rerun replaces its own section only
     assert out.read_text().count("## End to end") == 1 and "kept" in out.read_text()
+
+
+def test_bench_policy_warm_run_compiles_what_the_timed_run_needs():
+    # A policy's warm-up run is shorter than the timed one (--policy-warm-new) but must build the same
+    # engine shape (max_model_len sizes the device page tables): otherwise the timed run compiles.
+    spec = importlib.util.spec_from_file_location("bench_policy", ROOT / "scripts" / "bench_policy.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_policy"] = bench
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--small", "--methods", "full,hardkv@0.25", "--policy-warm-new", "8"])
+    assert [r["method"] for r in rows] == ["full", "hardkv@0.25"]
+    assert all(r["tokens"] == 4 * 48 for r in rows)
+    assert rows[1]["compressions"] > 0
+    assert [r["compiled_in_timed_run"] for r in rows] == [0, 0]
