@@ -299,17 +299,12 @@ class Engine:
         sizes = []
         for c in chunks:
             req = c.request
-            room = min(req.sampling.max_tokens - len(req.output_ids),
-                       self.max_model_len - req.num_tokens) - c.num_tokens
-            pol = req.kv_policy
-            if isinstance(pol, CompressPolicy):  # the next compression must run between two calls
-                if req.kv_compressed_at is None or req.kv_compressed_epoch != req.num_preemptions:
-                    return None
-                if pol.decode_interval:
-                    room = min(room, pol.decode_interval
-                               - (len(req.output_ids) + c.num_tokens - req.kv_compressed_at))
+            if isinstance(req.kv_policy, CompressPolicy) and (
+                    req.kv_compressed_at is None or req.kv_compressed_epoch != req.num_preemptions):
+                return None  # its prefill-end compression runs between two calls
+            room = self._room(req, ahead=c.num_tokens)
             if room <= 0:
-                return None  # it finishes on length in `pending` (or is one token from it), or compresses
+                return None  # it finishes on length in `pending`, or compresses after it
             sizes.append(min(self.decode_steps, room))
         need = sum(self.tables.pages_needed(c.request.request_id, n) for c, n in zip(chunks, sizes))
         if not self.allocator.can_allocate(need):
@@ -344,13 +339,16 @@ class Engine:
         self.compressor.after_step([c.request for c in chunks])
         return outputs
 
-    def _room(self, req: Request) -> int:
-        """Tokens a running request may decode in one call: what it may still produce (max_tokens,
-        max_model_len), and no further than its policy's next compression."""
-        room = min(req.sampling.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
+    def _room(self, req: Request, ahead: int = 0) -> int:
+        """Tokens a running request may decode in one call once `ahead` more tokens are out (a call still
+        on the device): what it may still produce (max_tokens, max_model_len), and no further than its
+        policy's next compression. <= 0: none before the host looks (it finishes, or compresses, first);
+        the scheduler decodes at least one token."""
+        out, total = len(req.output_ids) + ahead, req.num_tokens + ahead
+        room = min(req.sampling.max_tokens - out, self.max_model_len - total)
         pol = req.kv_policy
         if pol is not None and getattr(pol, "decode_interval", 0) and req.kv_compressed_at is not None:
-            room = min(room, max(1, pol.decode_interval - (len(req.output_ids) - req.kv_compressed_at)))
+            room = min(room, pol.decode_interval - (out - req.kv_compressed_at))
         return room
 
     def _stop_ids(self, req: Request) -> set[int]:

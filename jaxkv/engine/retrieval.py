@@ -244,9 +244,9 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
 def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None, greedy=False,
                       local_layers=(), chunk=1):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
-    tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3] (shared policies: slots selected, of them held
-    by the buffer already, rows loaded from the host), rows moved per step [K, 2] (host, device), pool,
-    rstate, summary, sbuf.
+    tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
+    (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
+    moved per step [K, 2] (host, device), pool, rstate, summary, sbuf.
 
     Shared policies keep the selection in `sbuf` (`host_tier.SelBuffer`, rows ``d["head_rows"]``; a row
     whose ``d["known"]`` is False starts empty) and load only its difference each step, `chunk` rows per
@@ -648,7 +648,7 @@ class Retriever:
         for row, c in enumerate(chunks):  # the rows' buffers hold these requests' selections from now on
             self._owner[(policy, int(rows[row]))] = c.request.request_id
 
-        def count(_tokens, _logprobs, ran_host):
+        def count(ran_host):
             self._count(chunks, known, ran_host, np.asarray(stats), np.asarray(moved))
 
         return PendingDecode(tokens, logprobs, ran, last, on_result=count)

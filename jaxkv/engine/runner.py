@@ -7,8 +7,9 @@ request objects. The KV pool is donated into every call. Two entry points:
 * `decode(DecodeBatch)`: `K` decode steps in one `lax.scan` (one dispatch, one host sync for K tokens);
   the slots of all K steps were reserved by the host beforehand, and a row stops on the device when it
   samples a stop token or uses up its reserved steps. It returns a `PendingDecode` without waiting: the
-  engine may dispatch the next call (fed from `last` on the device) before it reads these results. With the Pallas kernel each step writes the pool
-  once, after all layers (each layer merges its token's own K/V by the lse).
+  engine may dispatch the next call (fed from `last` on the device) before it reads these results. With
+  the Pallas kernel each step writes the pool once, after all layers (each layer merges its token's own
+  K/V by the lse).
 
 With the Pallas kernel, the paged-attention metadata is one multi-layer plan per step (built before any
 K/V write: the engine's rings are unordered, so the plan never reads slot positions). A step made of one
@@ -79,19 +80,19 @@ class DecodeBatch:
 class PendingDecode:
     """A dispatched multi-step decode whose results are still on the device. `last` [S] is each row's last
     sampled token, so a next call can start from it without a host round trip; `result()` waits for the
-    call and brings tokens, logprobs and ran ([K, S] each) to the host, then runs `on_result` on them
-    (host bookkeeping that needs the results, e.g. retrieval statistics)."""
+    call and brings tokens, logprobs and ran ([K, S] each) to the host, then runs `on_result(ran)` (host
+    bookkeeping that needs the results, e.g. retrieval statistics)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     ran: jax.Array
     last: jax.Array | None
-    on_result: object = None  # callable(tokens, logprobs, ran) or None
+    on_result: object = None  # callable(ran) or None
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tokens, logprobs, ran = np.asarray(self.tokens), np.asarray(self.logprobs), np.asarray(self.ran)
         if self.on_result is not None:
-            self.on_result(tokens, logprobs, ran)
+            self.on_result(ran)
             self.on_result = None
         return tokens, logprobs, ran
 
