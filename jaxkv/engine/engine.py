@@ -20,6 +20,7 @@ from jaxkv.cache.head_classes import HeadClassMap, all_global, load_or_default
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.cache.tables import HeadPageTables
 from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.code_maps import MapGuard
 from jaxkv.engine.compression import Compressor
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.device_tables import DeviceTables
@@ -124,6 +125,7 @@ class Engine:
         self.page_size = page_size
         self.decode_steps = decode_steps
         self.pipeline_decode = pipeline_decode  # dispatch decode call t+1 before reading call t (step())
+        self.code_maps = MapGuard()  # XLA:CPU: drops compiled variants near the host's mapping cap
         self.compressor = Compressor(self)
         self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
@@ -235,6 +237,8 @@ class Engine:
         Decode calls are pipelined: while one is on the device, the next one for the same requests is
         scheduled and dispatched (fed from the first call's last tokens on the device) before the first
         call's results are read, so the host's per-call work overlaps the device (docs/engine.md)."""
+        if self._inflight is None:
+            self.code_maps.check()
         outputs = self.reuser.step() if self.reuser.waiting else []
         if self._inflight is None:
             chunks = self.scheduler.schedule(self.decode_steps, room=self._room)

@@ -419,7 +419,7 @@ class Retriever:
         with K = decode_steps and K = 1) on all-padding batches (nothing is written); returns how many."""
         from tqdm.auto import tqdm
 
-        from jaxkv.engine.warmup import STOP_BUCKET, variants
+        from jaxkv.engine.warmup import STOP_BUCKET, stop_near_map_cap, variants
 
         eng, runner = self.engine, self.engine.runner
         cfg = runner.cfg
@@ -433,8 +433,12 @@ class Retriever:
                 if (s, p, greedy, k) not in seen:
                     seen.add((s, p, greedy, k))
                     todo.append(("decode", s, k, p, greedy, False))
+        done = 0
         for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling retrieval variants",
                                                  disable=not progress):
+            if stop_near_map_cap(done, len(todo)):
+                break
+            done += 1
             temp = np.zeros(s, np.float32)
             temp[0] = 0.0 if greedy else 1.0
             common = dict(page_table=np.full((s, L, H, p), -1, np.int32), temperature=temp,
@@ -467,7 +471,7 @@ class Retriever:
                 self._state[type(policy)] = state_out
             if summary_out is not None:
                 self._summary = summary_out
-        return len(todo)
+        return done
 
     def _state_for(self, policy: RetrievalPolicy):
         key = type(policy)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxkv.engine import code_maps
 from jaxkv.engine.runner import DecodeBatch, StepBatch
 
 log = logging.getLogger("jaxkv.engine")
@@ -58,7 +59,11 @@ def precompile(engine, progress: bool = True) -> int:
     bar = tqdm(todo, desc="jaxkv: compiling step variants", disable=not progress)
     dt = engine.device_tables
     dt.warm()
+    done = 0
     for kind, s, t, p, greedy, fresh in bar:
+        if stop_near_map_cap(done, len(todo)):
+            break
+        done += 1
         temp = np.zeros(s, np.float32)
         if not greedy:
             temp[0] = 1.0
@@ -78,5 +83,15 @@ def precompile(engine, progress: bool = True) -> int:
                 tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32), slots=slots, lengths=lengths,
                 prev_lengths=prev_lengths, active=active, page_table=page_table,
                 stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common))
-    log.info("jaxkv: %d step variants ready in %.1f s", len(todo), time.perf_counter() - t0)
-    return len(todo)
+    log.info("jaxkv: %d step variants ready in %.1f s", done, time.perf_counter() - t0)
+    return done
+
+
+def stop_near_map_cap(done: int, total: int) -> bool:
+    """True (and a warning) when an XLA:CPU process nears the host's memory-mapping cap: compiling the
+    remaining variants would crash it (jaxkv/engine/code_maps.py); they compile on first use instead."""
+    hit = code_maps.near_cap(0.75)
+    if hit is not None:
+        log.warning("jaxkv: precompiled %d of %d variants; stopped at %d of %d memory mappings "
+                    "(vm.max_map_count, XLA:CPU code); the rest compile on first use", done, total, *hit)
+    return hit is not None
