@@ -227,6 +227,55 @@ def test_redknot_sparse_ffn_gathers_up_to_its_capacity(model, pieces):
     assert tight.ffn_rows[0] + tight.ffn_dropped[0] == uncapped.ffn_rows[0]  # same choice, then capped
 
 
+def test_redknot_ffn_dilation_adds_the_successors_of_selected_rows():
+    from jaxkv.policies.reuse.redknot import _dilate
+
+    positions = jnp.array([0, 1, 2, 3, 4, 5, 9, 10, 11, -1, -1], jnp.int32)  # a gap after 5, then padding
+    sel = jnp.array([0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+    share = jnp.array([0, .5, 0, 0, 0, .2, 0, 0, 0, 0, 0], jnp.float32)
+    got, pri = _dilate(sel, share, positions, 2)
+    # Row 1 reaches positions 2, 3; row 5 reaches 6, 7, which no row holds (position 9 is 4 away).
+    np.testing.assert_array_equal(np.asarray(got), [0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0])
+    np.testing.assert_allclose(np.asarray(pri)[[1, 2, 3, 5]], [.5, .5, .5, .2])
+    same, pri0 = _dilate(sel, share, positions, 0)
+    assert same is sel and pri0 is share
+
+
+def test_spread_forward_takes_the_max_of_the_rows_just_before():
+    from jaxkv.policies.reuse.base import spread_forward
+
+    positions = jnp.array([0, 1, 2, 3, 7, 8, -1], jnp.int32)
+    score = jnp.array([[5., 0.], [0., 1.], [0., 0.], [0., 0.], [0., 0.], [2., 0.], [9., 9.]])  # per head
+    got = np.asarray(spread_forward(score, positions, 2))
+    # Row 0's 5 reaches positions 1, 2; row 1's 1 (head 1) reaches 2, 3; position 7 is 4 after 3; padding
+    # keeps its own value and gives none.
+    np.testing.assert_array_equal(got, [[5, 0], [5, 1], [5, 1], [0, 1], [0, 0], [2, 0], [9, 9]])
+
+
+def test_redknot_ffn_dilation_runs_the_ffn_on_more_rows(model, pieces):
+    pre, s1, s2, suf = pieces
+    kw = dict(edge_thresh=0.0, dense_until=0, recent_n=2, mass_thresh=0.2, ffn_capacity=1.0)
+    _, plain = run(make_engine(model), pre, [s1, s2], suf, get_reuse_policy("redknot", ffn_dilate=0, **kw))
+    _, wide = run(make_engine(model), pre, [s1, s2], suf, get_reuse_policy("redknot", ffn_dilate=3, **kw))
+    assert all(w >= p for w, p in zip(wide.ffn_rows, plain.ffn_rows))
+    assert sum(wide.ffn_rows) > sum(plain.ffn_rows)
+    with pytest.raises(ValueError, match="ffn_dilate"):
+        get_reuse_policy("redknot", ffn_dilate=-1)
+
+
+def test_sparsex_dilate_recomputes_the_successors_of_its_top_tokens(model, pieces):
+    """Same k: spreading the score forward trades lone top tokens for runs after the best ones."""
+    pre, s1, s2, suf = pieces
+    kw = dict(ratio=0.25, block=0, tail=0)
+    eng = make_engine(model)
+    _, plain = run(eng, pre, [s1, s2], suf, get_reuse_policy("sparsex", **kw))
+    _, wide = run(make_engine(model), pre, [s1, s2], suf, get_reuse_policy("sparsex", dilate=4, **kw))
+    assert wide.recomputed_rows == plain.recomputed_rows  # the budget is the same k
+    assert not np.allclose(wide.first_logits, plain.first_logits, atol=1e-5)  # a different set of tokens
+    with pytest.raises(ValueError, match="dilate"):
+        get_reuse_policy("sparsex", dilate=1.5)
+
+
 def test_redknot_local_heads_attend_to_their_window_only(model, pieces):
     cfg = model.config
     pre, s1, s2, suf = pieces

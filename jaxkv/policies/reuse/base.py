@@ -104,6 +104,23 @@ class LayerView:
         return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
 
 
+def spread_forward(values: jax.Array, positions: jax.Array, width: int) -> jax.Array:
+    """values [R, ...] -> each row's max over the rows at most `width` positions before it, itself
+    included (rows ascend by position; padding rows, position -1, neither give nor take). Bool values: any.
+    Induction reads the token after a match, so a score that finds the match should reach its successors."""
+    if width == 0:
+        return values
+    valid = positions >= 0
+    fill = jnp.zeros((), values.dtype) if values.dtype == bool else jnp.asarray(NEG, values.dtype)
+    out = values
+    for k in range(1, width + 1):
+        src = jnp.concatenate([jnp.full((k,) + values.shape[1:], fill), values[:-k]])
+        src_pos = jnp.concatenate([jnp.full((k,), -1, positions.dtype), positions[:-k]])
+        reach = valid & (src_pos >= 0) & (positions - src_pos <= width)
+        out = jnp.maximum(out, jnp.where(reach.reshape(reach.shape + (1,) * (values.ndim - 1)), src, fill))
+    return out
+
+
 def _check_int(policy, field: str, lo: int = 0) -> None:
     v = getattr(policy, field)
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:

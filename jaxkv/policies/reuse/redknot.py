@@ -10,6 +10,12 @@ tokens and the new text; the others pass through the residual. Those rows are ga
 of ``ffn_capacity`` x rows (new text and recent tokens first, then by mass; what does not fit is dropped
 lowest-mass first and counted in the stats), so the FFN costs the buffer, not the prompt.
 
+Successor dilation (`ffn_dilate`, our addition; the paper only says "top-k tokens by attention score"): the
+rows up to `ffn_dilate` positions after a selected row get the FFN too. The question's probes attend to
+where their words match (a needle's key), but induction copies the tokens *after* the match (its value),
+which receive little probe mass in the middle layers; skipping their FFN is what cost mq_niah
+(docs/eval.md, "RedKnot ablation").
+
 Local recovery (Algorithm 1 l. 15, Algorithm 2): an unpromoted local head attends to its sinks + window
 only (`local_windows`), the visible set whose K/V it repairs; beyond it the head would read stale reused
 K/V anyway, and restricting it is what lets the paged kernel skip those pages.
@@ -29,7 +35,15 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.policies.reuse.base import LayerView, Layout, ReusePolicy, _check_frac, _check_int, register_reuse
+from jaxkv.policies.reuse.base import (
+    LayerView,
+    Layout,
+    ReusePolicy,
+    _check_frac,
+    _check_int,
+    register_reuse,
+    spread_forward,
+)
 
 
 @register_reuse
@@ -37,7 +51,7 @@ from jaxkv.policies.reuse.base import LayerView, Layout, ReusePolicy, _check_fra
 class RedKnot(ReusePolicy):
     name = "redknot"
     dense_until: int = 2  # layers with a dense FFN (the paper's 20 of 32-80; 2 of 8 here)
-    mass_thresh: float = 0.5
+    mass_thresh: float = 0.8  # the paper's 0.5 selects fewer sources than the dilation can use (docs/eval.md)
     recent_n: int = 128
     edge_frac: float = 0.25
     edge_thresh: float = 0.2
@@ -47,11 +61,16 @@ class RedKnot(ReusePolicy):
     # Unpromoted local heads attend to sinks + window only (the paper); False: whole history, stale K/V
     # included (costs full attention; with the restore off it is what keeps this repo's 2K evals right).
     local_windows: bool = True
+    # Rows within this many positions after a selected row get the FFN too (priority: the selected row's
+    # share). Induction copies the token *after* the one the question matches: the probes' mass finds the
+    # match, the answer is its successor.
+    ffn_dilate: int = 16  # 0 + mass_thresh 0.5: the paper's rule
 
     def __post_init__(self):
         super().__post_init__()
         _check_int(self, "dense_until")
         _check_int(self, "recent_n")
+        _check_int(self, "ffn_dilate")
         _check_frac(self, "mass_thresh")
         _check_frac(self, "edge_frac")
         _check_frac(self, "ffn_capacity")
@@ -94,6 +113,7 @@ class RedKnot(ReusePolicy):
         last = jnp.max(view.positions)
         must = (view.positions > last - self.recent_n) | view.is_new
         share = mass / jnp.maximum(jnp.sum(mass), 1e-30)
+        top, share = _dilate(top, share, view.positions, self.ffn_dilate)
         return view.valid & (top | must), share + 2.0 * must
 
     def ffn_capacity_rows(self, num_rows: int) -> int:
@@ -101,3 +121,11 @@ class RedKnot(ReusePolicy):
         return min(num_rows, -(-math.ceil(self.ffn_capacity * num_rows) // 8) * 8)
 
 
+
+def _dilate(sel, share, positions, width: int):
+    """Adds the rows at most `width` positions after a selected row; a row added takes the largest share
+    of the selected rows that reach it (its priority under the capacity cap)."""
+    if width == 0:
+        return sel, share
+    reached = spread_forward(sel, positions, width)
+    return reached, jnp.where(sel, share, spread_forward(jnp.where(sel, share, 0.0), positions, width))

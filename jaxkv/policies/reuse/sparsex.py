@@ -7,6 +7,8 @@
 * Overflow: one block of `block` tokens on each side of every run of new text is recomputed.
 * Tail fallback: when the prompt ends in reused text, its last `tail` tokens are recomputed (the probes
   cannot see them).
+* Successor spread (`dilate`, ours, off by default): a token's score is the max over itself and the `dilate`
+  tokens before it, so the top-k takes the tokens after a probed match too (what induction copies).
 The paper gives no k; `ratio` defaults to CacheBlend's 15 % so the two compare at equal recompute.
 """
 
@@ -18,7 +20,15 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.policies.reuse.base import LayerView, Layout, ReusePolicy, _check_frac, _check_int, register_reuse
+from jaxkv.policies.reuse.base import (
+    LayerView,
+    Layout,
+    ReusePolicy,
+    _check_frac,
+    _check_int,
+    register_reuse,
+    spread_forward,
+)
 
 
 @register_reuse
@@ -31,12 +41,14 @@ class SparseX(ReusePolicy):
     block: int = 16  # overflow block (a KV page in the paper)
     tail: int = 64  # tail fallback length
     per_head: bool = False  # select per KV head (each head recomputes its own top-k) instead of aggregated
+    dilate: int = 0  # a token scores the max over itself and the `dilate` tokens before it (see `score`)
 
     def __post_init__(self):
         super().__post_init__()
         _check_frac(self, "ratio")
         _check_int(self, "block")
         _check_int(self, "tail")
+        _check_int(self, "dilate")
         if not isinstance(self.per_head, bool):
             raise ValueError(f"{self.name}: per_head must be a bool (got {self.per_head!r})")
 
@@ -56,4 +68,5 @@ class SparseX(ReusePolicy):
 
     def score(self, view: LayerView):
         mass = jnp.sum(view.probe_probs(), axis=(1, 2))  # [Hkv, R]
-        return mass.T if self.per_head else jnp.sum(mass, axis=0)
+        score = mass.T if self.per_head else jnp.sum(mass, axis=0)
+        return spread_forward(score, view.positions, self.dilate)
