@@ -127,5 +127,5 @@ def _dilate(sel, share, positions, width: int):
     of the selected rows that reach it (its priority under the capacity cap)."""
     if width == 0:
         return sel, share
-    reached = spread_forward(sel, positions, width)
-    return reached, jnp.where(sel, share, spread_forward(jnp.where(sel, share, 0.0), positions, width))
+    best = spread_forward(jnp.where(sel, share, -1.0), positions, width)  # shares are >= 0: -1 = none
+    return best >= 0, jnp.where(sel, share, jnp.maximum(best, 0.0))
