@@ -4,10 +4,13 @@
     python scripts/profile_decode.py --small                      # tiny model, CPU smoke run
     python scripts/profile_decode.py --batch 16 --prompt 16384 --kv-policy specontext --kv-budget 1024
     python scripts/profile_decode.py --batch 16 --prompt 32768 --kv-policy specontext:key_dtype=bfloat16 --kv-budget 1024
+    python scripts/profile_decode.py --prefill --prompt 8192      # time to first token of one fresh prompt
 
 Builds the random-weight checkpoint like scripts/bench_e2e.py, warms the engine (compiles), then records
 `--steps` engine steps with `jax.profiler` (perfetto trace) and prints the kernels by total time, their call
 counts and their share of the traced device time, plus the device-busy fraction of the wall time.
+`--prefill` traces the first token of a fresh prompt instead (an earlier prompt of the same length compiled
+it; `--steps` prompts are traced one after another, each from `add_request` to its first token).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def kernel_table(trace_dir: Path, top: int) -> tuple[list[tuple[str, float, int]], float, float]:
-    """(name, total ms, count) of device events, device ms in all, traced span ms."""
+def kernel_table(trace_dir: Path, top: int, host: bool = False
+                 ) -> tuple[list[tuple[str, float, int]], float, float]:
+    """(name, total ms, count) of device events, device ms in all, traced span ms. `host`: the host's
+    Python and runtime events instead (nested, so their totals overlap)."""
     files = sorted(trace_dir.rglob("*.trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
@@ -38,8 +43,9 @@ def kernel_table(trace_dir: Path, top: int) -> tuple[list[tuple[str, float, int]
     dev = [e for e in events if e.get("ph") == "X" and "dur" in e
            and ("gpu" in pids.get(e["pid"], "").lower() or "/device:" in pids.get(e["pid"], "").lower())]
     print("trace processes:", sorted(set(pids.values()))[:12])
-    if not dev:   # CPU runs: no device lane, rank host ops instead
-        dev = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    if host or not dev:   # CPU runs: no device lane, rank host ops instead
+        lanes = {id(e) for e in dev}
+        dev = [e for e in events if e.get("ph") == "X" and "dur" in e and id(e) not in lanes]
     agg = collections.defaultdict(lambda: [0.0, 0])
     for e in dev:
         a = agg[e["name"][:90]]
@@ -65,6 +71,7 @@ def main(argv=None):
                     help="engine-wide KV policy (e.g. specontext: a random retrieval head is saved beside the "
                          "random checkpoint), all heads global")
     ap.add_argument("--kv-budget", type=float, default=None)
+    ap.add_argument("--prefill", action="store_true", help="trace time to first token, not decode steps")
     args = ap.parse_args(argv)
     import jax
     import numpy as np
@@ -98,6 +105,8 @@ def main(argv=None):
                  max_step_tokens=min(args.max_step_tokens, prompt * args.batch), enable_prefix_caching=False,
                  **pol)
     rng = np.random.default_rng(0)
+    if args.prefill:
+        return profile_prefill(eng, rng, prompt, args)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(rng.integers(10, model.config.vocab_size - 10, prompt).tolist(), sp)
@@ -122,6 +131,90 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     for name, t, c in rows:
         print(f"| `{name}` | {t:.2f} | {c} | {1e3 * t / tokens:.1f} | {t / busy:.1%} |")
+
+
+HOST_MARKS = ("$engine.py", "$runner.py", "$device_tables.py", "$scheduler.py", "$tables.py", "PjitFunction",
+              "command_buffer", "np.asarray")
+
+
+def timeline(trace_dir: Path, frame: str, min_gap_us: float = 100.0) -> None:
+    """Where the device waits within the last traced call of `frame`: the device's idle gaps and the
+    host events (engine, runner, tables, dispatch) in time order, as ms from the call's start."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"))
+    events = json.load(gzip.open(files[-1]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    pids = {e["pid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    dev = sorted((e for e in xs if "/device:" in pids.get(e["pid"], "").lower()), key=lambda e: e["ts"])
+    on_dev = {id(e) for e in dev}
+    calls = [e for e in xs if frame in e["name"] and id(e) not in on_dev]
+    if not calls or not dev:
+        return
+    top = max(calls, key=lambda e: e["ts"])
+    t0, t1 = top["ts"], top["ts"] + top["dur"]
+    dev = [e for e in dev if t0 <= e["ts"] <= t1]
+    print(f"timeline of the last `{frame}` ({(t1 - t0) / 1e3:.2f} ms); ms from its start")
+    busy_from, busy_to, last = None, None, None
+    gaps = []
+    for e in dev:
+        if busy_to is not None and e["ts"] - busy_to >= min_gap_us:
+            gaps.append((busy_to, e["ts"], last, e["name"]))
+        if busy_from is None:
+            busy_from = e["ts"]
+        busy_to = max(busy_to or 0, e["ts"] + e["dur"])
+        last = e["name"]
+    if busy_from is not None:
+        print(f"device: first kernel at {(busy_from - t0) / 1e3:.2f}, "
+              f"last ends at {(busy_to - t0) / 1e3:.2f}")
+    for a, b, x, y in gaps:
+        print(f"  device idle {(a - t0) / 1e3:7.2f} .. {(b - t0) / 1e3:7.2f} ({(b - a) / 1e3:.2f} ms) "
+              f"after `{x[:40]}` before `{y[:40]}`")
+    host = sorted((e for e in xs if id(e) not in on_dev and t0 <= e["ts"] <= t1 and e["dur"] >= 50
+                   and any(m in e["name"] for m in HOST_MARKS)), key=lambda e: e["ts"])
+    for e in host[:60]:
+        print(f"  host {(e['ts'] - t0) / 1e3:7.2f} +{e['dur'] / 1e3:6.2f}  {e['name'][:70]}")
+
+
+def profile_prefill(eng, rng, prompt: int, args) -> None:
+    """Trace `args.steps` fresh prompts, each from `add_request` to its first token on the host."""
+    import jax
+
+    from jaxkv.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = eng.model.config.vocab_size
+
+    def first_token() -> float:
+        t0 = time.perf_counter()
+        rid = eng.add_request(rng.integers(10, vocab - 10, prompt).tolist(), sp)
+        while not any(o.request_id == rid and o.new_token_ids for o in eng.step()):
+            pass
+        while eng.has_unfinished():
+            eng.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(max(1, args.warm)):   # compiles
+        first_token()
+    untraced = sorted(first_token() for _ in range(3))
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxkv-trace-"))
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        traced = [first_token() for _ in range(args.steps)]
+    rows, busy, span = kernel_table(trace_dir, args.top)
+    n = args.steps
+    print(f"time to first token, {prompt} tokens: untraced median {untraced[1]:.2f} ms; traced "
+          f"{sum(traced) / n:.2f} ms; device events {busy / n:.2f} ms per prompt over a {span:.1f} ms span")
+    print("| kernel | total ms | calls | per prompt (ms) | share |")
+    print("|---|---|---|---|---|")
+    for name, t, c in rows:
+        print(f"| `{name}` | {t:.2f} | {c} | {t / n:.3f} | {t / busy:.1%} |")
+    if jax.default_backend() == "gpu":
+        timeline(trace_dir, "first_token")
+        host_rows, _, _ = kernel_table(trace_dir, args.top, host=True)
+        print("host events (nested: totals overlap)")
+        print("| event | total ms | calls | per prompt (ms) |\n|---|---|---|---|")
+        for name, t, c in host_rows:
+            print(f"| `{name}` | {t:.2f} | {c} | {t / n:.3f} |")
 
 
 if __name__ == "__main__":

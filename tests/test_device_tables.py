@@ -121,6 +121,25 @@ def test_compaction_release_and_adoption_reach_the_device():
     assert tables.allocator.num_free == tables.allocator.num_pages
 
 
+def test_released_row_is_cleared_whole_and_taken_again_within_one_flush():
+    """A finished sequence's row is cleared in one call, its unflushed writes are dropped, and a new sequence
+    on the same row keeps only its own pages: no stale page id survives, flushed or not."""
+    tables, dev = make(np.zeros((L, H), int), np.zeros((L, H), int), rows=1)
+    step(tables, dev, {"a": (0, 30)})                   # flushed: a holds pages on the device
+    tables.append("b", np.arange(0, 20))                # b takes the second row, not flushed yet
+    tables.release("b")                                 # b's pending writes must not reach the device
+    tables.release("a")
+    step(tables, dev, {"c": (0, 3)})                    # c takes a's row (freed last): cleared, then c's
+    assert dev._row["c"] == 1
+    rows = np.asarray(dev.table)
+    assert rows[1][rows[1] >= 0].size == tables.pages_per_head().sum()  # c's pages only
+    assert (rows[2] == -1).all()
+    tables.release("c")
+    dev.check()
+    assert (np.asarray(dev.table) == -1).all()
+    assert tables.allocator.num_free == tables.allocator.num_pages
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-devtables")))

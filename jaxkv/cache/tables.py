@@ -265,8 +265,7 @@ class HeadPageTables:
         if seq is not None:
             self.allocator.decref(seq.table[seq.table >= 0])
             if self.journal is not None:
-                lh, j = _ranges(np.zeros(seq.npages.size, np.int64), seq.npages.reshape(-1))
-                self.journal.release(seq_id, lh, j)
+                self.journal.release(seq_id)
 
     def adopt_prefix(self, seq_id, pages_per_block: Sequence[np.ndarray], num_tokens: int) -> None:
         """Starts ``seq_id`` from shared full prefix pages (positions 0..num_tokens-1).

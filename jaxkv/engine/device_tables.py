@@ -6,8 +6,10 @@ device only what changed since the last one:
 
 * ``table [R, L, Hkv, Pmax]`` int32 on the device, one row per live sequence (row 0 is the padding row,
   never assigned): page writes are (flat index, page id) pairs — new pages of appends, -1 for pages freed
-  by a release or a compaction, the whole list of an adopted prefix — scattered in one jitted call
-  (padded to a few fixed sizes, so it compiles once per size);
+  by a compaction, the whole list of an adopted prefix — scattered in one jitted call (padded to a few
+  fixed sizes, so it compiles once per size). A released sequence's row is cleared whole before the
+  flush's writes (its pending writes are dropped), so a finished 8K prompt costs the host O(1), not 65K
+  -1 writes that a new sequence on the same row then overwrites (which needed a last-write-wins sort);
 * ``written [R, L, Hkv]`` int32, tokens stored per head so far (the ring rule's logical index). A step
   advances it on the device by the tokens it appended; only counters changed otherwise (a new or adopted
   sequence, a compaction) are re-sent, as whole ``[L, Hkv]`` rows.
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 UPDATE_BUCKETS = (256, 4096, 65536)  # entries per journal flush (larger flushes go in several calls)
+CLEAR_BUCKETS = (4, 64)  # released rows cleared per call
 
 
 class DeviceTables:
@@ -45,6 +48,7 @@ class DeviceTables:
         self._idx: list[np.ndarray] = []  # pending page-table writes, in order (flat index, value)
         self._val: list[np.ndarray] = []
         self._cleared = False  # -1 writes pending: an index may be written twice before the next flush
+        self._clear_rows: set[int] = set()  # released rows, set to -1 before the next flush's writes
         self._reset: set[int] = set()  # rows whose counters the device takes from the host at the next flush
         self._pending: dict[int, int] = {}  # row -> tokens appended since its last dispatch
 
@@ -85,9 +89,14 @@ class DeviceTables:
     def reset(self, seq_id) -> None:
         self._reset.add(self._row[seq_id])
 
-    def release(self, seq_id, lh: np.ndarray, j: np.ndarray) -> None:
-        self.release_pages(seq_id, lh, j)
+    def release(self, seq_id) -> None:
         row = self._row.pop(seq_id)
+        lhp = self.L * self.H * self.max_pages
+        for k, idx in enumerate(self._idx):  # this row's pending writes die with it (cleared whole below)
+            mine = idx // lhp == row
+            if mine.any():
+                self._idx[k], self._val[k] = idx[~mine], self._val[k][~mine]
+        self._clear_rows.add(row)
         del self._seq[row]
         self._reset.discard(row)
         self._pending.pop(row, None)
@@ -96,9 +105,17 @@ class DeviceTables:
     # ---- device side -------------------------------------------------------------------------------
     def flush(self) -> None:
         """Sends the page writes and counter resets collected since the last flush."""
-        if not (self._idx or self._reset):
+        if not (self._idx or self._reset or self._clear_rows):
             return
         LH = self.L * self.H
+        if self._clear_rows:  # whole released rows first; writes below may give them to new sequences
+            rows = np.fromiter(self._clear_rows, np.int32)
+            self._clear_rows = set()
+            for lo in range(0, rows.size, CLEAR_BUCKETS[-1]):
+                part = rows[lo:lo + CLEAR_BUCKETS[-1]]
+                u = next(s for s in CLEAR_BUCKETS if s >= part.size)
+                pad = np.full(u - part.size, self.num_rows, np.int32)
+                self.table = _clear(self.table, np.concatenate([part, pad]))
         if self._idx:
             idx = np.concatenate(self._idx).astype(np.int64)
             val = np.concatenate(self._val)
@@ -131,7 +148,9 @@ class DeviceTables:
                                               pw.astype(np.int32), pwv)
 
     def warm(self) -> None:
-        """Compiles the journal's update call for every flush size (precompile)."""
+        """Compiles the journal's update calls for every flush size (precompile)."""
+        for u in CLEAR_BUCKETS:
+            self.table = _clear(self.table, np.full(u, self.num_rows, np.int32))
         for u in UPDATE_BUCKETS:
             self.table, self.written = _apply(
                 self.table, self.written, np.full(u, self.table.size, np.int32), np.full(u, -1, np.int32),
@@ -191,6 +210,11 @@ def _apply(table, written, idx, val, widx, wval):
     return table, written
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _clear(table, rows):
+    return table.at[rows].set(-1, mode="drop")  # out-of-range rows pad the bucket and are dropped
+
+
 def _stored(w, heads):
     return jnp.where(heads["local"], jnp.minimum(w, heads["cap"]), w)
 
@@ -234,4 +258,5 @@ def _decode_meta(table, written, rows, n, heads, K: int, P: int, ps: int):
 
 
 def num_compilations() -> int:
-    return _apply._cache_size() + _step_meta._cache_size() + _decode_meta._cache_size()
+    return (_apply._cache_size() + _clear._cache_size() + _step_meta._cache_size()
+            + _decode_meta._cache_size())

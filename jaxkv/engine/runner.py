@@ -194,9 +194,7 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     return tokens, logprobs, pool
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh"),
-                   donate_argnames=("pool",))
-def _step(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None, mesh=None):
+def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None, mesh=None):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
     `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin
@@ -208,6 +206,17 @@ def _step(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fr
                                  fresh_heads=fresh_heads)
         return tp_shard.tp_call(body, mesh, params, pool, b, cfg, (None, None, "pool"))
     return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads)
+
+
+_STEP_STATIC = dict(static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh"),
+                    donate_argnames=("pool",))
+_step = jax.jit(_step_body, **_STEP_STATIC)
+# Steps of at least GRAPHLESS_TOKENS tokens compile without XLA:GPU command buffers (CUDA graphs). A prompt's
+# step is a few hundred long kernels, so a graph saves no launch time, but XLA updates the graph's buffer
+# addresses on every call: ~4.4 ms of host time before the first kernel of an 8K prefill on an H200
+# (scripts/profile_decode.py --prefill; docs/engine.md). Decode and small ragged steps keep their graphs.
+GRAPHLESS_TOKENS = 1024
+_step_graphless = jax.jit(_step_body, **_STEP_STATIC, compiler_options={"xla_gpu_enable_command_buffer": ""})
 
 
 def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads):
@@ -257,7 +266,8 @@ def num_compilations() -> int:
     retrace."""
     from jaxkv.engine import device_tables  # the step metadata computed on the device
 
-    return _step._cache_size() + _decode._cache_size() + device_tables.num_compilations()
+    return (_step._cache_size() + _step_graphless._cache_size() + _decode._cache_size()
+            + device_tables.num_compilations())
 
 
 class ModelRunner:
@@ -290,8 +300,9 @@ class ModelRunner:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
         arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "fresh"}
         fresh = self.fresh_heads if batch.fresh and self.use_plan else None
-        tokens, logprobs, self.pool = _step(self.params, self.pool, {**arrays, **self._heads},
-                                            fresh_heads=fresh, **self._kw(not batch.temperature.any()))
+        step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
+        tokens, logprobs, self.pool = step(self.params, self.pool, {**arrays, **self._heads},
+                                           fresh_heads=fresh, **self._kw(not batch.temperature.any()))
         return np.asarray(tokens), np.asarray(logprobs)
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
