@@ -594,7 +594,7 @@ class Retriever:
             self._state[key] = state
         if summary is not None:
             self._summary = summary
-        return np.asarray(tokens), np.asarray(logprobs)
+        return jax.device_get((tokens, logprobs))  # one sync for both
 
     # ---- decode -----------------------------------------------------------------------------------
     def decode(self, chunks, steps: int | None = None, prev=None) -> PendingDecode:

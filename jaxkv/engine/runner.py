@@ -303,7 +303,7 @@ class ModelRunner:
         step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
         tokens, logprobs, self.pool = step(self.params, self.pool, {**arrays, **self._heads},
                                            fresh_heads=fresh, **self._kw(not batch.temperature.any()))
-        return np.asarray(tokens), np.asarray(logprobs)
+        return jax.device_get((tokens, logprobs))  # one sync for both (two fetches: ~1 ms more on an H200)
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
         """Dispatches K decode steps and returns at once (nothing waits for the device). Every input goes
