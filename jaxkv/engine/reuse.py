@@ -236,28 +236,29 @@ class Reuser:
         cfg = self.cfg
         L, H, ps = cfg.num_layers, cfg.num_kv_heads, self.page_size
         # Layout: token -> storage slot (same for every head); reused segments start on a page boundary.
+        # Per piece, not per token: a 33K-token prompt is a few numpy ranges, not 33K list appends.
         tokens, storage, is_new, seg_index, seg_offset, bounds, copies = [], [], [], [], [], [], []
-        slot = 0
+        slot, start = 0, 0
         pieces = [(p.prefix, None)] + list(zip(seg_tokens, entries)) + [(p.suffix, None)]
-        for _si, (toks, e) in enumerate(pieces):
+        for toks, e in pieces:
+            m = len(toks)
             if e is not None:
                 slot = -(-slot // ps) * ps
-                start = len(tokens)
-                bounds.append((start, start + len(toks)))
+                bounds.append((start, start + m))
                 copies.append((e, slot // ps, start - e.start))
-            for j, t in enumerate(toks):
-                tokens.append(t)
-                storage.append(slot)
-                slot += 1
-                is_new.append(e is None)
-                seg_index.append(len(bounds) - 1 if e is not None else -1)
-                seg_offset.append(j if e is not None else -1)
-        n = len(tokens)
+            tokens.append(np.asarray(toks, np.int32).reshape(m))
+            storage.append(np.arange(slot, slot + m, dtype=np.int64))
+            is_new.append(np.full(m, e is None))
+            seg_index.append(np.full(m, len(bounds) - 1 if e is not None else -1, np.int32))
+            seg_offset.append(np.arange(m, dtype=np.int32) if e is not None else np.full(m, -1, np.int32))
+            slot, start = slot + m, start + m
+        tokens, storage = np.concatenate(tokens), np.concatenate(storage)
+        n = start
         npg = -(-slot // ps)
         if npg + -(-req.sampling.max_tokens // ps) > eng.max_pages_per_head:
             raise SegmentError(f"the prompt laid out with page-aligned segments needs {npg} pages per head; "
                                f"the context holds {eng.max_pages_per_head}")
-        lay = Layout(n, np.array(is_new), np.array(seg_index, np.int32), np.array(seg_offset, np.int32),
+        lay = Layout(n, np.concatenate(is_new), np.concatenate(seg_index), np.concatenate(seg_offset),
                      tuple(bounds), ps)
         forced = pol.forced(lay)
         forced[n - 1] = True
@@ -272,16 +273,14 @@ class Reuser:
         select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
 
         table = self._allocate(L * H * npg).reshape(L, H, npg)
-        storage = np.array(storage, np.int64)
-        slots = table[:, :, storage // ps].transpose(2, 0, 1) * ps + (storage % ps)[:, None, None]
         Pb = min(row_bucket(npg, floor=4, geometric_from=32), max(npg, eng.max_pages_per_head))
         b = {"tokens": np.zeros(T, np.int32), "positions": np.full(T, -1, np.int32),
              "is_new": np.zeros(T, bool), "forced": np.zeros(T, bool), "seg_offset": np.full(T, -1, np.int32),
-             "slots": np.full((T, L, H), -1, np.int32), "page_table": np.full((1, L, H, Pb), -1, np.int32),
+             "storage": np.full(T, -1, np.int32), "page_table": np.full((1, L, H, Pb), -1, np.int32),
              "lengths": np.full((1, L, H), slot, np.int32), "last": np.int32(n - 1),
              "num_selected": np.int32(k_sel)}
         b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
-        b["forced"][:n], b["seg_offset"][:n], b["slots"][:n] = forced, lay.seg_offset, slots
+        b["forced"][:n], b["seg_offset"][:n], b["storage"][:n] = forced, lay.seg_offset, storage
         b["page_table"][0, :, :, :npg] = table
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]

@@ -80,6 +80,14 @@ def _keys_seen(positions, sink, window):
     return jnp.sum(jnp.where(positions[:, None] >= 0, per, 0)) / window.shape[0]
 
 
+def storage_slots(table, storage, ps: int):
+    """Flat pool slots [T, L, H] of storage indices ``storage [T]`` (-1 stays -1) in ``table [L, H, P]``."""
+    ok = storage >= 0
+    s = jnp.where(ok, storage, 0)
+    pages = jnp.take(table, s // ps, axis=2).transpose(2, 0, 1)  # [T, L, H]
+    return jnp.where(ok[:, None, None] & (pages >= 0), pages * ps + (s % ps)[:, None, None], -1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
                                              "rows_are_tokens", "head_windows"), donate_argnames=("pool",))
 def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
@@ -87,8 +95,9 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
                   head_windows: tuple | None = None):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
 
-    b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); slots [T, L, H];
-    page_table [1, L, H, P]; lengths [1, L, H]; probe [Np] row indices (-1 pad); clear [C] pages to blank,
+    b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); storage [T] (each token's
+    storage slot, the same for every head, -1 = padding: slots [T, L, H] are gathered here from the page
+    table, so the host never builds or uploads them); page_table [1, L, H, P]; lengths [1, L, H]; probe [Np] row indices (-1 pad); clear [C] pages to blank,
     src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; num_selected [] top-k size
     (<= select_cap); sampling rows [1]. heads: is_global, sink, window [L, H] (the reuse head-class map).
     num_rows: static row bucket of the sparse phase (>= forced + selected); select_cap: static bucket of
@@ -101,6 +110,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     freqs = rope.inv_freq(cfg)
     zeros_h = jnp.zeros((H,), jnp.int32)
     n_pages, ps = pool.pos.shape
+    b = {**b, "slots": storage_slots(b["page_table"][0], b["storage"], ps)}
 
     # (1) + (2): blank the request's fresh pages, then copy + rotate the reused ones (all layers, heads).
     clear = b["clear"]

@@ -48,16 +48,8 @@ class Layout:
 
     def new_intervals(self) -> list[tuple[int, int]]:
         """Maximal runs [a, b) of new tokens."""
-        out, start = [], None
-        for i, n in enumerate(self.is_new):
-            if n and start is None:
-                start = i
-            if not n and start is not None:
-                out.append((start, i))
-                start = None
-        if start is not None:
-            out.append((start, self.num_tokens))
-        return out
+        edge = np.diff(np.concatenate([[0], np.asarray(self.is_new, np.int8), [0]]))
+        return list(zip(np.nonzero(edge == 1)[0].tolist(), np.nonzero(edge == -1)[0].tolist()))
 
 
 @jax.tree_util.register_dataclass
