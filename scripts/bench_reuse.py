@@ -277,6 +277,27 @@ def table(rows: list[dict], layers: int) -> str:
 
 # ------------------------------------------------------------------------------------------------ driver
 
+def profile_method(eng, spec: str, prompt: Prompt, log) -> None:
+    """One more TTFT of ``spec`` (compiled by then) under jax.profiler: the device's idle gaps and the host
+    events in time order, then the kernels by time (scripts/profile_decode.py's tables)."""
+    import tempfile as tf
+
+    import jax
+    from profile_decode import kernel_table, timeline
+
+    policy = None if spec in ENGINE_PATHS else policy_for(spec)
+    ttft_once(eng, policy, prompt)
+    trace_dir = Path(tf.mkdtemp(prefix="jaxkv-reuse-trace-"))
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        s, _ = ttft_once(eng, policy, prompt)
+    log(f"  profile of {spec}: TTFT {s * 1e3:.2f} ms (traced)")
+    timeline(trace_dir, "ttft_once")
+    rows, busy, _ = kernel_table(trace_dir, 12)
+    print(f"device events {busy:.2f} ms\n| kernel | ms | calls |\n|---|---|---|")
+    for name, t, c in rows:
+        print(f"| `{name}` | {t:.3f} | {c} |")
+
+
 def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     """One engine, the segments cached, every method timed; `emit(result)` after each method (partial
     results survive a killed run). A method is skipped when the previous one's cost (compile + runs) no longer
@@ -310,6 +331,8 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
         result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log))
         last_cost = time.perf_counter() - t0
         emit(result)
+    for spec in [m for m in (args.profile or "").split(",") if m]:
+        profile_method(eng, spec, prompt, log)
     if eng.reuser.store.evictions:
         raise RuntimeError(f"{eng.reuser.store.evictions} segments were evicted: the pool is too small")
     del eng, model
@@ -390,6 +413,8 @@ def parse_args(argv):
                          "the previous one's time; 0: no limit)")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
     ap.add_argument("--log", default=None, help="JSON log (rewritten after every method)")
+    ap.add_argument("--profile", default=None, help="comma list of methods to trace once more after timing "
+                                                      "(device idle gaps, host events, kernels; GPU)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")

@@ -155,7 +155,7 @@ class Engine:
         """Queues a request. `kv_policy` / `kv_budget` override the engine's KV policy for it (a policy
         object, a name from jaxkv.policies.POLICIES with an optional budget, or "full" for the full cache)."""
         sampling = sampling or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = _int_ids(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         vocab = self.model.config.vocab_size
@@ -193,7 +193,9 @@ class Engine:
         """
         policy = self.reuser.check(segments, extra_key, reuse)
         seg_ids = [self.reuser.store.get(s, extra_key).tokens if isinstance(s, str) else s for s in segments]
-        prompt = [int(t) for t in prefix_ids] + [int(t) for s in seg_ids for t in s] + [int(t) for t in suffix_ids]
+        prompt = []
+        for part in (prefix_ids, *seg_ids, suffix_ids):
+            prompt.extend(_int_ids(part))
         request_id = self.add_request(prompt, sampling, request_id, extra_key, _queue=False)
         if isinstance(self._requests[request_id].kv_policy, RetrievalPolicy):
             self._requests[request_id].kv_policy = None  # reuse prefill fills no retrieval state: full decode
@@ -513,6 +515,15 @@ def _bind_retrieval(policy: RetrievalPolicy, model) -> RetrievalPolicy:
         policy.load_params(model)
         _RETRIEVAL_CHECKED.add(key)
     return policy
+
+
+def _int_ids(ids) -> list[int]:
+    """Token ids as Python ints: integer arrays in one numpy pass (a 33K-token prompt: ~0.3 ms instead of
+    ~2 ms of int() calls), anything else element by element (int() raises on what is not an id)."""
+    arr = np.asarray(ids) if not isinstance(ids, str) else None
+    if arr is not None and arr.ndim == 1 and (arr.dtype.kind in "iu" or arr.size == 0):
+        return arr.tolist()
+    return [int(t) for t in ids]
 
 
 def _ids(req: Request, start: int, n: int) -> list[int]:

@@ -316,14 +316,15 @@ class Reuser:
             select_cap=select_cap, impl=self.impl, rows_are_tokens=rows_are_tokens,
             head_windows=self.head_windows)
         eng.runner.pool = pool
-        tok, logprob = int(np.asarray(tok)[0]), float(np.asarray(logprob)[0])
+        # One sync for the token, its logprob and the stats (a fetch each cost ~0.5-0.9 ms on an H200).
+        tok, logprob, st, logits = jax.device_get((tok, logprob, st, logits if self.keep_logits else None))
+        tok, logprob = int(tok[0]), float(logprob[0])
         elapsed = time.perf_counter() - t0
-        st = jax.tree.map(np.asarray, st)
         ints = lambda name: [int(round(float(x))) for x in st[name]]  # noqa: E731
         self.stats[req.request_id] = ReuseStats(
             pol.name, n, lay.num_reused, ints("query_rows"), ints("kv_writes"), ints("ffn_rows"),
             ints("promoted_heads"), ints("keys_seen"), elapsed,
-            np.asarray(logits) if self.keep_logits else None, heads=H, ffn_dropped=ints("ffn_dropped"))
+            logits, heads=H, ffn_dropped=ints("ffn_dropped"))
 
         eng.tables.adopt_pages(req.request_id, table, slot, n - 1)
         req.num_computed = n

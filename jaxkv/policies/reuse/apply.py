@@ -97,7 +97,8 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
 
     b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); storage [T] (each token's
     storage slot, the same for every head, -1 = padding: slots [T, L, H] are gathered here from the page
-    table, so the host never builds or uploads them); page_table [1, L, H, P]; lengths [1, L, H]; probe [Np] row indices (-1 pad); clear [C] pages to blank,
+    table, so the host never builds or uploads them); page_table [1, L, H, P]; lengths [1, L, H]; probe [Np]
+    row indices (-1 pad); clear [C] pages to blank,
     src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; num_selected [] top-k size
     (<= select_cap); sampling rows [1]. heads: is_global, sink, window [L, H] (the reuse head-class map).
     num_rows: static row bucket of the sparse phase (>= forced + selected); select_cap: static bucket of
