@@ -324,9 +324,8 @@ class HeadPageTables:
         if self.journal is None:
             return
         self.journal.new(seq_id)
-        lh, j = _ranges(np.zeros(seq.npages.size, np.int64), seq.npages.reshape(-1))
-        if lh.size:
-            self.journal.pages(seq_id, lh, j, seq.table[:, :, :n].reshape(-1))
+        if n:  # every head holds pages 0..n-1: one block, no per-page (head, index) arrays
+            self.journal.pages_block(seq_id, seq.table[:, :, :n])
         self.journal.reset(seq_id)
 
     def _get(self, seq_id) -> _Seq:

@@ -76,6 +76,16 @@ class DeviceTables:
         self._idx.append((self._row[seq_id] * self.L * self.H + lh) * self.max_pages + j)
         self._val.append(np.asarray(ids, np.int32).reshape(-1))
 
+    def pages_block(self, seq_id, table: np.ndarray) -> None:
+        """Pages ``0..n-1`` of every (layer, head) at once (an adopted prefix or reuse layout, [L, H, n])."""
+        n = table.shape[-1]
+        if n > self.max_pages:
+            raise ValueError(f"sequence {seq_id!r} holds more than {self.max_pages} pages per head")
+        lh = self._row[seq_id] * self.L * self.H + np.arange(self.L * self.H, dtype=np.int64)
+        heads = lh * self.max_pages
+        self._idx.append((heads[:, None] + np.arange(n, dtype=np.int64)).reshape(-1))
+        self._val.append(np.asarray(table, np.int32).reshape(-1))
+
     def release_pages(self, seq_id, lh: np.ndarray, j: np.ndarray) -> None:
         if lh.size:
             self._idx.append((self._row[seq_id] * self.L * self.H + lh) * self.max_pages + j)
