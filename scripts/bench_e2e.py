@@ -79,6 +79,9 @@ def make_checkpoint(shape: str, path: Path, max_len: int) -> None:
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(path)
+    del model
+    if device == "cuda":  # hand torch's cached blocks back: jax preallocates next (an 8B fp32 build is 32 GB)
+        torch.cuda.empty_cache()
 
 
 def head_class_map(kind: str, layers: int, kv_heads: int):

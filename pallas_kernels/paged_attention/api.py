@@ -105,6 +105,11 @@ def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, max_pages:
     Decode: DECODE_KEYS keys per inner step; splits of ~SPLIT_KEYS keys (at least ~4 programs per H200 SM over
     all units). Empty splits exit at once and are never merged, so a generous split count costs local
     heads (whose sink + window range fits one split) almost nothing while global heads spread out.
+    Prefill of one sequence (a reuse pass, a fresh prompt viewed as pages): its query blocks already fill
+    the GPU, so splits are only added to reach ~4 programs per SM; splitting by keys as well only adds the
+    merge's partials (H200, 5K sparse rows over 33K keys: 10.8 -> 9.0 ms at D 128, 7.5 -> 6.7 at D 64;
+    scripts/sweep_reuse_attention.py). Batches of several sequences keep the key splits: a decode row
+    inside a prefill-mode call must not walk a long context in one program.
     """
     decode = num_tokens <= num_seqs
     block_q = 1 if decode else 16
@@ -112,6 +117,8 @@ def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, max_pages:
     nb = num_tokens if block_q == 1 else min(num_tokens, pl.cdiv(num_tokens, block_q) + num_seqs)
     by_keys = pl.cdiv(max_pages * page_size, SPLIT_KEYS)
     by_occupancy = pl.cdiv(4 * 132, max(1, nb * num_kv_heads))
+    if not decode and num_seqs == 1:
+        by_keys = 1
     num_splits = int(max(1, min(max(by_keys, by_occupancy), pl.cdiv(max_pages, ppb), 64)))
     if num_splits > MERGE_CHUNK:   # a multiple of the merge's vectorised chunk (33 splits would merge 1 by 1)
         num_splits = min(64, pl.cdiv(num_splits, MERGE_CHUNK) * MERGE_CHUNK)

@@ -198,3 +198,16 @@ def test_kernels_lower_to_triton_for_cuda(schedule):
     except (TypeError, NotImplementedError, AttributeError) as e:   # API differences across jax versions
         pytest.skip(f"cross-platform lowering unavailable: {e!r}"[:200])
     assert text.count("xla.gpu.triton") == 2                   # attention + merge
+
+
+def test_default_config_splits_single_sequence_prefill_only_to_fill_the_gpu():
+    """One sequence's prefill (a reuse pass): many query blocks -> no key split (merge partials cost, nothing
+    gained); few blocks -> splits up to ~4 programs per SM. Several sequences and decode keep key splits."""
+    from pallas_kernels.paged_attention.api import SPLIT_PROGRAMS, default_config
+
+    pages = 33040 // 16 + 1
+    assert default_config(5200, 1, 8, pages, 16)[1] == 1                  # 325 blocks x 8 heads
+    few = default_config(272, 1, 8, pages, 16)                             # a suffix: 17 blocks x 8 heads
+    assert few[1] > 1 and -(-272 // few[0]) * 8 * few[1] >= SPLIT_PROGRAMS
+    assert default_config(5200, 4, 8, pages, 16)[1] > 1                   # decode rows may ride along
+    assert default_config(32, 32, 8, pages, 16)[1] > 1                    # decode: split by keys
