@@ -323,3 +323,18 @@ def test_token_ordered_rows_through_the_flash_path_match_the_paged_path(model, p
         _, st = run(eng, pre, [s1, s2], suf, policy)
         logits.append(st.first_logits)
     np.testing.assert_allclose(logits[1], logits[0], atol=2e-4, rtol=2e-4)
+
+
+def test_reuse_first_token_returns_before_any_decode_call(model, pieces):
+    """The step that runs a reuse prefill returns its first token at once (TTFT); decoding starts in the next
+    step. Bundling the next multi-step decode call into that step delayed the first token by a whole call."""
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model, decode_steps=4)
+    rid = eng.add_reuse_request(pre, [s1, s2], suf, reuse="naive", sampling=GREEDY)
+    first = [o for o in eng.step() if o.request_id == rid]
+    assert [len(o.new_token_ids) for o in first] == [1]
+    assert len(eng._requests[rid].output_ids) == 1     # no decode ran inside that step
+    rest = []
+    while eng.has_unfinished():
+        rest += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert len(rest) == GREEDY.max_tokens - 1

@@ -242,6 +242,8 @@ class Engine:
         if self._inflight is None:
             self.code_maps.check()
         outputs = self.reuser.step() if self.reuser.waiting else []
+        if outputs:  # reuse prefills' first tokens go out now, not after the decode call that would follow
+            return outputs
         if self._inflight is None:
             chunks = self.scheduler.schedule(self.decode_steps, room=self._room)
             if not chunks:
