@@ -1,10 +1,13 @@
-"""scripts/bench_reuse.py --small runs every reuse method against `full` on CPU and writes its section."""
+"""scripts/bench_reuse.py --small runs every reuse method against `full` on CPU and writes its section;
+scripts/sweep_reuse_attention.py --small runs its sweep."""
 
 import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,3 +54,17 @@ def test_segments_shrink_to_fit_the_embedded_models_positions():
     assert w.prompt_tokens == 33040 and bench.fit_workload(w, 131072) == w
     fit = bench.fit_workload(w, 32768)
     assert fit.segment_len == 4048 and fit.max_model_len <= 32768 and fit.prompt_tokens < 32768
+
+
+def test_sweep_reuse_attention_small_checks_every_config_against_the_default():
+    spec = importlib.util.spec_from_file_location("sweep_reuse_attention",
+                                                  ROOT / "scripts" / "sweep_reuse_attention.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = sweep.main(["--small"])
+    assert out["rows"] == int(0.15 * (256 - 16)) + 16 and out["default_ms"] > 0 and out["cudnn_full_ms"] > 0
+    assert len(out["configs"]) >= 4 and out["best"] in out["configs"]
+    for ms, err in out["configs"].values():   # every launch config computes the default's attention
+        assert ms > 0 and err < 1e-2
+    pos = sweep.rows_at(1000, 0.2, 50, 0)
+    assert pos.size == 190 + 50 and np.all(np.diff(pos) > 0) and pos[-1] == 999
