@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_kernels as bk  # noqa: E402
+
 from pallas_kernels.paged_attention.api import paged_attention  # noqa: E402
 
 
@@ -100,7 +101,8 @@ def main(argv=None):
             bk.log(f"  {key}: failed {repr(e)[:200]}")
             return
         res[key] = (ms, err)
-        bk.log(f"  block_q {bq} ppb {ppb} splits {ns or 'auto'} launch {nw}x{st}: {ms:.3f} ms  max|diff| {err:.2e}")
+        bk.log(f"  block_q {bq} ppb {ppb} splits {ns or 'auto'} launch {nw}x{st}: {ms:.3f} ms  "
+               f"max|diff| {err:.2e}")
 
     first = [int(x) for x in args.block_q.split(",")], [int(x) for x in args.ppb.split(",")], \
         [int(x) for x in args.splits.split(",")]
@@ -123,7 +125,8 @@ def main(argv=None):
         print(f"| block_q {bq}, ppb {ppb}, splits {ns or 'auto'}, launch {nw or '-'}x{st or '-'} | "
               f"{res[key][0]:.3f} | {t_def / res[key][0]:.2f}x | {res[key][1]:.1e} |")
     print(f"| anchor: cuDNN flash causal, all {args.t} rows | {t_full:.3f} | | |")
-    print(f"\nsparse rows at cuDNN's efficiency would take ~{t_full * float(np.mean(qp + 1)) * r * 2 / args.t ** 2:.3f} ms "
+    ideal = t_full * float(np.mean(qp + 1)) * r * 2 / args.t ** 2
+    print(f"\nsparse rows at cuDNN's efficiency would take ~{ideal:.3f} ms "
           f"(the rows' share of the full call's causal key pairs); best "
           f"{res[best][0] if best else float('nan'):.3f} ms {best}")
     return {"rows": r, "default_ms": t_def, "cudnn_full_ms": t_full, "configs": res, "best": best}

@@ -13,6 +13,14 @@ def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def pow2_bucket(n: int, lo: int = 128) -> int:
+    """The smallest ``lo * 2**k >= n``: one compilation per doubling of a length (library and eval paths)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:

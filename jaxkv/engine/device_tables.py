@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-UPDATE_BUCKETS = (256, 4096, 65536, 1 << 20)  # entries per journal flush (larger ones go in several calls;
-# the top size takes a 33K-token reuse layout of 256 (layer, KV head) pairs, 529K page ids, in one call, not 9)
+# Entries per journal flush (larger ones go in several calls); the top size takes a 33K-token reuse layout of
+# 256 (layer, KV head) pairs, 529K page ids, in one call, not 9.
+UPDATE_BUCKETS = (256, 4096, 65536, 1 << 20)
 CLEAR_BUCKETS = (4, 64)  # released rows cleared per call
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.engine.buckets import pow2_bucket
 from jaxkv.eval import metrics
 from jaxkv.models import llama
 from jaxkv.models.attention import dense_attention
@@ -74,13 +75,6 @@ class Method:
         raise NotImplementedError
 
 
-def _bucket(n: int, lo: int = 128) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
-
-
 def _cache_attend(cfg, write_pos):
     """AttendFn over a dense per-layer cache: write k, v at `write_pos`, attend with causal positions."""
 
@@ -127,8 +121,8 @@ class FullRecompute(Method):
         cfg, params = self.model.config, self.model.params
         ids = pieces.ids
         n = len(ids)
-        tb = _bucket(n)
-        size = _bucket(n + max_new_tokens)
+        tb = pow2_bucket(n)
+        size = pow2_bucket(n + max_new_tokens)
         dtype = jax.tree.leaves(params)[0].dtype
         shape = (cfg.num_layers, 1, size, cfg.num_kv_heads, cfg.head_dim)
         kc, vc = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
@@ -181,8 +175,8 @@ class EngineMethod(Method):
         cfg = self.model.config
         hc = all_global(cfg.num_layers, cfg.num_kv_heads) if self.head_classes == "global" else None
         if self._engine is None or self._engine.max_model_len < total:
-            self._engine = Engine(self.model, max_num_seqs=1, max_model_len=_bucket(total), head_classes=hc,
-                                  enable_prefix_caching=False, kv_policy=self.policy)
+            self._engine = Engine(self.model, max_num_seqs=1, max_model_len=pow2_bucket(total),
+                                  head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy)
         return self._engine
 
     def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:

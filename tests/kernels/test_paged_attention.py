@@ -1,5 +1,7 @@
 """Ragged per-head paged attention: Pallas kernel (interpret mode) and jnp twin against a float64 oracle."""
 
+import zlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ CASES = [  # (q_lens, ring, ordered, num_splits, block_q)
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_paged_attention_matches_oracle(implementation, case, dtype):
     q_lens, ring, ordered, splits, block_q = case
-    rng = np.random.default_rng(hash((case, str(dtype))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((case, str(dtype))).encode()))  # stable across runs
     c = random_paged_case(rng, q_lens=q_lens, ring=ring)
     for k in ("q", "k_pages", "v_pages"):
         c[k] = np.asarray(jnp.asarray(c[k], dtype).astype(jnp.float32))     # round to the storage dtype
