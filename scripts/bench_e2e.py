@@ -308,6 +308,8 @@ HEADER = ["model", "row", "jaxkv", "transformers (sdpa)", "speed-up vs transform
 
 
 def write_section(out: Path, title: str, body: str) -> None:
+    """Replaces the lead of section `title` (up to its first ### subsection or the next ## section) with
+    `body`; the section's ### subsections (the record of earlier runs) and other sections stay."""
     text = out.read_text() if out.exists() else "# Benchmarks\n"
     head = f"## {title}"
     start = text.find(head + "\n")
@@ -315,7 +317,9 @@ def write_section(out: Path, title: str, body: str) -> None:
     if start < 0:
         text = text.rstrip() + "\n\n" + section
     else:
-        nxt = text.find("\n## ", start + len(head))
+        ends = [i for i in (text.find("\n### ", start + len(head)), text.find("\n## ", start + len(head)))
+                if i >= 0]
+        nxt = min(ends) if ends else -1
         text = text[:start] + section + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
     out.write_text(text)
 

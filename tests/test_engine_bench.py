@@ -23,8 +23,11 @@ def test_bench_e2e_small_writes_its_table(tmp_path):
     text = out.read_text()
     assert "## Kernels\n\nkept" in text and "## End to end (engine vs transformers)" in text
     assert "python scripts/bench_e2e.py --small" in text
-    bench.main(["--small", "--only", "ttft", "--out", str(out)])  # a rerun replaces its own section only
-    assert out.read_text().count("## End to end") == 1 and "kept" in out.read_text()
+    out.write_text(out.read_text().replace("## Kernels", "### An earlier run\n\nhistory\n\n## Kernels"))
+    bench.main(["--small", "--only", "ttft", "--out", str(out)])  # a rerun replaces its own section's lead only
+    text = out.read_text()
+    assert text.count("## End to end") == 1 and "kept" in text
+    assert "### An earlier run\n\nhistory" in text and text.count("python scripts/bench_e2e.py --small") == 1
 
 
 def test_bench_policy_warm_run_compiles_what_the_timed_run_needs():
