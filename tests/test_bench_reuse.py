@@ -56,7 +56,9 @@ def test_segments_shrink_to_fit_the_embedded_models_positions():
     assert fit.segment_len == 4048 and fit.max_model_len <= 32768 and fit.prompt_tokens < 32768
 
 
-def test_sweep_reuse_attention_small_checks_every_config_against_the_default():
+def test_sweep_reuse_attention_small_runs_and_reports_every_config():
+    """Smoke test of the script's plumbing: on CPU every config dispatches to the jnp twin, so the per-config
+    error check only has teeth on a GPU; the row picker's positions are checked exactly."""
     spec = importlib.util.spec_from_file_location("sweep_reuse_attention",
                                                   ROOT / "scripts" / "sweep_reuse_attention.py")
     sweep = importlib.util.module_from_spec(spec)
@@ -64,7 +66,7 @@ def test_sweep_reuse_attention_small_checks_every_config_against_the_default():
     out = sweep.main(["--small"])
     assert out["rows"] == int(0.15 * (256 - 16)) + 16 and out["default_ms"] > 0 and out["cudnn_full_ms"] > 0
     assert len(out["configs"]) >= 4 and out["best"] in out["configs"]
-    for ms, err in out["configs"].values():   # every launch config computes the default's attention
+    for ms, err in out["configs"].values():
         assert ms > 0 and err < 1e-2
     pos = sweep.rows_at(1000, 0.2, 50, 0)
     assert pos.size == 190 + 50 and np.all(np.diff(pos) > 0) and pos[-1] == 999

@@ -14,7 +14,7 @@ def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
 
 
 def pow2_bucket(n: int, lo: int = 128) -> int:
-    """The smallest ``lo * 2**k >= n``: one compilation per doubling of a length (library and eval paths)."""
+    """The smallest ``lo * 2**k >= n``: one compilation per doubling of a length (the eval's dense paths)."""
     b = lo
     while b < n:
         b *= 2

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import ModelConfig
-from jaxkv.engine.buckets import pow2_bucket
 from jaxkv.models import llama, rope
 from jaxkv.models.attention import dense_attention
 from jaxkv.policies.retrieve.base import RetrievalPolicy, Selection, overlap
@@ -132,8 +131,8 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
     cfg, params = model.config, model.params
     policy = policy.for_model(model)
     n = len(prompt_ids)
-    tb = pow2_bucket(n)
-    size = pow2_bucket(n + max_new_tokens)
+    tb = _bucket(n)
+    size = _bucket(n + max_new_tokens)
     dtype = jax.tree.leaves(params)[0].dtype
     kc = jnp.zeros((cfg.num_layers, 1, size, cfg.num_kv_heads, cfg.head_dim), dtype)
     vc = jnp.zeros_like(kc)
@@ -158,3 +157,11 @@ def generate(model, policy: RetrievalPolicy, head, prompt_ids: list[int], max_ne
         prev = sel
         tok = int(jnp.argmax(logits[0]))
     return {"token_ids": out, "first_logits": first, "ttft_s": ttft, "overlap": overlaps}
+
+
+def _bucket(n: int, lo: int = 128) -> int:
+    """Dense-cache length bucket of this oracle path (kept here: a policy module imports no engine code)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return b
