@@ -68,5 +68,7 @@ def test_sweep_reuse_attention_small_runs_and_reports_every_config():
     assert len(out["configs"]) >= 4 and out["best"] in out["configs"]
     for ms, err in out["configs"].values():
         assert ms > 0 and err < 1e-2
+    # the split runs its twin prefix + twin diagonal here: bf16 output vs the paged twin's
+    assert list(out["splits"]) == [16] and 0 < out["splits"][16][0] and out["splits"][16][1] < 1e-2
     pos = sweep.rows_at(1000, 0.2, 50, 0)
     assert pos.size == 190 + 50 and np.all(np.diff(pos) > 0) and pos[-1] == 999

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -338,3 +339,37 @@ def test_reuse_first_token_returns_before_any_decode_call(model, pieces):
     while eng.has_unfinished():
         rest += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
     assert len(rest) == GREEDY.max_tokens - 1
+
+
+@pytest.mark.parametrize("spec", [dict(name="sparsex", ratio=0.3, block=0, tail=0),
+                                  dict(name="cacheblend", ratio=0.3)])
+def test_sparse_rows_through_the_split_attention_match_the_paged_path(model, pieces, monkeypatch, spec):
+    """SparseX / CacheBlend rows over the whole history take `rows_attention`'s split (prefix chunks +
+    paged diagonal + LSE merge; here its twin prefix and the interpret-mode Pallas diagonal, small chunks
+    so several chunks see a prefix); the first token's logits equal the reference paged path's."""
+    import jaxkv.policies.reuse.apply as apply_mod
+    import pallas_kernels.rows_attention.api as rows_api
+
+    monkeypatch.setattr(rows_api, "CHUNK", 4)
+    monkeypatch.setattr(rows_api, "PAGE", 4)
+    calls = []
+
+    def spy(*a, **kw):   # the rows' positions, when the compiled step runs
+        jax.debug.callback(lambda p: calls.append(np.asarray(p)), a[3])
+        return rows_api.rows_attention(*a, **kw)
+
+    monkeypatch.setattr(apply_mod, "rows_attention", spy)
+    pre, s1, s2, suf = pieces
+    spec = dict(spec)
+    policy = get_reuse_policy(spec.pop("name"), **spec)
+    logits = []
+    for impl in ("reference", "pallas"):
+        eng = make_engine(model)
+        eng.reuser.impl = impl
+        _, st = run(eng, pre, [s1, s2], suf, policy)
+        logits.append(st.first_logits)
+    assert calls, "the split path was not traced"
+    assert st.recomputed_rows[-1] < st.prompt_tokens
+    starts = np.asarray(rows_api.chunk_starts(jnp.asarray(calls[0]), 4, 4))
+    assert np.sum(starts > 0) >= 2        # several chunks have a non-empty prefix part
+    np.testing.assert_allclose(logits[1], logits[0], atol=2e-4, rtol=2e-4)
