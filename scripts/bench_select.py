@@ -11,6 +11,7 @@ windowed scatter it replaced.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -75,7 +76,7 @@ def load_windowed(buf, src, page_table, buf_rows, idx, dest, load, *, page_size,
 
     _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < (n + chunk - 1) // chunk, one,
                                          (jnp.int32(0), buf.k, buf.v))
-    return host_tier.SelBuffer(k_buf, v_buf, buf.pos)
+    return dataclasses.replace(buf, k=k_buf, v=v_buf)
 
 
 def load_rows_table(args, iters: int) -> list[tuple[str, float]]:

@@ -1,6 +1,7 @@
 """SpeContext's selection buffer and host tier: the diff plan, diff loads from the host mirror or the pool
 keep the buffer equal to the selection, the host gather runs on the host over host memory."""
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +30,25 @@ def _setup(rng, s=2, lsel=2, hkv=2, ps=4, d=8, n_pos=40):
     return perm, k, v
 
 
+def _selections(rng, s, hkv, b, steps=8):
+    """A selection per step: b ascending positions per (sequence, KV head), 1-3 entries churned per step,
+    replacements drawn from positions that left the selection before as well as new ones."""
+    sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)]) for _ in range(s)])
+    out = [sel.copy()]
+    for step in range(1, steps):
+        for r in range(s):
+            for h in range(hkv):
+                c = rng.integers(1, 4)
+                drop = rng.choice(b, c, replace=False)
+                sel[r, h, drop] = rng.choice(np.setdiff1d(np.arange(20 + step), sel[r, h]), c, replace=False)
+                sel[r, h] = np.sort(sel[r, h])
+        out.append(sel.copy())
+    return out
+
+
 def test_diff_loads_keep_the_buffer_equal_to_the_selection():
+    """Visible slots are exactly the selection and every held slot holds its position's K/V after every
+    step; a resident buffer (W = 2B) moves fewer rows: positions selected again while held need no load."""
     rng = np.random.default_rng(0)
     s, lsel, hkv, ps, d, b = 2, 2, 2, 4, 8, 8
     perm, k_np, v_np = _setup(rng, s, lsel, hkv, ps, d)
@@ -38,36 +57,60 @@ def test_diff_loads_keep_the_buffer_equal_to_the_selection():
     host = (ht.to_host(jnp.asarray(k_np)), ht.to_host(jnp.asarray(v_np)))
     assert host[0].sharding.memory_kind == ht.host_memory_kind()
     rows = jnp.asarray([1, 0], jnp.int32)  # buffer rows of the two sequences
-    sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)]) for _ in range(s)])
-    for src, chunk in ((pool, 5), (pool, None), (host, 5)):  # None: one round of every entry, no loop
-        buf = ht.init_buffer(lsel, 2, hkv, b, d, jnp.float32)
-        moved = 0
-        for step in range(6):
-            if step:  # churn 1-3 entries per head
+    sels = _selections(rng, s, hkv, b)
+    needed = {}
+    for resident in (1, 2):
+        for src, chunk in ((pool, 5), (pool, None), (host, 5)):  # None: one round of every entry, no loop
+            buf = ht.init_buffer(lsel, 2, hkv, resident * b, d, jnp.float32)
+            moved = total_need = 0
+            for step, sel in enumerate(sels):
+                idx = jnp.asarray(sel, jnp.int32)
+                pos, held, seen, need, dest = ht.plan_resident(buf.held[rows], buf.seen[rows], idx,
+                                                               jnp.full((s, hkv), b, jnp.int32),
+                                                               jnp.full((s,), step, jnp.int32))
+                buf, n = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps,
+                                      chunk=chunk)
+                buf = dataclasses.replace(buf, pos=buf.pos.at[rows].set(pos), held=buf.held.at[rows].set(held),
+                                          seen=buf.seen.at[rows].set(seen))
+                need_n = int(np.asarray(need).sum())
+                assert int(n) == need_n if chunk is None else need_n <= int(n) < need_n + chunk  # whole rounds
+                moved += int(n)
+                total_need += need_n if step else 0
+                bp, bh, bk, bv = (np.asarray(x) for x in (buf.pos, buf.held, buf.k, buf.v))
                 for r in range(s):
+                    br = int(rows[r])
                     for h in range(hkv):
-                        c = rng.integers(1, 4)
-                        out = rng.choice(b, c, replace=False)
-                        sel[r, h, out] = rng.choice(np.setdiff1d(np.arange(20 + step), sel[r, h]), c, replace=False)
-                        sel[r, h] = np.sort(sel[r, h])
-            idx = jnp.asarray(sel, jnp.int32)
-            pos, need, dest = ht.plan_diff(buf.pos[rows], idx, jnp.full((s, hkv), b, jnp.int32))
-            buf, n = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps, chunk=chunk)
-            buf = ht.SelBuffer(buf.k, buf.v, buf.pos.at[rows].set(pos))
-            need_n = int(np.asarray(need).sum())
-            assert int(n) == need_n if chunk is None else need_n <= int(n) < need_n + chunk  # whole rounds
-            moved += int(n)
-            bp, bk, bv = np.asarray(buf.pos), np.asarray(buf.k), np.asarray(buf.v)
-            for r in range(s):
-                br = int(rows[r])
-                for h in range(hkv):
-                    assert sorted(bp[br, h].tolist()) == sel[r, h].tolist()
-                    for j, p in enumerate(bp[br, h]):
-                        for layer in range(lsel):
-                            slot = perm[r, layer, h, p // ps] * ps + p % ps
-                            np.testing.assert_array_equal(bk[layer, br, h, j], k_np[slot])
-                            np.testing.assert_array_equal(bv[layer, br, h, j], v_np[slot])
-        assert moved < 6 * s * hkv * b  # after the first step only the churn (plus one round's padding) moves
+                        assert sorted(p for p in bp[br, h].tolist() if p >= 0) == sel[r, h].tolist()
+                        vis = bp[br, h] >= 0
+                        np.testing.assert_array_equal(bp[br, h][vis], bh[br, h][vis])
+                        for j, p in enumerate(bh[br, h]):   # every held slot, visible or not, holds its K/V
+                            if p < 0:
+                                continue
+                            for layer in range(lsel):
+                                slot = perm[r, layer, h, p // ps] * ps + p % ps
+                                np.testing.assert_array_equal(bk[layer, br, h, j], k_np[slot])
+                                np.testing.assert_array_equal(bv[layer, br, h, j], v_np[slot])
+            assert moved < len(sels) * s * hkv * b  # after the first step only the churn (+ padding) moves
+            needed.setdefault(resident, set()).add(total_need)
+    assert len(needed[1]) == len(needed[2]) == 1        # the same rows whatever the source
+    assert needed[2].pop() < needed[1].pop()
+
+
+def test_resident_buffer_loads_less_and_evicts_the_least_recently_selected():
+    """W = 2B: an entry that left the selection and comes back is a hit; a new entry takes an empty slot
+    first, then the slot selected longest ago."""
+    held = jnp.asarray([[[10, 20, 30, 40, -1, -1]]], jnp.int32)
+    seen = jnp.asarray([[[5, 3, 5, 4, -1, -1]]], jnp.int32)
+    idx = jnp.asarray([[[20, 50, 60]]], jnp.int32)   # 20 held (selected at step 3), 50 and 60 new
+    pos, held2, seen2, need, dest = ht.plan_resident(held, seen, idx, jnp.asarray([[3]]), jnp.asarray([6]))
+    assert need[0, 0].tolist() == [False, True, True]
+    assert dest[0, 0].tolist() == [1, 4, 5]            # the two empty slots
+    assert pos[0, 0].tolist() == [-1, 20, -1, -1, 50, 60]
+    assert held2[0, 0].tolist() == [10, 20, 30, 40, 50, 60] and seen2[0, 0].tolist() == [5, 6, 5, 4, 6, 6]
+    idx = jnp.asarray([[[10, 70, 80]]], jnp.int32)     # no empty slot left: evict 40 (seen 4), then 30 (5)
+    pos, held3, _, need, dest = ht.plan_resident(held2, seen2, idx, jnp.asarray([[3]]), jnp.asarray([7]))
+    assert need[0, 0].tolist() == [False, True, True] and dest[0, 0].tolist() == [0, 3, 2]
+    assert held3[0, 0].tolist() == [10, 20, 80, 70, 50, 60]
 
 
 def test_mirror_copies_written_slots_and_the_gather_runs_on_the_host():

@@ -637,3 +637,26 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
         assert 0 < t["h2d_bytes_needed_per_step"] <= t["h2d_bytes_per_step"] < t["h2d_bytes_refetch_per_step"]
     else:
         assert t == {}
+
+
+def test_resident_buffer_gives_the_same_tokens_and_moves_fewer_rows(toy):
+    """`retrieval_resident=3`: the buffer holds 3x the budget per (sequence, KV head); attention still reads
+    exactly the selection (the library decode's tokens), and the host tier loads fewer rows than the W = B
+    buffer on the same requests (positions that come back while still held move nothing)."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
+    want = [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
+    needed = {}
+    for resident in (1.0, 3.0):
+        got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4,
+                               retrieval_host_tier=True, retrieval_resident=resident)
+        assert got == want
+        (buf,) = eng.retriever._buf.values()
+        assert buf.k.shape[3] == {1.0: 8, 3.0: 20}[resident]   # whole pages of 4
+        needed[resident] = eng.retriever.transfer()["h2d_bytes_needed_per_step"]
+    assert needed[3.0] < needed[1.0]
+    with pytest.raises(ValueError, match="retrieval_resident"):
+        _engine_run(model, [(a, pol, None)], retrieval_resident=0.5)

@@ -75,7 +75,8 @@ class Engine:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
                  decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
-                 retrieval_host_tier: bool = False, pipeline_decode: bool = True):
+                 retrieval_host_tier: bool = False, retrieval_resident: float = 1.0,
+                 pipeline_decode: bool = True):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -129,8 +130,10 @@ class Engine:
         self.compressor = Compressor(self)
         self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
-        # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py).
-        self.retriever = Retriever(self, host_tier=retrieval_host_tier)
+        # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py); its device buffer
+        # holds `retrieval_resident` x the budget slots per (sequence, KV head), so a position selected again
+        # soon after it left the selection is still resident and moves nothing.
+        self.retriever = Retriever(self, host_tier=retrieval_host_tier, resident=retrieval_resident)
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.

@@ -40,17 +40,31 @@ HOST_SPLIT = 16
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SelBuffer:
-    """Selected K/V of the layers from the tap on: k, v [Lsel, R, Hkv, W, D] (pool dtype), pos [R, Hkv, W]."""
+    """Selected K/V of the layers from the tap on: k, v [Lsel, R, Hkv, W, D] (pool dtype). Per slot
+    [R, Hkv, W]: `pos` the position attention reads (-1 = not in this step's selection), `held` the position
+    whose K/V the slot holds (-1 = empty; a slot keeps it after its position leaves the selection, so a
+    position selected again later needs no load while its slot was not reused), `seen` the query position
+    of the step that last selected it (the eviction order when W exceeds the budget)."""
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
+    held: jax.Array
+    seen: jax.Array
 
 
 def init_buffer(layers: int, rows: int, num_kv_heads: int, width: int, head_dim: int, dtype) -> SelBuffer:
     shape = (layers, rows, num_kv_heads, width, head_dim)
-    return SelBuffer(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                     jnp.full((rows, num_kv_heads, width), -1, jnp.int32))
+    def empty():   # three arrays, not one: the decode donates the buffer's leaves
+        return jnp.full((rows, num_kv_heads, width), -1, jnp.int32)
+
+    return SelBuffer(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), empty(), empty(), empty())
+
+
+def forget_rows(buf: SelBuffer, rows) -> SelBuffer:
+    """Empties buffer rows `rows` (out-of-range entries are ignored): a new request starts with nothing."""
+    return dataclasses.replace(buf, **{f: getattr(buf, f).at[rows].set(-1, mode="drop")
+                                       for f in ("pos", "held", "seen")})
 
 
 def host_memory_kind(device=None) -> str | None:
@@ -82,8 +96,21 @@ def _search(sorted_vals, queries):
 
 def plan_diff(buf_pos, idx, count):
     """buf_pos [S, Hkv, W] (-1 empty, unique positions), idx [S, Hkv, B] ascending selection with count
-    [S, Hkv] -> (pos [S, Hkv, W] the buffer's positions after the step, need [S, Hkv, B] selected entries
-    the buffer lacked, dest [S, Hkv, B] the buffer slot of every selected entry (W where none))."""
+    [S, Hkv] -> (pos [S, Hkv, W] the buffer's positions after the step (-1 where not selected), need
+    [S, Hkv, B] selected entries the buffer lacked, dest [S, Hkv, B] the buffer slot of every selected entry
+    (W where none))."""
+    pos, _, _, need, dest = plan_resident(buf_pos, jnp.full_like(buf_pos, -1), idx, count,
+                                          jnp.zeros(idx.shape[:1], jnp.int32))
+    return pos, need, dest
+
+
+def plan_resident(held, seen, idx, count, stamp):
+    """The diff of a resident buffer: held / seen [S, Hkv, W] (see SelBuffer), idx [S, Hkv, B] ascending
+    selection with count [S, Hkv], stamp [S] this step's query position -> (pos, held, seen after the step,
+    need [S, Hkv, B] selected entries no slot holds, dest [S, Hkv, B] the slot of every selected entry, W
+    where none). A lacking position takes a slot not selected now: when W exceeds the selection, the
+    empty slots first, then the least recently selected (LRU over `seen`)."""
+    buf_pos = held
     w = buf_pos.shape[-1]
     b = idx.shape[-1]
     big = jnp.iinfo(jnp.int32).max
@@ -97,15 +124,22 @@ def plan_diff(buf_pos, idx, count):
     keep = (buf_pos >= 0) & (jnp.take_along_axis(sel_sorted, at2, axis=-1) == buf_pos)
     free = ~keep
     lead = jnp.indices(free.shape[:-1] + (1,), sparse=True)[:-1]
-    free_rank = jnp.where(free, jnp.cumsum(free, axis=-1) - 1, w)
-    free_list = jnp.full(free.shape, w, jnp.int32).at[(*lead, free_rank)].set(
-        jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), free.shape), mode="drop")
+    if w > b:   # more slots than the selection: evict empty slots, then the least recently selected
+        age = jnp.where(keep, big, jnp.where(buf_pos >= 0, seen, -1))
+        free_list = jnp.argsort(age, axis=-1, stable=True).astype(jnp.int32)
+    else:       # every free slot is refilled or emptied: slot order, no sort
+        free_rank = jnp.where(free, jnp.cumsum(free, axis=-1) - 1, w)
+        free_list = jnp.full(free.shape, w, jnp.int32).at[(*lead, free_rank)].set(
+            jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), free.shape), mode="drop")
     need = sel & ~hit
     need_rank = jnp.maximum(jnp.cumsum(need, axis=-1) - 1, 0)
     dest = jnp.where(hit, jnp.take_along_axis(order, at, axis=-1),
                      jnp.where(need, jnp.take_along_axis(free_list, need_rank, axis=-1), w))
-    pos = jnp.where(keep, buf_pos, -1).at[(*lead, dest)].set(idx, mode="drop")
-    return pos, need, dest
+    at_dest = (*lead, dest)
+    pos = jnp.full_like(buf_pos, -1).at[at_dest].set(idx, mode="drop")
+    held = buf_pos.at[at_dest].set(idx, mode="drop")
+    seen = seen.at[at_dest].set(jnp.broadcast_to(stamp.astype(jnp.int32)[:, None, None], idx.shape), mode="drop")
+    return pos, held, seen, need, dest
 
 
 def _pool_slots(page_table, pos, page_size: int):
@@ -216,7 +250,7 @@ def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, pag
     else:
         _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one, init)
     k_buf, v_buf = k_buf.reshape(buf.k.shape), v_buf.reshape(buf.v.shape)
-    return SelBuffer(k_buf, v_buf, buf.pos), n if single else rounds * chunk
+    return dataclasses.replace(buf, k=k_buf, v=v_buf), n if single else rounds * chunk
 
 
 @functools.partial(jax.jit, donate_argnames=("host_k", "host_v"))

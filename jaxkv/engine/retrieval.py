@@ -26,6 +26,7 @@ through `_decode_retrieval` with K = 1, so every generated token after the first
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -166,8 +167,9 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     stats [S, 3]: slots selected, of them selected the step before, rows the host loads; rows moved [2]:
     host (padded to whole rounds of `chunk`), device (one round of every entry))."""
     r = buf.pos.shape[0]
-    bp = buf.pos[jnp.maximum(buf_rows, 0)]
-    pos, need, dest = host_tier.plan_diff(bp, now.idx, now.count - 1)
+    br = jnp.maximum(buf_rows, 0)
+    pos, held, seen, need, dest = host_tier.plan_resident(buf.held[br], buf.seen[br], now.idx, now.count - 1,
+                                                          positions)
     load = need & live[:, None, None]
     old = now.idx < start[:, None, None]
     load_rows = functools.partial(host_tier.load_rows, page_table=page_table, buf_rows=buf_rows, idx=now.idx,
@@ -179,7 +181,10 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
         from_host = jnp.sum(load & old, axis=(-2, -1))
         load = load & ~old
     buf, moved_dev = load_rows(buf, pool, load=load, chunk=None)
-    buf = host_tier.SelBuffer(buf.k, buf.v, buf.pos.at[jnp.where(live, buf_rows, r)].set(pos, mode="drop"))
+    at = jnp.where(live, buf_rows, r)
+    buf = dataclasses.replace(buf, pos=buf.pos.at[at].set(pos, mode="drop"),
+                              held=buf.held.at[at].set(held, mode="drop"),
+                              seen=buf.seen.at[at].set(seen, mode="drop"))
     # The previous step's token was in its selection (forced) and is loaded now: held, for the overlap.
     last = jnp.take_along_axis(now.idx, jnp.maximum(now.count - 2, 0)[..., None], axis=-1)[..., 0]
     prev_tok = (now.count >= 2) & (last == positions[:, None] - 1)
@@ -269,7 +274,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
     if shared:
         forget = jnp.where((d["head_rows"] >= 0) & ~d["known"], d["head_rows"], sbuf.pos.shape[0])
-        sbuf = host_tier.SelBuffer(sbuf.k, sbuf.v, sbuf.pos.at[forget].set(-1, mode="drop"))
+        sbuf = host_tier.forget_rows(sbuf, forget)
 
     def body(carry, xs):
         (pool, summary, sbuf), rstate, tok, done = carry
@@ -378,8 +383,11 @@ def num_compilations() -> int:
 class Retriever:
     """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
 
-    def __init__(self, engine, host_tier: bool = False):
+    def __init__(self, engine, host_tier: bool = False, resident: float = 1.0):
+        if not isinstance(resident, (int, float)) or isinstance(resident, bool) or not resident >= 1.0:
+            raise ValueError(f"retrieval_resident is buffer slots per selected slot, a number >= 1; got {resident!r}")
         self.engine = engine
+        self.resident = float(resident)
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
@@ -483,13 +491,13 @@ class Retriever:
 
     def _buffer_for(self, policy: RetrievalPolicy):
         """The selection buffer of a shared policy (None for layer-wise ones): [Lsel, rows, Hkv, W, D] with
-        W = the budget rounded up to whole pages (the buffer is read as a page pool)."""
+        W = `resident` x the budget rounded up to whole pages (the buffer is read as a page pool)."""
         if policy.layer_wise:
             return None
         if policy not in self._buf:
             eng, cfg = self.engine, self.engine.runner.cfg
             lsel = cfg.num_layers - policy.tap_layer(self.params_for(policy))
-            width = -(-policy.budget // eng.page_size) * eng.page_size
+            width = -(-int(np.ceil(self.resident * policy.budget)) // eng.page_size) * eng.page_size
             self._buf[policy] = host_tier.init_buffer(lsel, eng.scheduler.max_num_seqs, cfg.num_kv_heads, width,
                                                       cfg.head_dim, eng.runner.pool.k.dtype)
         return self._buf[policy]
