@@ -138,7 +138,8 @@ def plan_resident(held, seen, idx, count, stamp):
     at_dest = (*lead, dest)
     pos = jnp.full_like(buf_pos, -1).at[at_dest].set(idx, mode="drop")
     held = buf_pos.at[at_dest].set(idx, mode="drop")
-    seen = seen.at[at_dest].set(jnp.broadcast_to(stamp.astype(jnp.int32)[:, None, None], idx.shape), mode="drop")
+    now = jnp.broadcast_to(stamp.astype(jnp.int32)[:, None, None], idx.shape)
+    seen = seen.at[at_dest].set(now, mode="drop")
     return pos, held, seen, need, dest
 
 

@@ -385,7 +385,8 @@ class Retriever:
 
     def __init__(self, engine, host_tier: bool = False, resident: float = 1.0):
         if not isinstance(resident, (int, float)) or isinstance(resident, bool) or not resident >= 1.0:
-            raise ValueError(f"retrieval_resident is buffer slots per selected slot, a number >= 1; got {resident!r}")
+            raise ValueError("retrieval_resident is buffer slots per selected slot, a number >= 1; "
+                             f"got {resident!r}")
         self.engine = engine
         self.resident = float(resident)
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
