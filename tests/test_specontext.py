@@ -629,7 +629,7 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
     pol = sc.SpeContext(budget=6, sink=1, recent=1)
     a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
     got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4,
-                           retrieval_host_tier=host)
+                           retrieval_host_tier=host, retrieval_inplace=False)   # the buffer path
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
     t = eng.retriever.transfer()
     if host:
@@ -660,3 +660,31 @@ def test_resident_buffer_gives_the_same_tokens_and_moves_fewer_rows(toy):
     assert needed[3.0] < needed[1.0]
     with pytest.raises(ValueError, match="retrieval_resident"):
         _engine_run(model, [(a, pol, None)], retrieval_resident=0.5)
+
+
+@pytest.mark.parametrize("attn_impl", ["reference", "pallas"])
+def test_inplace_selection_reads_give_the_buffer_paths_tokens(toy, attn_impl):
+    """`retrieval_inplace=True` (the default without a host tier): attention reads the selected slots in the
+    pool (pages of one slot), no K/V copy into a buffer; two requests at budget 6 give the library decode's
+    tokens (the Pallas path in interpret mode: one plan per step shared by the selected layers)."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
+    got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4, retrieval_inplace=True,
+                           attn_impl=attn_impl)
+    assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
+    (buf,) = eng.retriever._buf.values()
+    assert buf.k.size == 0 and eng.retriever.steps > 0 and 0 < eng.retriever.slots_new < eng.retriever.slots_selected
+    assert _inplace_is_the_default_without_a_host_tier(model)
+    with pytest.raises(ValueError, match="retrieval_inplace"):
+        _engine_run(model, [(a, pol, None)], retrieval_inplace=True, retrieval_host_tier=True)
+
+
+def _inplace_is_the_default_without_a_host_tier(model) -> bool:
+    from jaxkv.engine.engine import Engine
+
+    eng = Engine(model, page_size=4, max_model_len=64, max_num_seqs=2)
+    host = Engine(model, page_size=4, max_model_len=64, max_num_seqs=2, retrieval_host_tier=True)
+    return eng.retriever.inplace and not host.retriever.inplace

@@ -159,7 +159,8 @@ def _buffer_plan(buf, buf_rows, q_seq, positions, *, page_size, window, num_q_he
                                 jnp.full((hkv,), window, jnp.int32), num_q_heads=num_q_heads, ordered=False)
 
 
-def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start, *, page_size, chunk):
+def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start, *, page_size, chunk,
+             load_kv: bool = True):
     """Brings the buffer rows of the step's sequences to the selection `now` less the current token (always
     its last entry; each layer adds it by the log-sum-exp): plans the diff and loads the lacking rows of
     every buffered layer, from the host mirror for positions written before the dispatch when `host` is
@@ -170,17 +171,18 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     br = jnp.maximum(buf_rows, 0)
     pos, held, seen, need, dest = host_tier.plan_resident(buf.held[br], buf.seen[br], now.idx, now.count - 1,
                                                           positions)
-    load = need & live[:, None, None]
+    load = need & live[:, None, None] & load_kv
     old = now.idx < start[:, None, None]
     load_rows = functools.partial(host_tier.load_rows, page_table=page_table, buf_rows=buf_rows, idx=now.idx,
                                   dest=dest, page_size=page_size, chunk=chunk)
-    moved_host = jnp.int32(0)
+    moved_host = moved_dev = jnp.int32(0)
     from_host = jnp.zeros_like(live, jnp.int32)
     if host is not None:
         buf, moved_host = load_rows(buf, host, load=load & old)
         from_host = jnp.sum(load & old, axis=(-2, -1))
         load = load & ~old
-    buf, moved_dev = load_rows(buf, pool, load=load, chunk=None)
+    if load_kv:
+        buf, moved_dev = load_rows(buf, pool, load=load, chunk=None)
     at = jnp.where(live, buf_rows, r)
     buf = dataclasses.replace(buf, pos=buf.pos.at[at].set(pos, mode="drop"),
                               held=buf.held.at[at].set(held, mode="drop"),
@@ -191,6 +193,21 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     held = now.count - 1 - jnp.sum(need, -1) + prev_tok
     stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), from_host], -1)
     return buf, stats.astype(jnp.int32), jnp.stack([moved_host, moved_dev])
+
+
+def _selected_slots(page_table, idx, count, live, page_size: int):
+    """In-place reads: the flat pool slots of the selection (less the current token, its last entry) in
+    every layer from the tap on. page_table [S, Lsel, Hkv, P], idx [S, Hkv, B] positions -> (slots
+    [Lsel, S, Hkv, B] (0 past the count), lengths [S, Hkv])."""
+    n = jnp.where(live[:, None], count - 1, 0)
+    ok = jnp.arange(idx.shape[-1]) < n[..., None]
+    p = jnp.where(ok, idx, 0)
+    s, hkv = idx.shape[:2]
+    si = jnp.arange(s)[:, None, None]
+    hi = jnp.arange(hkv)[None, :, None]
+    pages = page_table[si, :, hi, p // page_size]                        # [S, Hkv, B, Lsel]
+    slots = jnp.where(ok[..., None] & (pages >= 0), pages * page_size + (p % page_size)[..., None], 0)
+    return jnp.moveaxis(slots, -1, 0).astype(jnp.int32), n.astype(jnp.int32)
 
 
 def _sample(logits, b, greedy):
@@ -244,10 +261,11 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     return tokens, logprobs, pool, rstate, summary
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk"),
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk",
+                                             "inplace"),
                    donate_argnames=("pool", "rstate", "summary", "sbuf"))
 def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None, greedy=False,
-                      local_layers=(), chunk=1):
+                      local_layers=(), chunk=1, inplace=False):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
     (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
@@ -255,7 +273,9 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
 
     Shared policies keep the selection in `sbuf` (`host_tier.SelBuffer`, rows ``d["head_rows"]``; a row
     whose ``d["known"]`` is False starts empty) and load only its difference each step, `chunk` rows per
-    round, from `host` (the pool's host mirror (k, v), for positions before the dispatch) or the pool."""
+    round, from `host` (the pool's host mirror (k, v), for positions before the dispatch) or the pool.
+    `inplace` (no host tier): no K/V is copied; every layer's attention reads the selected slots in the pool
+    itself, viewed as pages of one slot (the buffer keeps only its position bookkeeping, for the stats)."""
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
     scale = cfg.head_dim ** -0.5
@@ -310,7 +330,25 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
 
             if layer < first:
                 return full(lengths[:, layer], prev_lengths[:, layer])[:, None], (pool, summary, sbuf, ks, vs)
-            if shared:  # attention over the buffer (the selection less the current token), then the token
+            if shared and inplace:  # the selected slots read in the pool, then the token by the lse
+                window = cfg.layer_windows[layer]
+                sel_slots, sel_len = plans["selected"]
+                table = sel_slots[layer - first]
+                d_ = pool.k.shape[-1]
+                k1, v1, pos1 = pool.k.reshape(-1, 1, d_), pool.v.reshape(-1, 1, d_), pool.pos.reshape(-1, 1)
+                zeros, win = jnp.zeros((hkv,), jnp.int32), jnp.full((hkv,), window, jnp.int32)
+                if use_plan:
+                    if ("inplace", window) not in plans:
+                        plans[("inplace", window)] = paged_attention_plan(
+                            pos1, table, sel_len, q_seq, positions, zeros, win, num_q_heads=cfg.num_heads,
+                            ordered=False)
+                    out, lse = paged_attention_with_plan(plans[("inplace", window)], qq, k1, v1, pos1, table,
+                                                         scale=scale)
+                else:
+                    out, lse = paged_attention(qq, k1, v1, pos1, table, sel_len, q_seq, positions, zeros, win,
+                                               scale=scale, implementation=attn_impl)
+                out = _merge_own(out, lse, qq, own_k, own_v, scale)
+            elif shared:  # attention over the buffer (the selection less the current token), then the token
                 window = cfg.layer_windows[layer]
                 if use_plan and window not in plans:
                     plans[window] = _buffer_plan(sbuf, brows, q_seq, positions, page_size=pool.page_size,
@@ -345,7 +383,10 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 now = policy.select(scores, positions)
                 sbuf, stats, moved = _refresh(
                     sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
-                    page_size=pool.page_size, chunk=chunk)
+                    page_size=pool.page_size, chunk=chunk, load_kv=not inplace)
+                if inplace:
+                    plans["selected"] = _selected_slots(pt_all[:, first:], now.idx, now.count, live,
+                                                        pool.page_size)
             x, (pool, summary, sbuf, ks, vs) = llama.decoder_layer(p, cfg, i, x, pos2, freqs, attend,
                                                                    (pool, summary, sbuf, ks, vs))
         if deferred:  # every layer's K/V of the step in one scatter (layer-major rows)
@@ -383,12 +424,17 @@ def num_compilations() -> int:
 class Retriever:
     """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
 
-    def __init__(self, engine, host_tier: bool = False, resident: float = 1.0):
+    def __init__(self, engine, host_tier: bool = False, resident: float = 1.0, inplace: bool | None = None):
         if not isinstance(resident, (int, float)) or isinstance(resident, bool) or not resident >= 1.0:
             raise ValueError("retrieval_resident is buffer slots per selected slot, a number >= 1; "
                              f"got {resident!r}")
+        inplace = not host_tier if inplace is None else inplace
+        if inplace and host_tier:
+            raise ValueError("retrieval_inplace reads the selection from the device pool; the host tier needs "
+                             "the selection buffer (retrieval_host_tier=True with retrieval_inplace=False)")
         self.engine = engine
         self.resident = float(resident)
+        self.inplace = bool(inplace)
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
@@ -473,7 +519,7 @@ class Retriever:
                     runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
                     self._summary if summary is not None else None, self._buffer_for(policy), self._host_for(policy),
                     cfg=cfg, policy=policy, attn_impl=runner.attn_impl, greedy=greedy,
-                    local_layers=self.local_layers, chunk=self._chunk(policy, s))
+                    local_layers=self.local_layers, chunk=self._chunk(policy, s), inplace=self.inplace)
                 if sbuf is not None:
                     self._buf[policy] = sbuf
             if state_out is not None:
@@ -499,8 +545,9 @@ class Retriever:
             eng, cfg = self.engine, self.engine.runner.cfg
             lsel = cfg.num_layers - policy.tap_layer(self.params_for(policy))
             width = -(-int(np.ceil(self.resident * policy.budget)) // eng.page_size) * eng.page_size
+            dim = 0 if self.inplace else cfg.head_dim   # in place: the buffer keeps positions only
             self._buf[policy] = host_tier.init_buffer(lsel, eng.scheduler.max_num_seqs, cfg.num_kv_heads, width,
-                                                      cfg.head_dim, eng.runner.pool.k.dtype)
+                                                      dim, eng.runner.pool.k.dtype)
         return self._buf[policy]
 
     def _host_for(self, policy: RetrievalPolicy):
@@ -649,7 +696,7 @@ class Retriever:
             runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
             self._summary_for(policy), self._buffer_for(policy), self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
-            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)))
+            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=self.inplace)
         self._mirror(b.slots)
         if state is not None:
             self._state[type(policy)] = state
