@@ -33,7 +33,8 @@ def _setup(rng, s=2, lsel=2, hkv=2, ps=4, d=8, n_pos=40):
 def _selections(rng, s, hkv, b, steps=8):
     """A selection per step: b ascending positions per (sequence, KV head), 1-3 entries churned per step,
     replacements drawn from positions that left the selection before as well as new ones."""
-    sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)]) for _ in range(s)])
+    sel = np.stack([np.stack([np.sort(rng.choice(20, b, replace=False)) for _ in range(hkv)])
+                    for _ in range(s)])
     out = [sel.copy()]
     for step in range(1, steps):
         for r in range(s):
@@ -70,10 +71,11 @@ def test_diff_loads_keep_the_buffer_equal_to_the_selection():
                                                                jnp.full((s,), step, jnp.int32))
                 buf, n = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps,
                                       chunk=chunk)
-                buf = dataclasses.replace(buf, pos=buf.pos.at[rows].set(pos), held=buf.held.at[rows].set(held),
-                                          seen=buf.seen.at[rows].set(seen))
+                buf = dataclasses.replace(buf, pos=buf.pos.at[rows].set(pos),
+                                          held=buf.held.at[rows].set(held), seen=buf.seen.at[rows].set(seen))
                 need_n = int(np.asarray(need).sum())
-                assert int(n) == need_n if chunk is None else need_n <= int(n) < need_n + chunk  # whole rounds
+                # one round of every entry, or whole rounds of `chunk`
+                assert int(n) == need_n if chunk is None else need_n <= int(n) < need_n + chunk
                 moved += int(n)
                 total_need += need_n if step else 0
                 bp, bh, bk, bv = (np.asarray(x) for x in (buf.pos, buf.held, buf.k, buf.v))

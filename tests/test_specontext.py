@@ -676,7 +676,8 @@ def test_inplace_selection_reads_give_the_buffer_paths_tokens(toy, attn_impl):
                            attn_impl=attn_impl)
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
     (buf,) = eng.retriever._buf.values()
-    assert buf.k.size == 0 and eng.retriever.steps > 0 and 0 < eng.retriever.slots_new < eng.retriever.slots_selected
+    r = eng.retriever
+    assert buf.k.size == 0 and r.steps > 0 and 0 < r.slots_new < r.slots_selected
     assert _inplace_is_the_default_without_a_host_tier(model)
     with pytest.raises(ValueError, match="retrieval_inplace"):
         _engine_run(model, [(a, pol, None)], retrieval_inplace=True, retrieval_host_tier=True)
