@@ -147,7 +147,9 @@ def test_cli_rejects_bad_policies(capsys):
                         [["--kv-policy", "snapkv", "--kv-budget", "-1"], "budget"],
                         [["--kv-policy", "snapkv", "--kv-policy-arg", "colour=red"], "no field"],
                         [["--kv-policy", "snapkv", "--kv-policy-arg", "window"], "KEY=VALUE"],
-                        [["--kv-budget", "0.5"], "need --kv-policy"]):
+                        [["--kv-budget", "0.5"], "need --kv-policy"],
+                        [["--retrieval-resident", "0.5", "--retrieval-host-tier"], "must be >= 1"],
+                        [["--retrieval-resident", "2"], "needs --retrieval-host-tier"]):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
@@ -156,6 +158,11 @@ def test_cli_rejects_bad_policies(capsys):
                        "--kv-policy-arg", "pooling=max"])
     p = args.kv_policy_obj
     assert (p.name, p.budget, p.window, p.pooling) == ("snapkv", 0.125, 32, "max")
+    args = parse_args(["--kv-policy", "specontext", "--kv-budget", "64", "--retrieval-host-tier",
+                       "--retrieval-resident", "2"])
+    assert (args.kv_policy_obj.name, args.kv_policy_obj.budget) == ("specontext", 64)   # an int budget
+    assert (args.retrieval_host_tier, args.retrieval_resident) == (True, 2.0)
+    assert parse_args(["--kv-policy", "snapkv", "--kv-budget", "128"]).kv_policy_obj.budget == 128
 
 
 # ------------------------------------------------------------------------------------ segment reuse
@@ -322,3 +329,38 @@ def test_windowed_heads_refuse_reuse_clearly(ckpt):
     for r in (seg, comp):
         assert r.status_code == 400 and r.json()["error"]["code"] == "reuse_unavailable", r.text
         assert "--head-classes global" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------ SpeContext host tier
+
+
+def test_specontext_host_tier_server_answers_as_the_in_place_server(ckpt, tmp_path):
+    """`--kv-policy specontext --retrieval-host-tier --retrieval-resident 2`: the selection's K/V comes from
+    a pinned host mirror through a resident device buffer; the greedy completion equals the server that reads
+    the selection in place (same checkpoint, same random retrieval head beside it)."""
+    import shutil
+
+    import jax
+
+    import jaxkv
+    from jaxkv.policies.retrieve import specontext as sc
+
+    model_dir = tmp_path / "tiny-with-head"
+    shutil.copytree(ckpt, model_dir)
+    model = jaxkv.load(model_dir)
+    hc = sc.HeadConfig.for_model(model.config, num_heads=2 * model.config.num_kv_heads, model_id=model.model_id)
+    sc.save_head(model_dir / sc.HEAD_DIR, sc.init_head(hc, jax.random.PRNGKey(0)), {"random": True})
+    common = ["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "512",
+              "--max-num-seqs", "2", "--max-step-tokens", "64", "--head-classes", "global", "--no-precompile",
+              "--kv-policy", "specontext", "--kv-budget", "16"]
+    texts = []
+    for extra in ([], ["--retrieval-host-tier", "--retrieval-resident", "2"]):
+        s = ServerProcess(common + extra)
+        try:
+            c = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=180)
+            r = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, **GREEDY)
+            assert r.usage.completion_tokens == GREEDY["max_tokens"]
+            texts.append(r.choices[0].text)
+        finally:
+            s.stop()
+    assert texts[0] == texts[1]

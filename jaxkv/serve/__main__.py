@@ -68,6 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="another field of the policy, e.g. --kv-policy-arg window=32 (repeatable; values "
                         "are JSON, else strings)")
+    p.add_argument("--retrieval-host-tier", action="store_true",
+                   help="SpeContext (--kv-policy specontext, or per request): keep a pinned host-memory "
+                        "mirror of the KV and load only each step's selection difference from it "
+                        "(docs/specontext.md); off: the selection is read in place on the device")
+    p.add_argument("--retrieval-resident", type=float, default=1.0, metavar="R",
+                   help="with --retrieval-host-tier: device buffer slots per selected slot (>= 1); 2 keeps "
+                        "recently selected KV resident: ~15x fewer host bytes than re-fetching "
+                        "(docs/specontext.md)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
@@ -82,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive integer (got {value})")
     if args.max_request_bytes < 0 or args.request_timeout < 0 or args.max_queued_requests < -1:
         p.error("--max-request-bytes and --request-timeout must be >= 0, --max-queued-requests >= -1")
+    if not args.retrieval_resident >= 1.0:
+        p.error(f"--retrieval-resident must be >= 1 (got {args.retrieval_resident})")
+    if args.retrieval_resident != 1.0 and not args.retrieval_host_tier:
+        p.error("--retrieval-resident sizes the host tier's device buffer: it needs --retrieval-host-tier")
     if not 0.0 < args.memory_utilization <= 1.0:
         p.error(f"--memory-utilization must lie in (0, 1] (got {args.memory_utilization})")
     if not 0 <= args.port < 65536:
@@ -96,8 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
         try:
             fields = parse_policy_args(args.kv_policy_arg)
-            if args.kv_budget is not None:
-                fields["budget"] = args.kv_budget
+            if args.kv_budget is not None:   # tokens per head (> 1) as an int: retrieval budgets must be
+                b = args.kv_budget
+                fields["budget"] = int(b) if b > 1 and float(b).is_integer() else b
             args.kv_policy_obj = build_policy(args.kv_policy, fields)
         except ValueError as e:
             p.error(f"--kv-policy: {e}")
@@ -137,7 +150,9 @@ def main(argv=None) -> int:
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
-                        enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj)
+                        enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
+                        retrieval_host_tier=args.retrieval_host_tier,
+                        retrieval_resident=args.retrieval_resident)
         name = args.served_model_name or Path(args.model).resolve().name
         limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
                              request_timeout=args.request_timeout or None,
