@@ -348,7 +348,8 @@ def test_specontext_host_tier_server_answers_as_the_in_place_server(ckpt, tmp_pa
     model_dir = tmp_path / "tiny-with-head"
     shutil.copytree(ckpt, model_dir)
     model = jaxkv.load(model_dir)
-    hc = sc.HeadConfig.for_model(model.config, num_heads=2 * model.config.num_kv_heads, model_id=model.model_id)
+    cfg = model.config
+    hc = sc.HeadConfig.for_model(cfg, num_heads=2 * cfg.num_kv_heads, model_id=model.model_id)
     sc.save_head(model_dir / sc.HEAD_DIR, sc.init_head(hc, jax.random.PRNGKey(0)), {"random": True})
     common = ["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "512",
               "--max-num-seqs", "2", "--max-step-tokens", "64", "--head-classes", "global", "--no-precompile",
