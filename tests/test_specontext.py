@@ -681,6 +681,8 @@ def test_inplace_selection_reads_give_the_buffer_paths_tokens(toy, attn_impl):
     assert _inplace_is_the_default_without_a_host_tier(model)
     with pytest.raises(ValueError, match="retrieval_inplace"):
         _engine_run(model, [(a, pol, None)], retrieval_inplace=True, retrieval_host_tier=True)
+    with pytest.raises(ValueError, match="retrieval_resident"):
+        _engine_run(model, [(a, pol, None)], retrieval_resident=2)      # in place by default: no buffer K/V
 
 
 def _inplace_is_the_default_without_a_host_tier(model) -> bool:

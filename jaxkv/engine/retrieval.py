@@ -430,8 +430,11 @@ class Retriever:
                              f"got {resident!r}")
         inplace = not host_tier if inplace is None else inplace
         if inplace and host_tier:
-            raise ValueError("retrieval_inplace reads the selection from the device pool; the host tier needs "
-                             "the selection buffer (retrieval_host_tier=True with retrieval_inplace=False)")
+            raise ValueError("retrieval_inplace reads the selection from the device pool; the host tier "
+                             "needs the selection buffer (retrieval_host_tier=True, retrieval_inplace=False)")
+        if inplace and resident != 1.0:
+            raise ValueError("retrieval_resident sizes the selection buffer's K/V, which in-place reads do "
+                             "not keep: use it with retrieval_host_tier=True (or retrieval_inplace=False)")
         self.engine = engine
         self.resident = float(resident)
         self.inplace = bool(inplace)
