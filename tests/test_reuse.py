@@ -99,9 +99,37 @@ def test_naive_reuse_at_position_zero_equals_full(model, pieces):
     # of a segment after a page-aligned prefix (holes) when nothing before it changes its K/V.
     _, s1, _, suf = pieces
     dense = dense_last_logits(model, s1 + suf)
-    out, st = run(make_engine(model), [], [s1], suf, "naive")
+    out, st = run(make_engine(model, segment_anchor=None), [], [s1], suf, "naive")
     np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
     assert st.reused_tokens == len(s1) and st.recompute_fraction == 0.0
+
+
+def test_segment_prefilled_after_its_anchor_is_exact_after_the_same_prefix(model, pieces):
+    # A segment prefilled after anchor A (positions len(A)..) and reused right after a prefix equal to A
+    # is exactly what a full prefill computes: the anchor's K/V are not stored, the segment's are, and the
+    # layout's hole between the prefix and the page-aligned segment is invisible. Without the anchor the
+    # same reuse is approximate (the segment saw no prefix).
+    _, s1, s2, suf = pieces
+    anchor = [s2[0], s2[1], s2[2]]  # 3 tokens: the anchor's last page is part hole (page size 4)
+    dense = dense_last_logits(model, anchor + s1 + suf)
+    eng = make_engine(model, segment_anchor=anchor)
+    out, st = run(eng, anchor, [s1], suf, "naive")
+    np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
+    assert st.reused_tokens == len(s1) and st.recompute_fraction == 0.0
+    e = eng.reuser.store.find(s1)
+    assert e.start == len(anchor)
+    _, bare = run(make_engine(model, segment_anchor=None), anchor, [s1], suf, "naive")
+    assert np.abs(bare.first_logits - dense).max() > 1e-2
+    # The anchor is part of the identity: the same tokens under another anchor get another id.
+    other = make_engine(model, segment_anchor=anchor[:1])
+    assert other.reuser.store.id_for(s1) != eng.reuser.store.id_for(s1)
+    # The anchor's scratch pages go back to the pool once the segment is registered.
+    free = other.allocator.num_free
+    e2 = other.reuser.register(s1)
+    L, H = model.config.num_layers, model.config.num_kv_heads
+    assert other.allocator.num_free == free - e2.pages.size == free - L * H * -(-len(s1) // 4)
+    with pytest.raises(ValueError, match="segment_anchor"):
+        make_engine(model, segment_anchor=[model.config.vocab_size])
 
 
 def test_naive_is_approximate_and_recompute_fraction_orders_the_methods(model, pieces):

@@ -1,7 +1,8 @@
 """The segment store: reusable KV of token segments, content-addressed and namespaced (host, numpy only).
 
 A segment (a document, a tool output, a chat turn) is prefilled once by the engine at positions
-``0..n-1`` and its post-RoPE K/V kept in pages of the shared pool: ``pages[layer, kv_head, j]`` holds the
+``start..start+n-1`` (``start`` = the length of the anchor it is prefilled after, `jaxkv.engine.reuse`; the
+anchor's own K/V are not kept) and its post-RoPE K/V kept in pages of the shared pool: ``pages[layer, kv_head, j]`` holds the
 segment's tokens ``[j * page_size, (j + 1) * page_size)`` of that (layer, KV head), in position order; slots
 past ``n`` in the last page hold position -1. A request that reuses it copies those pages into its own,
 rotating K by the position delta (`pallas_kernels.rope_shift`), or references them in place when nothing
@@ -54,15 +55,11 @@ class SegmentEntry:
     refcount: int = 0  # requests currently using the entry
     deleted: bool = False  # a frozen entry deleted while in use (pages freed at refcount zero)
     hits: int = 0
+    start: int = 0  # original position of the first token (the anchor's length; 0 without one)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
-
-    @property
-    def start(self) -> int:
-        """Original position of the first token (segments are prefilled from position 0)."""
-        return 0
 
 
 class SegmentStore:
@@ -113,7 +110,7 @@ class SegmentStore:
 
     # ---- mutation ---------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], extra_key: str | None, pages: np.ndarray, *,
-               frozen: bool = False) -> SegmentEntry:
+               frozen: bool = False, start: int = 0) -> SegmentEntry:
         """Adds an entry that takes over the caller's one reference to each of `pages` [L, H, n]."""
         tokens = tuple(int(t) for t in tokens)
         pages = np.asarray(pages, np.int32)
@@ -124,7 +121,7 @@ class SegmentStore:
         if seg_id in self:
             raise ValueError(f"insert: segment {seg_id!r} already exists")
         self._deleted.discard(seg_id)
-        e = SegmentEntry(seg_id, tokens, extra_key, pages, frozen=frozen)
+        e = SegmentEntry(seg_id, tokens, extra_key, pages, frozen=frozen, start=int(start))
         self._entries[seg_id] = e
         return e
 

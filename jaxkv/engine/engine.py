@@ -77,7 +77,7 @@ class Engine:
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
                  retrieval_host_tier: bool = False, retrieval_resident: float = 1.0,
                  retrieval_inplace: bool | None = None,
-                 pipeline_decode: bool = True):
+                 pipeline_decode: bool = True, segment_anchor="bos"):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -129,7 +129,9 @@ class Engine:
         self.pipeline_decode = pipeline_decode  # dispatch decode call t+1 before reading call t (step())
         self.code_maps = MapGuard()  # XLA:CPU: drops compiled variants near the host's mapping cap
         self.compressor = Compressor(self)
-        self.reuser = Reuser(self)  # segment store + reuse prefill (jaxkv/engine/reuse.py)
+        # segment store + reuse prefill (jaxkv/engine/reuse.py); segments are prefilled after `segment_anchor`
+        # ("bos": the model's BOS token, so they see the attention sink their prompts will give them)
+        self.reuser = Reuser(self, anchor=segment_anchor)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
         # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py); its device buffer
         # holds `retrieval_resident` x the budget slots per (sequence, KV head), so a position selected again

@@ -169,6 +169,8 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     host (padded to whole rounds of `chunk`), device (one round of every entry))."""
     r = buf.pos.shape[0]
     br = jnp.maximum(buf_rows, 0)
+    if not load_kv and host is None:
+        return _track_inplace(buf, br, at=jnp.where(live, buf_rows, r), now=now, live=live, positions=positions)
     pos, held, seen, need, dest = host_tier.plan_resident(buf.held[br], buf.seen[br], now.idx, now.count - 1,
                                                           positions)
     load = need & live[:, None, None] & load_kv
@@ -193,6 +195,28 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     held = now.count - 1 - jnp.sum(need, -1) + prev_tok
     stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), from_host], -1)
     return buf, stats.astype(jnp.int32), jnp.stack([moved_host, moved_dev])
+
+
+def _track_inplace(buf, br, at, now, live, positions):
+    """In-place reads load nothing, so the buffer only remembers the last selection (ascending, -1 past it)
+    for the overlap statistic: one binary search of the new selection in the old, no slot planning
+    (`plan_resident`'s sorts and scatters cost ~0.1 ms a step at batch 16 on an H200 for numbers only)."""
+    big = jnp.iinfo(jnp.int32).max
+    b = now.idx.shape[-1]
+    n = now.count - 1
+    sel = jnp.arange(b) < n[..., None]
+    prev = buf.pos[br]
+    w = prev.shape[-1]  # the buffer's width (>= b: the budget rounded to whole pages)
+    prev = jnp.where(prev >= 0, prev, big)
+    hit = sel & (jnp.take_along_axis(prev, jnp.minimum(host_tier._search(prev, now.idx), w - 1), -1) == now.idx)
+    last = jnp.take_along_axis(now.idx, jnp.maximum(now.count - 2, 0)[..., None], axis=-1)[..., 0]
+    prev_tok = (now.count >= 2) & (last == positions[:, None] - 1)
+    held = jnp.sum(hit, -1) + prev_tok  # the previous token was the query then, never in the old selection
+    cur = jnp.pad(jnp.where(sel, now.idx, -1)[..., :w], ((0, 0), (0, 0), (0, max(w - b, 0))), constant_values=-1)
+    buf = dataclasses.replace(buf, pos=buf.pos.at[at].set(cur, mode="drop"))
+    zeros = jnp.zeros_like(live, jnp.int32)
+    stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), zeros], -1)
+    return buf, stats.astype(jnp.int32), jnp.zeros((2,), jnp.int32)
 
 
 def _selected_slots(page_table, idx, count, live, page_size: int):

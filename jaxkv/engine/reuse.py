@@ -71,13 +71,38 @@ class _Pending:
     policy: ReusePolicy
 
 
+def resolve_anchor(anchor, cfg) -> tuple[int, ...]:
+    """The tokens a segment is prefilled after: "bos" (the default) = the model's BOS token when it has one,
+    None or () = none, or explicit token ids."""
+    if anchor == "bos":
+        return () if cfg.bos_token_id is None else (int(cfg.bos_token_id),)
+    if anchor is None:
+        return ()
+    if isinstance(anchor, str):
+        raise ValueError(f"segment_anchor must be 'bos', None or token ids (got {anchor!r})")
+    return tuple(int(t) for t in anchor)
+
+
 class Reuser:
-    def __init__(self, engine, reuse_head_classes: HeadClassMap | None = None, keep_logits: bool = False):
+    """`anchor`: tokens every segment is prefilled after, at positions 0..a-1, its own K/V kept from position
+    a. A model trained on prompts that start with BOS uses position 0 as its attention sink; a segment
+    prefilled alone would make its own first token that sink, and every reused K/V would carry it
+    (docs/policies.md, "Segment anchor"). The anchor's K/V are dropped, and the anchor is part of a
+    segment's identity (two anchors never share pages)."""
+
+    def __init__(self, engine, reuse_head_classes: HeadClassMap | None = None, keep_logits: bool = False,
+                 anchor="bos"):
         self.engine = engine
         cfg = engine.model.config
         self.cfg = cfg
         self.page_size = engine.page_size
-        self.store = SegmentStore(engine.allocator, engine.page_size, getattr(engine.model, "model_id", "model"))
+        self.anchor = resolve_anchor(anchor, cfg)
+        if self.anchor and (min(self.anchor) < 0 or max(self.anchor) >= cfg.vocab_size):
+            raise ValueError(f"segment_anchor token ids must lie in [0, {cfg.vocab_size})")
+        model_id = str(getattr(engine.model, "model_id", "model"))
+        if self.anchor:
+            model_id += f"+anchor{list(self.anchor)}"
+        self.store = SegmentStore(engine.allocator, engine.page_size, model_id)
         engine.scheduler.segments = self.store
         hc = reuse_head_classes
         if hc is None:
@@ -102,7 +127,7 @@ class Reuser:
         """The entry for `tokens` in namespace `extra_key`, prefilled by the engine if new (positions 0..)."""
         tokens = [int(t) for t in tokens]
         self._check_tokens(tokens, "segment")
-        if len(tokens) >= self.engine.max_model_len:
+        if len(self.anchor) + len(tokens) >= self.engine.max_model_len:
             raise SegmentError(f"segment has {len(tokens)} tokens; the context holds {self.engine.max_model_len}")
         e = self.store.find(tokens, extra_key)
         if e is not None:
@@ -112,35 +137,50 @@ class Reuser:
         L, H, ps = self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
         n = len(tokens)
         npg = -(-n // ps)
+        a = len(self.anchor)
         ids = self._allocate(L * H * npg).reshape(L, H, npg)
+        scratch = self._allocate(L * H * -(-a // ps)).reshape(L, H, -1) if a else None
         try:
-            self._prefill_segment(tokens, ids)
+            self._prefill_segment(tokens, ids, scratch)
         except Exception:
             self.engine.allocator.decref(ids)
             raise
-        return self.store.insert(tokens, extra_key, ids, frozen=frozen)
+        finally:
+            if scratch is not None:
+                self.engine.allocator.decref(scratch)
+        return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=a)
 
-    def _prefill_segment(self, tokens, pages) -> None:
-        """The engine's own prefill of a segment into `pages` [L, H, n] (chunks of max_step_tokens)."""
+    def _prefill_segment(self, tokens, pages, scratch=None) -> None:
+        """The engine's own prefill of `self.anchor + tokens`: the anchor into `scratch` pages (dropped after),
+        the segment into `pages` [L, H, n] at positions a.. (chunks of max_step_tokens). Storage slot j of
+        the table is the anchor's pages, then the segment's; the anchor's last page is blanked past the
+        anchor, so the positions run on without a gap while each segment page starts with its token."""
         eng, ps = self.engine, self.page_size
         L, H = self.cfg.num_layers, self.cfg.num_kv_heads
-        n = len(tokens)
+        a, n = len(self.anchor), len(tokens)
+        sp = 0 if scratch is None else scratch.shape[2]
+        allp = pages if not sp else np.concatenate([scratch, pages], axis=2)
         step = eng.scheduler.max_step_tokens
-        P = bucket_for(pages.shape[2], powers_of_two(max(pages.shape[2], 1), start=4))
+        P = bucket_for(allp.shape[2], powers_of_two(max(allp.shape[2], 1), start=4))
         table = np.full((1, L, H, P), -1, np.int32)
-        table[0, :, :, :pages.shape[2]] = pages
-        for s in range(0, n, step):
-            m = min(step, n - s)
+        table[0, :, :, :allp.shape[2]] = allp
+        seq = list(self.anchor) + list(tokens)
+        # storage index of every token of `seq`: the anchor from slot 0, the segment from its first page
+        store_at = np.concatenate([np.arange(a), sp * ps + np.arange(n)]).astype(np.int64)
+        if sp and a % ps:  # the anchor's page past the anchor: position -1 before anything attends
+            eng.runner.pool = _blank(eng.runner.pool, np.asarray(scratch[:, :, -1].ravel(), np.int32), a % ps)
+        for s in range(0, a + n, step):
+            m = min(step, a + n - s)
             T = bucket_for(m, eng._token_buckets)
-            idx = np.arange(s, s + m)
-            slots = pages[:, :, idx // ps].transpose(2, 0, 1) * ps + (idx % ps)[:, None, None]
+            idx = store_at[s:s + m]
+            slots = allp[:, :, idx // ps].transpose(2, 0, 1) * ps + (idx % ps)[:, None, None]
             b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
                           q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
-                          page_table=table, lengths=np.full((1, L, H), s + m, np.int32),
+                          page_table=table, lengths=np.full((1, L, H), int(idx[-1]) + 1, np.int32),
                           logits_index=np.array([m - 1], np.int32), temperature=np.zeros(1, np.float32),
                           top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
                           seeds=np.zeros(1, np.uint32), counters=np.zeros(1, np.int32))
-            b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = tokens[s:s + m], idx, 0, slots
+            b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = seq[s:s + m], np.arange(s, s + m), 0, slots
             eng.runner.run(b)
         if n % ps:  # blank the stale positions past the segment's end in its last page
             last = pages[:, :, -1].ravel()
@@ -171,7 +211,7 @@ class Reuser:
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global'); the reuse method reads its own head-class map")
         for s in segments:
-            n = self.store.get(s, extra_key).length if isinstance(s, str) else len(s)
+            n = self.store.get(s, extra_key).length if isinstance(s, str) else len(s) + len(self.anchor)
             if not isinstance(s, str):
                 self._check_tokens([int(t) for t in s], "segment")
             if n >= self.engine.max_model_len:

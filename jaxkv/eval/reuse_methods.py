@@ -5,7 +5,8 @@ so compilations are shared. A prompt's segments are registered on first sight by
 (not counted in TTFT: it is the offline part of reuse), then `Engine.add_reuse_request` runs the method and
 the request decodes greedily in the ordinary step loop. `reuse_full` is the same path with the `full` policy
 (every token recomputed, no segment looked up): it must match the dense `full` oracle. Options reach the
-reuse policy as fields (`--method-opts ratio=0.3,full_layers=2`).
+reuse policy as fields (`--method-opts ratio=0.3,full_layers=2`), except `anchor` (`anchor=none`: segments
+prefilled alone, without the BOS anchor; `Engine(segment_anchor=...)`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class EngineReuse(Method):
         from jaxkv.engine.engine import Engine
         from jaxkv.policies.reuse import get_reuse_policy
 
+        anchor = opts.pop("anchor", "bos")
+        self.anchor = None if str(anchor).lower() in ("none", "false", "0", "") else anchor
         self.policy = get_reuse_policy(self.policy_name, **opts)
         self._engine_cls = Engine
         self.engine = None
@@ -41,7 +44,8 @@ class EngineReuse(Method):
             self.engine = self._engine_cls(
                 self.model, page_size=ps, num_pages=need, max_num_seqs=1, max_step_tokens=512,
                 max_model_len=min(cfg.max_position_embeddings, 2 * num_tokens + 1024),
-                head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False)
+                head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
+                segment_anchor=self.anchor)
             self.engine.reuser.keep_logits = True
         return self.engine
 
