@@ -77,7 +77,7 @@ class Engine:
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
                  retrieval_host_tier: bool = False, retrieval_resident: float = 1.0,
                  retrieval_inplace: bool | None = None,
-                 pipeline_decode: bool = True, segment_anchor="bos"):
+                 pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -131,7 +131,7 @@ class Engine:
         self.compressor = Compressor(self)
         # segment store + reuse prefill (jaxkv/engine/reuse.py); segments are prefilled after `segment_anchor`
         # ("bos": the model's BOS token, so they see the attention sink their prompts will give them)
-        self.reuser = Reuser(self, anchor=segment_anchor)
+        self.reuser = Reuser(self, anchor=segment_anchor, start=segment_start)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
         # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py); its device buffer
         # holds `retrieval_resident` x the budget slots per (sequence, KV head), so a position selected again

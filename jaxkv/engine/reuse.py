@@ -91,7 +91,7 @@ class Reuser:
     segment's identity (two anchors never share pages)."""
 
     def __init__(self, engine, reuse_head_classes: HeadClassMap | None = None, keep_logits: bool = False,
-                 anchor="bos"):
+                 anchor="bos", start: int | None = None):
         self.engine = engine
         cfg = engine.model.config
         self.cfg = cfg
@@ -99,9 +99,16 @@ class Reuser:
         self.anchor = resolve_anchor(anchor, cfg)
         if self.anchor and (min(self.anchor) < 0 or max(self.anchor) >= cfg.vocab_size):
             raise ValueError(f"segment_anchor token ids must lie in [0, {cfg.vocab_size})")
+        # `start`: the position of a segment's first token (default: right after the anchor); a larger one
+        # leaves a gap, as if the segment sat deeper in a prompt
+        self.start = len(self.anchor) if start is None else int(start)
+        if self.start < len(self.anchor):
+            raise ValueError(f"segment_start {self.start} is inside the anchor ({len(self.anchor)} tokens)")
         model_id = str(getattr(engine.model, "model_id", "model"))
         if self.anchor:
             model_id += f"+anchor{list(self.anchor)}"
+        if self.start != len(self.anchor):
+            model_id += f"+start{self.start}"
         self.store = SegmentStore(engine.allocator, engine.page_size, model_id)
         engine.scheduler.segments = self.store
         hc = reuse_head_classes
@@ -127,7 +134,7 @@ class Reuser:
         """The entry for `tokens` in namespace `extra_key`, prefilled by the engine if new (positions 0..)."""
         tokens = [int(t) for t in tokens]
         self._check_tokens(tokens, "segment")
-        if len(self.anchor) + len(tokens) >= self.engine.max_model_len:
+        if self.start + len(tokens) >= self.engine.max_model_len:
             raise SegmentError(f"segment has {len(tokens)} tokens; the context holds {self.engine.max_model_len}")
         e = self.store.find(tokens, extra_key)
         if e is not None:
@@ -148,7 +155,7 @@ class Reuser:
         finally:
             if scratch is not None:
                 self.engine.allocator.decref(scratch)
-        return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=a)
+        return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start)
 
     def _prefill_segment(self, tokens, pages, scratch=None) -> None:
         """The engine's own prefill of `self.anchor + tokens`: the anchor into `scratch` pages (dropped after),
@@ -165,6 +172,7 @@ class Reuser:
         table = np.full((1, L, H, P), -1, np.int32)
         table[0, :, :, :allp.shape[2]] = allp
         seq = list(self.anchor) + list(tokens)
+        positions = np.concatenate([np.arange(a), self.start + np.arange(n)]).astype(np.int32)
         # storage index of every token of `seq`: the anchor from slot 0, the segment from its first page
         store_at = np.concatenate([np.arange(a), sp * ps + np.arange(n)]).astype(np.int64)
         if sp and a % ps:  # the anchor's page past the anchor: position -1 before anything attends
@@ -180,7 +188,7 @@ class Reuser:
                           logits_index=np.array([m - 1], np.int32), temperature=np.zeros(1, np.float32),
                           top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
                           seeds=np.zeros(1, np.uint32), counters=np.zeros(1, np.int32))
-            b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = seq[s:s + m], np.arange(s, s + m), 0, slots
+            b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = seq[s:s + m], positions[s:s + m], 0, slots
             eng.runner.run(b)
         if n % ps:  # blank the stale positions past the segment's end in its last page
             last = pages[:, :, -1].ravel()
@@ -211,7 +219,7 @@ class Reuser:
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global'); the reuse method reads its own head-class map")
         for s in segments:
-            n = self.store.get(s, extra_key).length if isinstance(s, str) else len(s) + len(self.anchor)
+            n = self.store.get(s, extra_key).length if isinstance(s, str) else len(s) + self.start
             if not isinstance(s, str):
                 self._check_tokens([int(t) for t in s], "segment")
             if n >= self.engine.max_model_len:

@@ -30,6 +30,8 @@ class EngineReuse(Method):
         from jaxkv.policies.reuse import get_reuse_policy
 
         anchor = opts.pop("anchor", "bos")
+        at = opts.pop("anchor_at", None)
+        self.segment_start = None if at is None else int(at)
         self.anchor = None if str(anchor).lower() in ("none", "false", "0", "") else anchor
         self.policy = get_reuse_policy(self.policy_name, **opts)
         self._engine_cls = Engine
@@ -45,7 +47,7 @@ class EngineReuse(Method):
                 self.model, page_size=ps, num_pages=need, max_num_seqs=1, max_step_tokens=512,
                 max_model_len=min(cfg.max_position_embeddings, 2 * num_tokens + 1024),
                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
-                segment_anchor=self.anchor)
+                segment_anchor=self.anchor, segment_start=self.segment_start)
             self.engine.reuser.keep_logits = True
         return self.engine
 
