@@ -149,7 +149,8 @@ def test_cli_rejects_bad_policies(capsys):
                         [["--kv-policy", "snapkv", "--kv-policy-arg", "window"], "KEY=VALUE"],
                         [["--kv-budget", "0.5"], "need --kv-policy"],
                         [["--retrieval-resident", "0.5", "--retrieval-host-tier"], "must be >= 1"],
-                        [["--retrieval-resident", "2"], "needs --retrieval-host-tier"]):
+                        [["--retrieval-resident", "2"], "needs --retrieval-host-tier"],
+                        [["--segment-anchor", "system"], "--segment-anchor must be"]):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
@@ -163,6 +164,9 @@ def test_cli_rejects_bad_policies(capsys):
     assert (args.kv_policy_obj.name, args.kv_policy_obj.budget) == ("specontext", 64)   # an int budget
     assert (args.retrieval_host_tier, args.retrieval_resident) == (True, 2.0)
     assert parse_args(["--kv-policy", "snapkv", "--kv-budget", "128"]).kv_policy_obj.budget == 128
+    assert parse_args([]).segment_anchor == "bos"
+    assert parse_args(["--segment-anchor", "none"]).segment_anchor is None
+    assert parse_args(["--segment-anchor", "1,5,9"]).segment_anchor == [1, 5, 9]
 
 
 # ------------------------------------------------------------------------------------ segment reuse
@@ -183,9 +187,10 @@ def test_segment_register_reuse_delete(server, tok):
     plain = complete(server, prompt=bos + doc_ids + q_ids)  # the same prompt, no reuse
     # `full` recomputes everything: the ordinary engine's greedy output.
     assert complete(server, prompt=question, reuse={"segments": [seg], "method": "full"}) == plain
-    # A segment at position 0 (empty prefix) needs no rotation: naive reuse is exact there.
-    at0 = complete(server, prompt=q_ids, reuse={"segments": [seg], "method": "naive", "prefix": []})
-    assert at0 == complete(server, prompt=doc_ids + q_ids)
+    # Segments are prefilled after BOS (the default --segment-anchor): right after a BOS prefix a segment
+    # sits where it was prefilled, with the context it was prefilled in, so naive reuse is exact there.
+    at1 = complete(server, prompt=q_ids, reuse={"segments": [seg], "method": "naive", "prefix": bos})
+    assert at1 == plain
     for method in ("naive", "epic", "cacheblend", "sparsex", "redknot", {"name": "cacheblend", "ratio": 0.5}):
         r = client(server).completions.create(model=server.name, prompt=question, **GREEDY, extra_body={
             "ignore_eos": True, "reuse": {"segments": [seg], "method": method, "prefix": "document:"}})

@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --retrieval-host-tier: device buffer slots per selected slot (>= 1); 2 keeps "
                         "recently selected KV resident: ~15x fewer host bytes than re-fetching "
                         "(docs/specontext.md)")
+    p.add_argument("--segment-anchor", default="bos", metavar="bos|none|IDS",
+                   help="tokens every reusable segment is prefilled after (their K/V are dropped): 'bos' "
+                        "(default: the model's BOS, the attention sink its prompts open with), 'none' "
+                        "(segments prefilled alone), or comma-separated token ids (docs/policies.md)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
@@ -94,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--retrieval-resident must be >= 1 (got {args.retrieval_resident})")
     if args.retrieval_resident != 1.0 and not args.retrieval_host_tier:
         p.error("--retrieval-resident sizes the host tier's device buffer: it needs --retrieval-host-tier")
+    anchor = args.segment_anchor.strip().lower()
+    if anchor in ("bos", "none"):
+        args.segment_anchor = None if anchor == "none" else "bos"
+    else:
+        try:
+            args.segment_anchor = [int(t) for t in anchor.split(",")]
+        except ValueError:
+            p.error(f"--segment-anchor must be 'bos', 'none' or comma-separated token ids (got {anchor!r})")
     if not 0.0 < args.memory_utilization <= 1.0:
         p.error(f"--memory-utilization must lie in (0, 1] (got {args.memory_utilization})")
     if not 0 <= args.port < 65536:
@@ -152,7 +164,7 @@ def main(argv=None) -> int:
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         retrieval_host_tier=args.retrieval_host_tier,
-                        retrieval_resident=args.retrieval_resident)
+                        retrieval_resident=args.retrieval_resident, segment_anchor=args.segment_anchor)
         name = args.served_model_name or Path(args.model).resolve().name
         limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
                              request_timeout=args.request_timeout or None,
