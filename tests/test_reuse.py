@@ -401,3 +401,24 @@ def test_sparse_rows_through_the_split_attention_match_the_paged_path(model, pie
     starts = np.asarray(rows_api.chunk_starts(jnp.asarray(calls[0]), 4, 4))
     assert np.sum(starts > 0) >= 2        # several chunks have a non-empty prefix part
     np.testing.assert_allclose(logits[1], logits[0], atol=2e-4, rtol=2e-4)
+
+
+def test_redknot_ffn_reuse_is_exact_where_the_segment_context_is_unchanged(model, pieces):
+    # Right after a prefix equal to the anchor, a segment's own prefill *is* the full prompt's computation,
+    # so its cached FFN outputs are the ones a dense FFN would give: RedKnot with a tiny FFN buffer and
+    # `ffn_reuse` equals full, while the paper's rule (skipped rows add nothing) does not.
+    _, s1, s2, suf = pieces
+    anchor = [s2[0], s2[1], s2[2]]
+    dense = dense_last_logits(model, anchor + s1 + suf)
+    sparse = dict(dense_until=0, ffn_capacity=0.4, mass_thresh=0.05, ffn_dilate=0, recent_n=1)
+    eng = make_engine(model, segment_anchor=anchor)
+    out, st = run(eng, anchor, [s1], suf, get_reuse_policy("redknot", ffn_reuse=True, **sparse))
+    assert max(st.ffn_rows) <= st.prompt_tokens - 8 and max(st.ffn_dropped) == 0  # segment rows skipped
+    np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
+    e = eng.reuser.store.find(s1)
+    assert e.ffn.shape == (model.config.num_layers, len(s1), model.config.hidden_size)
+    _, zero = run(make_engine(model, segment_anchor=anchor), anchor, [s1], suf,
+                  get_reuse_policy("redknot", **sparse))
+    assert np.abs(zero.first_logits - dense).max() > 1e-2
+    with pytest.raises(ValueError, match="ffn_reuse must be a bool"):
+        get_reuse_policy("redknot", ffn_reuse="yes")

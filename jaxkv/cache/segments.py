@@ -56,6 +56,7 @@ class SegmentEntry:
     deleted: bool = False  # a frozen entry deleted while in use (pages freed at refcount zero)
     hits: int = 0
     start: int = 0  # original position of the first token (the anchor's length; 0 without one)
+    ffn: object = None  # device [L, n, hidden]: each layer's FFN output per token (RedKnot ffn_reuse; lazy)
 
     @property
     def length(self) -> int:

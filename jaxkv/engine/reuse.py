@@ -194,6 +194,32 @@ class Reuser:
             last = pages[:, :, -1].ravel()
             eng.runner.pool = _blank(eng.runner.pool, np.asarray(last, np.int32), n % ps)
 
+    def segment_ffn(self, e: SegmentEntry):
+        """[L, n, hidden] FFN outputs of the segment's own prefill (after its anchor, at its positions),
+        computed on first use by a dense forward and kept with the entry."""
+        if e.ffn is None:
+            seq = list(self.anchor) + list(e.tokens)
+            a, n = len(self.anchor), e.length
+            T = row_bucket(len(seq), floor=128)
+            tokens = np.zeros(T, np.int32)
+            positions = np.full(T, -1, np.int32)
+            tokens[:len(seq)] = seq
+            positions[:len(seq)] = np.concatenate([np.arange(a), e.start + np.arange(n)])
+            e.ffn = _segment_ffn(self.engine.runner.params, tokens, positions, cfg=self.cfg)[:, a:a + n]
+        return e.ffn
+
+    def _ffn_cache(self, pieces, T: int):
+        """[L, T, hidden]: every reused token's cached FFN output (zeros for new text and padding)."""
+        L, hd = self.cfg.num_layers, self.cfg.hidden_size
+        dtype = self.engine.runner.params["embed"].dtype
+        parts, used = [], 0
+        for toks, e in pieces:
+            m = len(toks)
+            parts.append(jnp.zeros((L, m, hd), dtype) if e is None else self.segment_ffn(e).astype(dtype))
+            used += m
+        parts.append(jnp.zeros((L, T - used, hd), dtype))
+        return jnp.concatenate(parts, axis=1)
+
     def _allocate(self, n: int) -> np.ndarray:
         alloc = self.engine.allocator
         while not alloc.can_allocate(n):
@@ -353,6 +379,8 @@ class Reuser:
         C = bucket_for(table.size, powers_of_two(1 << 30, start=64))
         b["clear"] = np.full(C, -1, np.int32)
         b["clear"][:table.size] = table.ravel()
+        if getattr(pol, "ffn_reuse", False):
+            b["ffn_cache"] = self._ffn_cache(pieces, T)
         sp = req.sampling
         b.update(temperature=np.array([sp.temperature], np.float32), top_k=np.array([sp.top_k], np.int32),
                  top_p=np.array([sp.top_p], np.float32), seeds=np.array([req.seed], np.uint32),
@@ -398,6 +426,28 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
         return 1 << (n - 1).bit_length()
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _segment_ffn(params, tokens, positions, *, cfg):
+    """Each layer's FFN output [L, T, hidden] of a dense causal forward (positions -1 = padding at the end)."""
+    from jaxkv.models import llama, rope
+    from jaxkv.models.attention import dense_attention
+
+    freqs = rope.inv_freq(cfg)
+    pos = jnp.where(positions >= 0, positions, jnp.max(positions) + 1 + jnp.arange(positions.shape[0]))[None]
+    x = params["embed"][tokens][None]
+    outs = []
+    for i, p in enumerate(params["layers"]):
+        q, k, v = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), pos, freqs)
+        a = dense_attention(q, k, v, pos, pos, window=cfg.layer_windows[i])
+        a = a.reshape(*a.shape[:2], -1) @ p["wo"]
+        x = x + (a + p["bo"] if cfg.o_bias else a)
+        h = llama.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        mlp = (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        outs.append(mlp[0])
+        x = x + mlp
+    return jnp.stack(outs)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

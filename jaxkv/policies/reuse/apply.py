@@ -70,7 +70,8 @@ def _sparse_ffn(p, cfg, x, keep, priority, capacity: int):
     f = _ffn(p, cfg, x[idx])
     x = x.at[idx].add(jnp.where(ran[:, None], f, 0).astype(x.dtype))
     n_ran = jnp.sum(ran)
-    return x, n_ran, jnp.sum(keep) - n_ran
+    ran_rows = jnp.zeros(x.shape[0], bool).at[idx].set(ran)
+    return x, n_ran, jnp.sum(keep) - n_ran, ran_rows
 
 
 def _keys_seen(positions, sink, window):
@@ -101,7 +102,8 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     table, so the host never builds or uploads them); page_table [1, L, H, P]; lengths [1, L, H]; probe [Np]
     row indices (-1 pad); clear [C] pages to blank,
     src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; num_selected [] top-k size
-    (<= select_cap); sampling rows [1]. heads: is_global, sink, window [L, H] (the reuse head-class map).
+    (<= select_cap); sampling rows [1]; optional ffn_cache [L, T, hidden] (RedKnot `ffn_reuse`: each reused
+    token's FFN output from its segment's own prefill, zeros for new text). heads: is_global, sink, window [L, H] (the reuse head-class map).
     num_rows: static row bucket of the sparse phase (>= forced + selected); select_cap: static bucket of
     the top-k (the exact k is data, so prompts of one bucket share a compilation). rows_are_tokens: the
     sparse phase's rows are the prompt's tokens in order (the method forces every token, e.g. RedKnot).
@@ -231,12 +233,16 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
         if ffn is None:
             x = x + jnp.where(valid[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
             ran, dropped = jnp.sum(valid), jnp.int32(0)
-        elif cap >= x.shape[0]:
-            fm = ffn[0] & valid
-            x = x + jnp.where(fm[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
-            ran, dropped = jnp.sum(fm), jnp.int32(0)
         else:
-            x, ran, dropped = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap)
+            if cap >= x.shape[0]:
+                fm = ffn[0] & valid
+                x = x + jnp.where(fm[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
+                ran, dropped = jnp.sum(fm), jnp.int32(0)
+            else:
+                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap)
+            if "ffn_cached" in rows:  # FFN reuse: skipped reused rows add their segment's own FFN output
+                skipped = valid & ~fm & ~rows["is_new"]
+                x = x + jnp.where(skipped[:, None], rows["ffn_cached"][i], 0).astype(x.dtype)
         stats = (jnp.sum(w), jnp.sum(valid), ran, jnp.sum(promoted), dropped,
                  _keys_seen(positions, sink, window))
         return x, pool, stats, view
@@ -286,6 +292,8 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     # Probe rows re-indexed into the compacted rows.
     where_row = jnp.full((T + 1,), -1, jnp.int32).at[jnp.where(ok, idx, T)].set(jnp.arange(num_rows))
     rows["probe"] = jnp.where(b["probe"] >= 0, where_row[jnp.maximum(b["probe"], 0)], -1)
+    if "ffn_cache" in b:  # [L, T, hidden] per prompt token (zeros for new text) -> per row
+        rows["ffn_cached"] = jnp.where(ok[None, :, None], b["ffn_cache"][:, gi], 0)
     sel_rows = selected[gi] & ok[:, None]
     xr = x[gi]
     for i in range(F, L):

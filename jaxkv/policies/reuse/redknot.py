@@ -16,6 +16,10 @@ where their words match (a needle's key), but induction copies the tokens *after
 which receive little probe mass in the middle layers; skipping their FFN is what cost mq_niah
 (docs/eval.md, "RedKnot ablation").
 
+FFN reuse (`ffn_reuse`, ours, off by default): a skipped reused row adds its segment's cached FFN output
+instead of nothing. On the embedded model a token's FFN output hardly depends on what precedes its segment,
+so the cached one stands in for the skipped one almost exactly (docs/eval.md, "FFN reuse").
+
 Local recovery (Algorithm 1 l. 15, Algorithm 2): an unpromoted local head attends to its sinks + window
 only (`local_windows`), the visible set whose K/V it repairs; beyond it the head would read stale reused
 K/V anyway, and restricting it is what lets the paged kernel skip those pages.
@@ -65,6 +69,10 @@ class RedKnot(ReusePolicy):
     # share). Induction copies the token *after* the one the question matches: the probes' mass finds the
     # match, the answer is its successor.
     ffn_dilate: int = 16  # 0 + mass_thresh 0.5: the paper's rule
+    # Reused rows whose FFN is skipped add the FFN output their segment's own prefill gave them (after its
+    # anchor) instead of nothing (the paper's Z = 0). Costs a [layers, tokens, hidden] array per segment,
+    # computed on the segment's first use by such a request (docs/policies.md, "FFN reuse").
+    ffn_reuse: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,8 +82,9 @@ class RedKnot(ReusePolicy):
         _check_frac(self, "mass_thresh")
         _check_frac(self, "edge_frac")
         _check_frac(self, "ffn_capacity")
-        if not isinstance(self.local_windows, bool):
-            raise ValueError(f"{self.name}: local_windows must be a bool (got {self.local_windows!r})")
+        for f in ("local_windows", "ffn_reuse"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{self.name}: {f} must be a bool (got {getattr(self, f)!r})")
         if self.ffn_capacity == 0:
             raise ValueError(f"{self.name}: ffn_capacity must be > 0 (the last prompt token needs the FFN)")
         if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
