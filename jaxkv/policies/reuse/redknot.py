@@ -73,6 +73,11 @@ class RedKnot(ReusePolicy):
     # anchor) instead of nothing (the paper's Z = 0). Costs a [layers, tokens, hidden] array per segment,
     # computed on the segment's first use by such a request (docs/policies.md, "FFN reuse").
     ffn_reuse: bool = False
+    # How the sparse FFN ranks the reused rows: "mass" (the paper: attention the new text gives them, plus
+    # the dilation) or "deviation" (how far each row's fresh K moved from its cached K, summed over KV heads:
+    # the rows whose context changed them; with `ffn_reuse` the others add a cached FFN output that was
+    # computed in nearly the same context). The buffer (`ffn_capacity`) takes the top rows either way.
+    ffn_select: str = "mass"
 
     def __post_init__(self):
         super().__post_init__()
@@ -85,6 +90,8 @@ class RedKnot(ReusePolicy):
         for f in ("local_windows", "ffn_reuse"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{self.name}: {f} must be a bool (got {getattr(self, f)!r})")
+        if self.ffn_select not in ("mass", "deviation"):
+            raise ValueError(f"{self.name}: ffn_select must be 'mass' or 'deviation' (got {self.ffn_select!r})")
         if self.ffn_capacity == 0:
             raise ValueError(f"{self.name}: ffn_capacity must be > 0 (the last prompt token needs the FFN)")
         if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
@@ -114,13 +121,18 @@ class RedKnot(ReusePolicy):
     def ffn_rows(self, view: LayerView, attn_probs_fn):
         if view.layer < self.dense_until:
             return None
+        last = jnp.max(view.positions)
+        must = (view.positions > last - self.recent_n) | view.is_new
+        if self.ffn_select == "deviation":  # every reused row is a candidate; the buffer keeps the top
+            k, kc = view.k.astype(jnp.float32), view.k_cached.astype(jnp.float32)
+            dev = jnp.where(view.valid & ~must, jnp.sum(jnp.linalg.norm(k - kc, axis=-1), -1), 0.0)
+            share = dev / jnp.maximum(jnp.max(dev), 1e-30)  # in [0, 1]: below the forced rows' 2 +
+            return view.valid, share + 2.0 * must
         mass = jnp.sum(attn_probs_fn(), axis=(0, 1, 2))  # [R] probe mass received
         order = jnp.argsort(-mass)
         csum = jnp.cumsum(mass[order]) / jnp.maximum(jnp.sum(mass), 1e-30)
         keep_sorted = (csum - mass[order] / jnp.maximum(jnp.sum(mass), 1e-30)) < self.mass_thresh
         top = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-        last = jnp.max(view.positions)
-        must = (view.positions > last - self.recent_n) | view.is_new
         share = mass / jnp.maximum(jnp.sum(mass), 1e-30)
         top, share = _dilate(top, share, view.positions, self.ffn_dilate)
         return view.valid & (top | must), share + 2.0 * must
