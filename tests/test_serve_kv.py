@@ -191,7 +191,8 @@ def test_segment_register_reuse_delete(server, tok):
     # sits where it was prefilled, with the context it was prefilled in, so naive reuse is exact there.
     at1 = complete(server, prompt=q_ids, reuse={"segments": [seg], "method": "naive", "prefix": bos})
     assert at1 == plain
-    for method in ("naive", "epic", "cacheblend", "sparsex", "redknot", {"name": "cacheblend", "ratio": 0.5}):
+    for method in ("naive", "epic", "cacheblend", "sparsex", "redknot", {"name": "cacheblend", "ratio": 0.5},
+                   {"name": "redknot", "ffn_reuse": True, "ffn_select": "deviation"}):
         r = client(server).completions.create(model=server.name, prompt=question, **GREEDY, extra_body={
             "ignore_eos": True, "reuse": {"segments": [seg], "method": method, "prefix": "document:"}})
         n = len(tok.encode("document:")) + len(doc_ids) + len(q_ids)
