@@ -172,7 +172,7 @@ def test_cli_rejects_bad_policies(capsys):
 # ------------------------------------------------------------------------------------ segment reuse
 
 
-def test_segment_register_reuse_delete(server, tok):
+def test_segment_register_reuse_delete(server, tok, ckpt):
     seg = register(server, text=DOC)
     assert register(server, text=DOC) == seg  # content-addressed: registering again is idempotent
     listed = http(server, "GET", "segments").json()["data"]
@@ -198,6 +198,10 @@ def test_segment_register_reuse_delete(server, tok):
         n = len(tok.encode("document:")) + len(doc_ids) + len(q_ids)
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 12), method
     assert server.metric("jaxkv_reuse_requests_total", method="cacheblend") >= 2
+    # RedKnot's ffn_reuse kept the segment's FFN outputs beside it: the card says how much memory that is.
+    cfg = json.loads((ckpt / "config.json").read_text())  # served in float32 on a CPU (--dtype auto)
+    assert http(server, "GET", f"segments/{seg}").json()["ffn_cache_bytes"] == (
+        cfg["num_hidden_layers"] * len(doc_ids) * cfg["hidden_size"] * 4)
 
     # Streaming with reuse, and the segment as a chat content part.
     chunks = list(client(server).completions.create(

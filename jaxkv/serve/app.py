@@ -314,8 +314,9 @@ def _lookup(eng, seg_id: str, key: str | None, param: str | None, status: int = 
 
 
 def _segment_card(e) -> dict:
+    ffn = 0 if e.ffn is None else int(e.ffn.size * e.ffn.dtype.itemsize)
     return {"id": e.segment_id, "object": "segment", "num_tokens": e.length, "frozen": e.frozen,
-            "in_use": e.refcount, "hits": e.hits}
+            "in_use": e.refcount, "hits": e.hits, "ffn_cache_bytes": ffn}
 
 
 async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | None,
