@@ -77,8 +77,6 @@ class RedKnot(ReusePolicy):
     # the dilation) or "deviation" (how far each row's fresh K moved from its cached K, summed over KV heads:
     # the rows whose context changed them; with `ffn_reuse` the others add a cached FFN output that was
     # computed in nearly the same context). The buffer (`ffn_capacity`) takes the top rows either way.
-    # "both": the mass rule's rows first, then the buffer's free capacity filled by deviation (the buffer's
-    # FLOPs are its static size, so the fill costs nothing).
     ffn_select: str = "mass"
 
     def __post_init__(self):
@@ -92,9 +90,8 @@ class RedKnot(ReusePolicy):
         for f in ("local_windows", "ffn_reuse"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{self.name}: {f} must be a bool (got {getattr(self, f)!r})")
-        if self.ffn_select not in ("mass", "deviation", "both"):
-            raise ValueError(f"{self.name}: ffn_select must be 'mass', 'deviation' or 'both' "
-                             f"(got {self.ffn_select!r})")
+        if self.ffn_select not in ("mass", "deviation"):
+            raise ValueError(f"{self.name}: ffn_select must be 'mass' or 'deviation' (got {self.ffn_select!r})")
         if self.ffn_capacity == 0:
             raise ValueError(f"{self.name}: ffn_capacity must be > 0 (the last prompt token needs the FFN)")
         if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
@@ -126,12 +123,11 @@ class RedKnot(ReusePolicy):
             return None
         last = jnp.max(view.positions)
         must = (view.positions > last - self.recent_n) | view.is_new
-        if self.ffn_select != "mass":  # every reused row is a candidate; the buffer keeps the top
+        if self.ffn_select == "deviation":  # every reused row is a candidate; the buffer keeps the top
             k, kc = view.k.astype(jnp.float32), view.k_cached.astype(jnp.float32)
             dev = jnp.where(view.valid & ~must, jnp.sum(jnp.linalg.norm(k - kc, axis=-1), -1), 0.0)
-            dev = dev / jnp.maximum(jnp.max(dev), 1e-30)  # in [0, 1]: below the forced rows' 2 +
-            if self.ffn_select == "deviation":
-                return view.valid, dev + 2.0 * must
+            share = dev / jnp.maximum(jnp.max(dev), 1e-30)  # in [0, 1]: below the forced rows' 2 +
+            return view.valid, share + 2.0 * must
         mass = jnp.sum(attn_probs_fn(), axis=(0, 1, 2))  # [R] probe mass received
         order = jnp.argsort(-mass)
         csum = jnp.cumsum(mass[order]) / jnp.maximum(jnp.sum(mass), 1e-30)
@@ -139,8 +135,6 @@ class RedKnot(ReusePolicy):
         top = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
         share = mass / jnp.maximum(jnp.sum(mass), 1e-30)
         top, share = _dilate(top, share, view.positions, self.ffn_dilate)
-        if self.ffn_select == "both":  # mass rows (1 + share), then the rest by deviation (< 1)
-            return view.valid, 2.0 * must + jnp.where(top & ~must, 1.0 + share, dev)
         return view.valid & (top | must), share + 2.0 * must
 
     def ffn_capacity_rows(self, num_rows: int) -> int:
