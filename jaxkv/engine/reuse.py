@@ -58,7 +58,8 @@ class ReuseStats:
         return float(np.clip(per_head / self.reused_tokens, 0, 1).mean())
 
     heads: int = 1
-    # per layer: rows the sparse FFN chose but its capacity dropped (lowest mass first)
+    # per layer: rows the sparse FFN chose but its capacity dropped (lowest mass first; with RedKnot's
+    # ffn_select="deviation" every reused row is a candidate, so this counts every reused row it skipped)
     ffn_dropped: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -158,7 +159,7 @@ class Reuser:
         return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start)
 
     def _prefill_segment(self, tokens, pages, scratch=None) -> None:
-        """The engine's own prefill of `self.anchor + tokens`: the anchor into `scratch` pages (dropped after),
+        """The engine's own prefill of `self.anchor + tokens`: the anchor into `scratch` pages (freed after),
         the segment into `pages` [L, H, n] at positions a.. (chunks of max_step_tokens). Storage slot j of
         the table is the anchor's pages, then the segment's; the anchor's last page is blanked past the
         anchor, so the positions run on without a gap while each segment page starts with its token."""
@@ -188,7 +189,8 @@ class Reuser:
                           logits_index=np.array([m - 1], np.int32), temperature=np.zeros(1, np.float32),
                           top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
                           seeds=np.zeros(1, np.uint32), counters=np.zeros(1, np.int32))
-            b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = seq[s:s + m], positions[s:s + m], 0, slots
+            b.tokens[:m], b.positions[:m] = seq[s:s + m], positions[s:s + m]
+            b.q_seq[:m], b.slots[:m] = 0, slots
             eng.runner.run(b)
         if n % ps:  # blank the stale positions past the segment's end in its last page
             last = pages[:, :, -1].ravel()
@@ -430,7 +432,7 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _segment_ffn(params, tokens, positions, *, cfg):
-    """Each layer's FFN output [L, T, hidden] of a dense causal forward (positions -1 = padding at the end)."""
+    """Each layer's FFN output [L, T, hidden] of a dense causal forward (positions -1: end padding)."""
     from jaxkv.models import llama, rope
     from jaxkv.models.attention import dense_attention
 
@@ -443,8 +445,7 @@ def _segment_ffn(params, tokens, positions, *, cfg):
         a = dense_attention(q, k, v, pos, pos, window=cfg.layer_windows[i])
         a = a.reshape(*a.shape[:2], -1) @ p["wo"]
         x = x + (a + p["bo"] if cfg.o_bias else a)
-        h = llama.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        mlp = (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        mlp = llama.ffn(p, cfg, x)
         outs.append(mlp[0])
         x = x + mlp
     return jnp.stack(outs)

@@ -77,9 +77,14 @@ def decoder_layer(
     if reduce is not None:
         out = reduce(out)
     x = x + (out + p["bo"] if cfg.o_bias else out)
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    mlp = (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    mlp = ffn(p, cfg, x)
     return x + (reduce(mlp) if reduce is not None else mlp), state
+
+
+def ffn(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The layer's pre-norm SwiGLU FFN output (what it adds to the residual stream x [..., hidden])."""
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -55,11 +55,6 @@ def _dense_attend(q, pool: KVPool, page_table, lengths, positions, sink, window,
     return out.reshape(r, hq, d).astype(q.dtype)
 
 
-def _ffn(p, cfg, x):
-    h = llama.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-
-
 def _sparse_ffn(p, cfg, x, keep, priority, capacity: int):
     """FFN on at most `capacity` rows of `keep` (highest `priority` first), scatter-added back; the other
     rows pass through the residual. Gathering first is what makes a sparse FFN cheaper: masking after a
@@ -67,7 +62,7 @@ def _sparse_ffn(p, cfg, x, keep, priority, capacity: int):
     score = jnp.where(keep, priority.astype(jnp.float32), NEG)
     val, idx = jax.lax.top_k(score, capacity)
     ran = val > NEG / 2
-    f = _ffn(p, cfg, x[idx])
+    f = llama.ffn(p, cfg, x[idx])
     x = x.at[idx].add(jnp.where(ran[:, None], f, 0).astype(x.dtype))
     n_ran = jnp.sum(ran)
     ran_rows = jnp.zeros(x.shape[0], bool).at[idx].set(ran)
@@ -103,7 +98,8 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     row indices (-1 pad); clear [C] pages to blank,
     src / dst / delta [M] page copies (-1 pad); last [] prompt length - 1; num_selected [] top-k size
     (<= select_cap); sampling rows [1]; optional ffn_cache [L, T, hidden] (RedKnot `ffn_reuse`: each reused
-    token's FFN output from its segment's own prefill, zeros for new text). heads: is_global, sink, window [L, H] (the reuse head-class map).
+    token's FFN output from its segment's own prefill, zeros for new text). heads: is_global, sink, window
+    [L, H] (the reuse head-class map).
     num_rows: static row bucket of the sparse phase (>= forced + selected); select_cap: static bucket of
     the top-k (the exact k is data, so prompts of one bucket share a compilation). rows_are_tokens: the
     sparse phase's rows are the prompt's tokens in order (the method forces every token, e.g. RedKnot).
@@ -231,12 +227,12 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
             ffn = policy.ffn_rows(view, probs_after_writes)
         cap = policy.ffn_capacity_rows(x.shape[0])
         if ffn is None:
-            x = x + jnp.where(valid[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
+            x = x + jnp.where(valid[:, None], llama.ffn(p, cfg, x), 0).astype(x.dtype)
             ran, dropped = jnp.sum(valid), jnp.int32(0)
         else:
             if cap >= x.shape[0]:
                 fm = ffn[0] & valid
-                x = x + jnp.where(fm[:, None], _ffn(p, cfg, x), 0).astype(x.dtype)
+                x = x + jnp.where(fm[:, None], llama.ffn(p, cfg, x), 0).astype(x.dtype)
                 ran, dropped = jnp.sum(fm), jnp.int32(0)
             else:
                 x, ran, dropped, fm = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap)
