@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 
-def random_head_beside(model, num_heads: int | None = None, seed: int = 0) -> None:
+def random_head_beside(model, num_heads: int | None = None, seed: int = 0, tap_layer: int = 1) -> None:
     """Saves a random-weight retrieval head beside `model` (a random-weight checkpoint made here): its
     selections mean nothing, but its cost per step is a distilled head's, which is what a speed run needs."""
     import jax
@@ -43,7 +43,8 @@ def random_head_beside(model, num_heads: int | None = None, seed: int = 0) -> No
     from jaxkv.policies.retrieve import specontext as sc
 
     cfg = model.config
-    hc = sc.HeadConfig.for_model(cfg, num_heads=num_heads or 2 * cfg.num_kv_heads, model_id=model.model_id)
+    hc = sc.HeadConfig.for_model(cfg, tap_layer=tap_layer, num_heads=num_heads or 2 * cfg.num_kv_heads,
+                                 model_id=model.model_id)
     sc.save_head(Path(model.path) / sc.HEAD_DIR, sc.init_head(hc, jax.random.PRNGKey(seed)),
                  {"random": True, "seed": seed})
 
@@ -61,7 +62,7 @@ def load_model(args, tmp: str):
     path = Path(tmp) / args.shape
     make_checkpoint(args.shape, path, args.prompt + args.new + 1)
     model = jaxkv.load(path, dtype=args.dtype)
-    random_head_beside(model)
+    random_head_beside(model, tap_layer=args.head_tap)
     return model
 
 
@@ -258,6 +259,8 @@ def estimate(points: list[dict], start: int, end: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
+    ap.add_argument("--head-tap", type=int, default=1,
+                    help="with --shape: the random head's tap layer (layers [0, tap) run dense every step)")
     ap.add_argument("--shape", choices=("1b", "8b", "small"),
                     help="instead of --model: a random-weight checkpoint of this shape (bench_e2e.py) "
                          "with a random retrieval head (speed only: its selections mean nothing)")

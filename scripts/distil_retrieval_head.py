@@ -106,6 +106,8 @@ def train(args) -> None:
     # Teacher entropy per row, to log KL = CE - H.
     t32 = data["target"].astype(np.float32)
     ent = -np.sum(np.where(t32 > 0, t32 * np.log(np.maximum(t32, 1e-30)), 0.0), axis=-1).mean(axis=(1, 2))
+    if args.target_power != 1.0 or args.top_weight > 0:
+        ent = np.zeros_like(ent)  # another loss: "kl" below logs the loss itself
 
     cfg = sc.HeadConfig.for_model(model.config, tap_layer=args.tap_layer, head_dim=args.head_dim,
                                   model_id=model.model_id)
@@ -114,10 +116,12 @@ def train(args) -> None:
                       optax.inject_hyperparams(optax.adamw)(learning_rate=args.lr, weight_decay=0.01))
     params, opt_state = head.params, opt.init(head.params)
 
+    loss_kw = {"power": args.target_power, "top_k": args.top_k, "top_weight": args.top_weight}
+
     @jax.jit
     def step_fn(params, opt_state, x, qidx, target, lr):
         def loss_fn(p):
-            return distil_loss(sc.RetrievalHead(p, cfg), x, qidx, target.astype(jnp.float32))
+            return distil_loss(sc.RetrievalHead(p, cfg), x, qidx, target.astype(jnp.float32), **loss_kw)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         opt_state[1].hyperparams["learning_rate"] = lr
@@ -126,7 +130,7 @@ def train(args) -> None:
 
     @jax.jit
     def eval_fn(params, x, qidx, target):
-        return distil_loss(sc.RetrievalHead(params, cfg), x, qidx, target.astype(jnp.float32))
+        return distil_loss(sc.RetrievalHead(params, cfg), x, qidx, target.astype(jnp.float32), **loss_kw)
 
     ckpt_dir = Path(args.ckpt_dir).resolve()
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -158,14 +162,16 @@ def train(args) -> None:
             f.write(json.dumps(row) + "\n")
             if (step + 1) % args.checkpoint_every == 0:
                 mngr.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    mngr.save(args.steps, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+    if mngr.latest_step() != args.steps:  # the loop saved it when steps is a multiple of the cadence
+        state = {"params": params, "opt_state": opt_state}
+        mngr.save(args.steps, args=ocp.args.StandardSave(state), force=True)
     mngr.wait_until_finished()
     if args.plot:
         plot_loss(log, Path(args.plot))
     if args.export:
         meta = {"teacher": model.model_id, "steps": args.steps, "context": args.context,
                 "num_seqs": args.num_seqs, "queries": args.queries, "lr": args.lr, "batch": args.batch,
-                "seed": args.seed, "final_train_loss": float(loss),
+                "seed": args.seed, "final_train_loss": float(loss), "loss": loss_kw,
                 "command": "python scripts/distil_retrieval_head.py " + " ".join(sys.argv[1:])}
         out = sc.save_head(args.export, sc.RetrievalHead(params, cfg), meta)
         size = sum(p.stat().st_size for p in out.iterdir())
@@ -212,6 +218,11 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-power", type=float, default=1.0,
+                    help="teacher rows raised to this power and renormalised (> 1: fit its peaks)")
+    ap.add_argument("--top-k", type=int, default=32, help="teacher keys of the top-set term")
+    ap.add_argument("--top-weight", type=float, default=0.0,
+                    help="weight of -log p_head(teacher's top-k keys) (0: plain KL)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--checkpoint-every", type=int, default=200)
     ap.add_argument("--ckpt-dir", default=str(ROOT / "runs" / "spec_head"))

@@ -314,6 +314,66 @@ def test_distil_loss_is_minimised_by_the_target(toy):
     assert float(distil_loss(head, x, qidx, own)) < float(distil_loss(head, x, qidx, other))
 
 
+def test_sharpened_target_and_top_set_term(toy):
+    """`sharpen` renormalises target**power; the top-set term is -log of the head's mass on the teacher's
+    top-k keys: 0 when k covers every key, -log p_head(argmax) when k = 1."""
+    from jaxkv.policies.retrieve.distil import distil_loss, head_log_probs, sharpen
+
+    t = jnp.array([[0.5, 0.3, 0.2, 0.0]])
+    np.testing.assert_allclose(np.asarray(sharpen(t, 2.0)), np.array([[0.25, 0.09, 0.04, 0.0]]) / 0.38,
+                               rtol=1e-6)
+    assert sharpen(t, 1.0) is t
+    _, head = toy
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 20, head.config.hidden_size))
+    qidx = jnp.array([[5, 19], [0, 11]], jnp.int32)
+    target = jnp.exp(head_log_probs(sc.init_head(head.config, jax.random.PRNGKey(9), 0.5), x, qidx))
+    logp = head_log_probs(head, x, qidx)
+    plain = float(distil_loss(head, x, qidx, target))
+    every = float(distil_loss(head, x, qidx, target, top_k=20, top_weight=1.0))
+    assert every == pytest.approx(plain, rel=1e-5)
+    top1 = jnp.take_along_axis(logp, jnp.argmax(target, axis=-1)[..., None], axis=-1)[..., 0]
+    want = plain - 0.5 * float(jnp.mean(top1))
+    one = float(distil_loss(head, x, qidx, target, top_k=1, top_weight=0.5))
+    assert one == pytest.approx(want, rel=1e-5)
+    sharp = float(distil_loss(head, x, qidx, target, power=3.0))
+    t3 = sharpen(target, 3.0)
+    ce = -jnp.mean(jnp.sum(jnp.where(t3 > 0, t3 * logp, 0.0), axis=-1))
+    assert sharp == pytest.approx(float(ce), rel=1e-5)
+    assert sharp != pytest.approx(plain, rel=1e-3)
+
+
+def _oracle_script():
+    path = ROOT / "scripts" / "oracle_selection_accuracy.py"
+    spec = importlib.util.spec_from_file_location("oracle_sel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_oracle_top_mask_forces_the_current_token():
+    osa = _oracle_script()
+    score = jnp.array([[[0.9, 0.1, 0.5, 0.3, 0.8, 0.7]]])
+    visible = (jnp.arange(6) <= 3)[None]
+    mask = osa._top_mask(score, visible, jnp.int32(3), 2)
+    np.testing.assert_array_equal(np.asarray(mask[0, 0]), [True, False, False, True, False, False])
+
+
+def test_oracle_selections_decode_as_full_attention_at_full_budget(toy):
+    """scripts/oracle_selection_accuracy.py: `full` is greedy dense decoding; the shared and per-layer
+    oracles with B >= the context read every key (same tokens); with B = 1 (the current token) they differ."""
+    osa = _oracle_script()
+    model, _ = toy
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, 40)]
+    seq = list(ids)
+    for _ in range(10):
+        seq.append(int(np.argmax(_full_reference(model, seq)[-1])))
+    full = osa.oracle_generate(model, ids, 10, (), "full", 0, 1)
+    assert full == seq[len(ids):]
+    for mode in ("shared", "layer"):
+        assert osa.oracle_generate(model, ids, 10, (), mode, 64, 1) == full
+    assert osa.oracle_generate(model, ids, 10, (), "layer", 1, 1) != full
+
+
 # ------------------------------------------------------------------------------------------ eval method
 
 

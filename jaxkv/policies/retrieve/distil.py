@@ -93,8 +93,29 @@ def head_log_probs(head: RetrievalHead, x, qidx) -> jax.Array:
     return jax.nn.log_softmax(jnp.where(vis[:, None], logits, -jnp.inf), axis=-1)
 
 
-def distil_loss(head: RetrievalHead, x, qidx, target) -> jax.Array:
-    """Mean over (row, query head, query) of the cross-entropy -sum_t target * log p_head (target
-    [S, Hq, Q, T], rows summing to 1 over visible keys)."""
+def sharpen(target, power: float):
+    """Rows of target [..., T] raised to `power` and renormalised: power > 1 moves the teacher's mass onto
+    its peaks (the few keys a retrieval step needs) and away from the diffuse bulk."""
+    if power == 1.0:
+        return target
+    t = jnp.where(target > 0, target, 0.0) ** power
+    return t / jnp.maximum(jnp.sum(t, axis=-1, keepdims=True), 1e-30)
+
+
+def distil_loss(head: RetrievalHead, x, qidx, target, *, power: float = 1.0, top_k: int = 0,
+                top_weight: float = 0.0) -> jax.Array:
+    """Mean over (row, query head, query) of the cross-entropy -sum_t target' * log p_head, target' =
+    `sharpen(target, power)` (target [S, Hq, Q, T], rows summing to 1 over visible keys).
+
+    With ``top_weight > 0`` it adds ``top_weight x -log p_head(teacher's top_k keys)``: the head is asked to
+    put its mass on the keys the teacher ranks first, which is what a top-B selection reads. The plain KL
+    spends the head's capacity on the diffuse bulk of the attention, and a head with a low KL can still
+    rank the one key a step needs below B (docs/specontext.md, "Oracle selections")."""
     logp = head_log_probs(head, x, qidx)
-    return -jnp.mean(jnp.sum(jnp.where(target > 0, target * logp, 0.0), axis=-1))
+    t = sharpen(target, power)
+    loss = -jnp.mean(jnp.sum(jnp.where(t > 0, t * logp, 0.0), axis=-1))
+    if top_weight > 0 and top_k > 0:
+        val, idx = jax.lax.top_k(target, top_k)
+        lp = jnp.where(val > 0, jnp.take_along_axis(logp, idx, axis=-1), -jnp.inf)
+        loss = loss - top_weight * jnp.mean(jax.nn.logsumexp(lp, axis=-1))
+    return loss
