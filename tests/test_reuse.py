@@ -429,3 +429,35 @@ def test_redknot_ffn_reuse_is_exact_where_the_segment_context_is_unchanged(model
         get_reuse_policy("redknot", ffn_reuse="yes")
     with pytest.raises(ValueError, match="ffn_select"):
         get_reuse_policy("redknot", ffn_select="random")
+
+
+def test_segment_ffn_cache_stays_within_its_budget(model, pieces):
+    """RedKnot ffn_reuse's per-segment FFN outputs live outside the pool under their own byte budget: the
+    least recently used entry loses its outputs first, an evicted entry's go with it, and a dropped output
+    is recomputed on its next use with the same answer."""
+    pre, s1, s2, suf = pieces
+    pol = get_reuse_policy("redknot", ffn_reuse=True, dense_until=0, ffn_capacity=0.4, mass_thresh=0.05,
+                           ffn_dilate=0, recent_n=1)
+    cfg = model.config
+    one = cfg.num_layers * max(len(s1), len(s2)) * cfg.hidden_size * 4  # fp32 [L, n, hidden]
+    eng = make_engine(model, segment_ffn_cache_bytes=one)   # room for one segment's outputs
+    first, st1 = run(eng, pre, [s1], suf, pol)
+    e1 = eng.reuser.store.find(s1)
+    assert e1.ffn is not None and eng.reuser.ffn_bytes <= one
+    run(eng, pre, [s2], suf, pol)
+    e2 = eng.reuser.store.find(s2)
+    assert e1.ffn is None and e2.ffn is not None            # s1 was least recently used
+    assert eng.reuser.ffn_bytes == e2.ffn.size * e2.ffn.dtype.itemsize <= one
+    again, st2 = run(eng, pre, [s1], suf, pol)              # recomputed, same answer
+    assert again == first
+    np.testing.assert_allclose(st2.first_logits, st1.first_logits, atol=1e-6)
+    assert e1.ffn is not None and e2.ffn is None
+    eng.reuser.store.clear()                                # the store drops the entries
+    run(eng, pre, [s2], suf, pol)
+    assert eng.reuser.ffn_bytes <= one and len(eng.reuser._ffn_lru) == 1
+    # A budget of 0 keeps nothing and still answers the same.
+    zero = make_engine(model, segment_ffn_cache_bytes=0)
+    out, st0 = run(zero, pre, [s1], suf, pol)
+    assert out == first and zero.reuser.store.find(s1).ffn is None and zero.reuser.ffn_bytes == 0
+    with pytest.raises(ValueError, match="segment_ffn_cache_bytes"):
+        make_engine(model, segment_ffn_cache_bytes=-1)

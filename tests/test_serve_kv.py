@@ -150,7 +150,8 @@ def test_cli_rejects_bad_policies(capsys):
                         [["--kv-budget", "0.5"], "need --kv-policy"],
                         [["--retrieval-resident", "0.5", "--retrieval-host-tier"], "must be >= 1"],
                         [["--retrieval-resident", "2"], "needs --retrieval-host-tier"],
-                        [["--segment-anchor", "system"], "--segment-anchor must be"]):
+                        [["--segment-anchor", "system"], "--segment-anchor must be"],
+                        [["--segment-ffn-cache-mb", "-1"], "--segment-ffn-cache-mb must be"]):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
@@ -167,6 +168,8 @@ def test_cli_rejects_bad_policies(capsys):
     assert parse_args([]).segment_anchor == "bos"
     assert parse_args(["--segment-anchor", "none"]).segment_anchor is None
     assert parse_args(["--segment-anchor", "1,5,9"]).segment_anchor == [1, 5, 9]
+    assert parse_args([]).segment_ffn_cache_mb is None
+    assert parse_args(["--segment-ffn-cache-mb", "64"]).segment_ffn_cache_mb == 64.0
 
 
 # ------------------------------------------------------------------------------------ segment reuse

@@ -78,6 +78,10 @@ class SegmentStore:
     def __contains__(self, seg_id: str) -> bool:
         return seg_id in self._entries and not self._entries[seg_id].deleted
 
+    def holds(self, e: SegmentEntry) -> bool:
+        """`e` is this store's live entry for its id (not dropped, evicted or deleted)."""
+        return self._entries.get(e.segment_id) is e and not e.deleted
+
     def id_for(self, tokens: Sequence[int], extra_key: str | None = None) -> str:
         return segment_id(self.model_id, tokens, extra_key)
 

@@ -77,7 +77,8 @@ class Engine:
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
                  retrieval_host_tier: bool = False, retrieval_resident: float = 1.0,
                  retrieval_inplace: bool | None = None,
-                 pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None):
+                 pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
+                 segment_ffn_cache_bytes: int | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -131,7 +132,10 @@ class Engine:
         self.compressor = Compressor(self)
         # segment store + reuse prefill (jaxkv/engine/reuse.py); segments are prefilled after `segment_anchor`
         # ("bos": the model's BOS token, so they see the attention sink their prompts will give them)
-        self.reuser = Reuser(self, anchor=segment_anchor, start=segment_start)
+        # `segment_ffn_cache_bytes`: device memory for RedKnot ffn_reuse's per-segment FFN outputs (outside
+        # the pool; least recently used dropped first, recomputed on next use); None = a quarter of the pool
+        self.reuser = Reuser(self, anchor=segment_anchor, start=segment_start,
+                             ffn_cache_bytes=segment_ffn_cache_bytes)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
         # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py); its device buffer
         # holds `retrieval_resident` x the budget slots per (sequence, KV head), so a position selected again

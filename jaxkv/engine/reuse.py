@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +92,7 @@ class Reuser:
     segment's identity (two anchors never share pages)."""
 
     def __init__(self, engine, reuse_head_classes: HeadClassMap | None = None, keep_logits: bool = False,
-                 anchor="bos", start: int | None = None):
+                 anchor="bos", start: int | None = None, ffn_cache_bytes: int | None = None):
         self.engine = engine
         cfg = engine.model.config
         self.cfg = cfg
@@ -129,6 +129,15 @@ class Reuser:
         self.waiting: deque[_Pending] = deque()
         self.stats: dict[str, ReuseStats] = {}
         self.keep_logits = keep_logits
+        # RedKnot ffn_reuse's per-segment FFN outputs live outside the page pool, so they get their own
+        # budget (default: a quarter of the pool's bytes); least recently used are dropped past it and
+        # recomputed on their next use (`segment_ffn`), so dropping one never changes an answer.
+        pool = engine.runner.pool
+        pool_bytes = sum(int(a.size) * a.dtype.itemsize for a in (pool.k, pool.v))
+        self.ffn_cache_bytes = pool_bytes // 4 if ffn_cache_bytes is None else int(ffn_cache_bytes)
+        if self.ffn_cache_bytes < 0:
+            raise ValueError(f"segment_ffn_cache_bytes must be >= 0 (got {ffn_cache_bytes})")
+        self._ffn_lru: OrderedDict[str, SegmentEntry] = OrderedDict()  # entries holding `ffn`, LRU first
 
     # ---- segments -----------------------------------------------------------------------------
     def register(self, tokens, extra_key: str | None = None, frozen: bool = False) -> SegmentEntry:
@@ -196,19 +205,45 @@ class Reuser:
             last = pages[:, :, -1].ravel()
             eng.runner.pool = _blank(eng.runner.pool, np.asarray(last, np.int32), n % ps)
 
+    @property
+    def ffn_bytes(self) -> int:
+        """Device bytes the live entries' cached FFN outputs hold."""
+        return sum(_nbytes(e.ffn) for e in self._ffn_lru.values() if self.store.holds(e))
+
+    def _keep_ffn(self, e: SegmentEntry, ffn) -> None:
+        """Caches `ffn` on `e` within the budget: entries the store dropped leave the LRU, then the least
+        recently used others lose theirs until `e`'s fits; one that alone exceeds the budget is not kept."""
+        for sid, old in list(self._ffn_lru.items()):
+            if not self.store.holds(old):
+                old.ffn = None
+                del self._ffn_lru[sid]
+        need = _nbytes(ffn)
+        if need > self.ffn_cache_bytes:
+            return
+        total = self.ffn_bytes
+        while total + need > self.ffn_cache_bytes and self._ffn_lru:
+            _, old = self._ffn_lru.popitem(last=False)
+            total -= _nbytes(old.ffn)
+            old.ffn = None
+        e.ffn = ffn
+        self._ffn_lru[e.segment_id] = e
+
     def segment_ffn(self, e: SegmentEntry):
         """[L, n, hidden] FFN outputs of the segment's own prefill (after its anchor, at its positions),
-        computed on first use by a dense forward and kept with the entry."""
-        if e.ffn is None:
-            seq = list(self.anchor) + list(e.tokens)
-            a, n = len(self.anchor), e.length
-            T = row_bucket(len(seq), floor=128)
-            tokens = np.zeros(T, np.int32)
-            positions = np.full(T, -1, np.int32)
-            tokens[:len(seq)] = seq
-            positions[:len(seq)] = np.concatenate([np.arange(a), e.start + np.arange(n)])
-            e.ffn = _segment_ffn(self.engine.runner.params, tokens, positions, cfg=self.cfg)[:, a:a + n]
-        return e.ffn
+        computed on first use by a dense forward and kept with the entry while the budget allows."""
+        if e.ffn is not None:
+            self._ffn_lru.move_to_end(e.segment_id)
+            return e.ffn
+        seq = list(self.anchor) + list(e.tokens)
+        a, n = len(self.anchor), e.length
+        T = row_bucket(len(seq), floor=128)
+        tokens = np.zeros(T, np.int32)
+        positions = np.full(T, -1, np.int32)
+        tokens[:len(seq)] = seq
+        positions[:len(seq)] = np.concatenate([np.arange(a), e.start + np.arange(n)])
+        ffn = _segment_ffn(self.engine.runner.params, tokens, positions, cfg=self.cfg)[:, a:a + n]
+        self._keep_ffn(e, ffn)
+        return ffn
 
     def _ffn_cache(self, pieces, T: int):
         """[L, T, hidden]: every reused token's cached FFN output (zeros for new text and padding)."""
@@ -416,6 +451,10 @@ class Reuser:
         else:
             eng.scheduler.add_running(req)
         return out
+
+
+def _nbytes(a) -> int:
+    return 0 if a is None else int(a.size) * a.dtype.itemsize
 
 
 def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:

@@ -80,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens every reusable segment is prefilled after (their K/V are dropped): 'bos' "
                         "(default: the model's BOS, the attention sink its prompts open with), 'none' "
                         "(segments prefilled alone), or comma-separated token ids (docs/policies.md)")
+    p.add_argument("--segment-ffn-cache-mb", type=float, default=None, metavar="MB",
+                   help="device memory for RedKnot ffn_reuse's per-segment FFN outputs (outside the page "
+                        "pool; least recently used dropped first and recomputed on next use); default: a "
+                        "quarter of the KV pool")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
@@ -106,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.segment_anchor = [int(t) for t in anchor.split(",")]
         except ValueError:
             p.error(f"--segment-anchor must be 'bos', 'none' or comma-separated token ids (got {anchor!r})")
+    if args.segment_ffn_cache_mb is not None and not args.segment_ffn_cache_mb >= 0:
+        p.error(f"--segment-ffn-cache-mb must be >= 0 (got {args.segment_ffn_cache_mb})")
     if not 0.0 < args.memory_utilization <= 1.0:
         p.error(f"--memory-utilization must lie in (0, 1] (got {args.memory_utilization})")
     if not 0 <= args.port < 65536:
@@ -164,7 +170,9 @@ def main(argv=None) -> int:
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         retrieval_host_tier=args.retrieval_host_tier,
-                        retrieval_resident=args.retrieval_resident, segment_anchor=args.segment_anchor)
+                        retrieval_resident=args.retrieval_resident, segment_anchor=args.segment_anchor,
+                        segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
+                        else int(args.segment_ffn_cache_mb * 2**20))
         name = args.served_model_name or Path(args.model).resolve().name
         limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
                              request_timeout=args.request_timeout or None,
