@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 
 def run_cell(task: str, context: int, method: str, args) -> dict:
     out = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.json"
@@ -157,6 +159,67 @@ def plot(cells: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def memory_curves(cells: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per method (budget stripped): [(mean KV MB held, mean accuracy)] over the tasks every cell of the
+    grid ran, one point per budget, ascending in memory; methods without a budget give one point."""
+    tasks = sorted({c["task"] for c in cells})
+    ok = [c for c in cells if "accuracy" in c]
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for m in sorted({c["method"] for c in ok}):
+        mine = [c for c in ok if c["method"] == m]
+        if len(mine) != len(tasks):
+            continue
+        mb = float(np.mean([c["kv_bytes_held"] for c in mine])) / 1e6
+        curves.setdefault(m.partition("@")[0], []).append((mb, float(np.mean([c["accuracy"] for c in mine]))))
+    return {k: sorted(v) for k, v in curves.items()}
+
+
+def at_memory(curve: list[tuple[float, float]], mb: float) -> float | None:
+    """The curve's accuracy at `mb` (linear in log memory between its points; None outside them)."""
+    xs = [np.log(p[0]) for p in curve]
+    if len(curve) < 2 or not xs[0] <= np.log(mb) <= xs[-1]:
+        return None
+    return float(np.interp(np.log(mb), xs, [p[1] for p in curve]))
+
+
+def equal_memory_table(cells: list[dict], ref: str = "snapkv") -> str:
+    """Every method's mean accuracy interpolated at the memory `ref` holds at each of its budgets: the
+    comparison at equal memory (a head-adaptive method such as HARD-KV holds less than its nominal budget)."""
+    curves = memory_curves(cells)
+    if ref not in curves:
+        return ""
+    names = [n for n in curves if len(curves[n]) > 1]
+    lines = ["| KV MB held (" + ref + "'s budgets) | " + " | ".join(names) + " |",
+             "|" + "---|" * (1 + len(names))]
+    for mb, _ in curves[ref]:
+        vals = [at_memory(curves[n], mb) for n in names]
+        lines.append(f"| {mb:.1f} | " + " | ".join("—" if v is None else f"{v:.3f}" for v in vals) + " |")
+    return "\n".join(lines)
+
+
+def plot_memory(cells: list[dict], path: Path) -> None:
+    """Mean accuracy over the tasks vs mean KV MB held, one line per method (budgets as points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, pts in memory_curves(cells).items():
+        if len(pts) == 1:  # no budget (full, engine, duo): one point
+            ax.scatter([pts[0][0]], [pts[0][1]], marker="x", color="k")
+            ax.annotate(name, pts[0], textcoords="offset points", xytext=(4, 4 if name != "engine" else -10),
+                        fontsize=7)
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV MB held per request (mean over tasks)")
+    ax.set_ylabel("accuracy (mean over tasks)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="mq_niah,vt,cwe,fwe,qa,chat,chain")
@@ -172,10 +235,17 @@ def main(argv=None) -> int:
                     help="run cells in --jobs long-lived workers (shared model and compilations)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--budgets", help="comma-separated budgets of the KV policy methods (fractions, tokens)")
+    ap.add_argument("--from-json", metavar="CELLS_JSON",
+                    help="run nothing: redraw the plots and tables of an earlier grid's cells.json "
+                         "in --out-dir")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        cells = json.loads(Path(args.from_json).read_text())
+        write_budget_outputs(cells, Path(args.out_dir))
+        return 0
     methods = args.methods.split(",")
     if args.budgets:
         from jaxkv.policies import POLICIES
@@ -195,9 +265,19 @@ def main(argv=None) -> int:
     (Path(args.out_dir) / "table.md").write_text(md + "\n")
     (Path(args.out_dir) / "cells.json").write_text(json.dumps(cells, indent=1))
     if any("@" in m for m in methods):
-        plot(cells, Path(args.out_dir) / "accuracy_vs_budget.png")
+        write_budget_outputs(cells, Path(args.out_dir))
     print(md)
     return 0 if all(c["rc"] == 0 for c in cells) else 1
+
+
+def write_budget_outputs(cells: list[dict], out: Path) -> None:
+    """accuracy_vs_budget.png, accuracy_vs_memory.png and equal_memory.md (printed too)."""
+    plot(cells, out / "accuracy_vs_budget.png")
+    plot_memory(cells, out / "accuracy_vs_memory.png")
+    eq = equal_memory_table(cells)
+    if eq:
+        (out / "equal_memory.md").write_text(eq + "\n")
+        print(eq + "\n")
 
 
 if __name__ == "__main__":
