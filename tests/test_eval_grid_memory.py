@@ -1,0 +1,49 @@
+"""scripts/eval_grid.py's equal-memory comparison: curves per method, interpolation in log memory, table."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def grid():
+    spec = importlib.util.spec_from_file_location("eval_grid", ROOT / "scripts" / "eval_grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cell(task, method, acc, mb):
+    return {"task": task, "context": 8192, "method": method, "rc": 0, "accuracy": acc,
+            "kv_bytes_held": mb * 1e6}
+
+
+def test_equal_memory_interpolates_in_log_memory(grid, tmp_path):
+    cells = [cell("a", "full", 1.0, 64), cell("b", "full", 0.8, 64),
+             cell("a", "snapkv@0.125", 0.6, 8), cell("b", "snapkv@0.125", 0.4, 8),
+             cell("a", "snapkv@0.25", 0.8, 16), cell("b", "snapkv@0.25", 0.6, 16),
+             # a method holding less than its nominal budget: 4 and 16 MB
+             cell("a", "hardkv@0.125", 0.2, 4), cell("b", "hardkv@0.125", 0.2, 4),
+             cell("a", "hardkv@0.25", 0.8, 16), cell("b", "hardkv@0.25", 0.8, 16),
+             cell("a", "h2o@0.125", 0.5, 8)]                   # b failed: h2o is left out, not half-averaged
+    curves = grid.memory_curves(cells)
+    assert curves["full"] == [(64.0, 0.9)]
+    assert curves["snapkv"] == [(8.0, pytest.approx(0.5)), (16.0, pytest.approx(0.7))]
+    assert "h2o" not in curves
+    # 8 MB lies halfway between 4 and 16 in log memory: (0.2 + 0.8) / 2
+    assert grid.at_memory(curves["hardkv"], 8.0) == pytest.approx(0.5)
+    assert grid.at_memory(curves["hardkv"], 2.0) is None and grid.at_memory(curves["full"], 64.0) is None
+    table = grid.equal_memory_table(cells)
+    rows = [r.split("|")[1:-1] for r in table.splitlines()[2:]]
+    assert [float(r[0]) for r in rows] == [8.0, 16.0]
+    names = [c.strip() for c in table.splitlines()[0].split("|")[2:-1]]
+    col = 1 + names.index("hardkv")
+    assert [float(rows[0][col]), float(rows[1][col])] == [0.5, 0.8]
+    grid.write_budget_outputs(cells, tmp_path)
+    assert (tmp_path / "accuracy_vs_memory.png").stat().st_size > 0
+    assert (tmp_path / "equal_memory.md").read_text().startswith("| KV MB held")
+    np.testing.assert_allclose(grid.at_memory(curves["snapkv"], 11.3137), 0.6, atol=1e-3)
