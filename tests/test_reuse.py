@@ -452,7 +452,8 @@ def test_segment_ffn_cache_stays_within_its_budget(model, pieces):
     assert again == first
     np.testing.assert_allclose(st2.first_logits, st1.first_logits, atol=1e-6)
     assert e1.ffn is not None and e2.ffn is None
-    eng.reuser.store.clear()                                # the store drops the entries
+    eng.reuser.store.clear()                                # the store drops the entries, and their outputs
+    assert e1.ffn is None and eng.reuser.ffn_bytes == 0
     run(eng, pre, [s2], suf, pol)
     assert eng.reuser.ffn_bytes <= one and len(eng.reuser._ffn_lru) == 1
     # A budget of 0 keeps nothing and still answers the same.

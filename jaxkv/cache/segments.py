@@ -176,3 +176,4 @@ class SegmentStore:
     def _drop(self, e: SegmentEntry) -> None:
         self._entries.pop(e.segment_id, None)
         self.allocator.decref(e.pages)
+        e.ffn = None  # its cached FFN outputs (device memory outside the pool) go with it
