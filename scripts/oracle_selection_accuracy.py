@@ -95,14 +95,11 @@ def _step_fn(cfg, mode: str, budget: int, tap: int):
         def attend(layer, q, k, v, state):
             kc, vc = write(*state, layer, k, v, pos)
             m = masks(layer, q, kc[layer])
-            if m is None:
-                m = jnp.broadcast_to(visible[:, None], probs_shape(kc))
+            if m is None:  # dense: every visible key of every KV head
+                m = jnp.broadcast_to(visible[:, None], (1, kc.shape[3], n))
             out, probs = _masked_attend(q, kc[layer], vc[layer], m)
             recs.append(jnp.max(probs, axis=2))
             return out, (kc, vc)
-
-        def probs_shape(kc):
-            return (1, kc.shape[3], kc.shape[2])
 
         x, state = x0, (kc, vc)
         positions = jnp.full((1, 1), pos, jnp.int32)
