@@ -407,7 +407,8 @@ def compressed_positions(ctx, keep, sink=64, recent=256, seed=0):
     return np.sort(np.concatenate([np.arange(sink), middle, np.arange(ctx - recent, ctx)]))
 
 
-def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64, window=256, global_keep=None):
+def headclass_step_pool(key, layers, b, hkv, ctx, page, d, global_heads, sink=64, window=256,
+                        global_keep=None):
     """One pool for `layers` layers: global heads (layer, head) in `global_heads` store the whole context
     (or, with `global_keep`, that fraction of it, as a compressing policy's rewrite leaves them), the others
     only their sink + window slots (positions [0, sink) and [ctx - window, ctx), ordered), as an evicting
@@ -486,7 +487,8 @@ def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args, global_keep=None):
         f"{t:.3f}", f"{10 * t_cudnn:.3f}", 10 * t_cudnn / t, target)
 
 
-TARGETS_HC_COMPRESSED = {131072: 15}   # issue 11: head-class decode at 128K, global heads under a 12.5 % budget
+# issue 11: head-class decode at 128K, global heads under a 12.5 % budget
+TARGETS_HC_COMPRESSED = {131072: 15}
 
 
 def bench_headclass_prefill(ctx, args):
@@ -561,8 +563,8 @@ def bench_headclass_prefill(ctx, args):
             break
         try:
             fn = jax.jit(lambda q, k, v, bq=bq, ppb=ppb, nw=nw, ns=ns: head_class_prefill(
-                q, k, v, sk, wd, scale=0.088, global_impl="cudnn", local_block_q=bq, local_pages_per_block=ppb,
-                local_launch=(nw, ns))[0])
+                q, k, v, sk, wd, scale=0.088, global_impl="cudnn", local_block_q=bq,
+                local_pages_per_block=ppb, local_launch=(nw, ns))[0])
             key = f"cudnn, local tiles {bq}x{ppb} warps {nw} stages {ns}"
             hc[key] = timeit(fn, q, k3, v3, iters=it, alts=[(q2, k3, v3)])
             log(f"  prefill {ctx} {key}: {hc[key]:.3f} ms")
@@ -585,11 +587,13 @@ def bench_headclass_prefill(ctx, args):
         g = hq // hkv
         qg = jnp.concatenate([q[:, h * g:(h + 1) * g] for h in glob], axis=1)
         ql = jnp.concatenate([q[:, h * g:(h + 1) * g] for h in loc], axis=1)
-        parts = {"global heads only (cudnn)": (qg, k3[:, glob], v3[:, glob], (0,) * len(glob), (0,) * len(glob)),
+        parts = {"global heads only (cudnn)": (qg, k3[:, glob], v3[:, glob], (0,) * len(glob),
+                                               (0,) * len(glob)),
                  "local heads only (paged kernel)": (ql, k3[:, loc], v3[:, loc], tuple(sk[h] for h in loc),
                                                      tuple(wd[h] for h in loc)),
                  "local heads only (cudnn window + sink)": (ql, k3[:, loc], v3[:, loc],
-                                                            tuple(sk[h] for h in loc), tuple(wd[h] for h in loc))}
+                                                            tuple(sk[h] for h in loc),
+                                                            tuple(wd[h] for h in loc))}
         for name, (qq, kk, vv, s_, w_) in parts.items():
             try:
                 li = "cudnn" if "cudnn window" in name else "pallas" if "paged" in name else None
@@ -668,7 +672,8 @@ def bench_rope(args):
                 f"(GB/s read + write, block={b})", f"{moved / t / 1e6:.0f}", f"{moved / t_cp / 1e6:.0f}",
                 t_cp / t, 0.7)
             if t_mc:
-                row(f"RoPE shift + copy {style}, {m} pages of 16 vs device copy (jnp.copy into new buffers) of "
+                row(f"RoPE shift + copy {style}, {m} pages of 16 vs device copy "
+                    "(jnp.copy into new buffers) of "
                     f"the same bytes (GB/s read + write, block={b})", f"{moved / t / 1e6:.0f}",
                     f"{moved / t_mc / 1e6:.0f}", t_mc / t, 0.7)
 
@@ -870,13 +875,16 @@ def main():
     ap.add_argument("--rope-blocks", default="1,2,4", help="rope_shift pages per program swept")
     ap.add_argument("--prefill-block-q", default="16", help="block_q swept for the paged prefill row")
     ap.add_argument("--prefill-local-launch", default="",
-                    help="local heads' num_warps x num_stages swept (with each --prefill-local-tiles), e.g. 8x3")
+                    help="local heads' num_warps x num_stages swept (with each --prefill-local-tiles), "
+                         "e.g. 8x3")
     ap.add_argument("--prefill-local-tiles", default="",
-                    help="local heads' block_q x pages_per_block swept for head_class_prefill, e.g. 32x2,64x4")
+                    help="local heads' block_q x pages_per_block swept for head_class_prefill, "
+                         "e.g. 32x2,64x4")
     ap.add_argument("--step-all-contexts", action="store_true",
                     help="whole-step head-class rows at every context (default: the target contexts)")
     ap.add_argument("--step-global-keep", type=float, default=0.125,
-                    help="also time the whole-step head-class row at 128K with the global heads compressed to "
+                    help="also time the whole-step head-class row at 128K with the global heads "
+                         "compressed to "
                          "this fraction of the context (0 = skip; issue 11)")
     ap.add_argument("--contexts", default="", help="decode contexts to run, e.g. 131072 (default: all)")
     ap.add_argument("--pages", default="", help="page sizes to run, e.g. 16 (default: 16,64)")
@@ -972,8 +980,8 @@ def main():
                     group(f"head-class step {tag}", bench_headclass_step, ctx, page, b, t_c, cfgs, args)
                 if "step" in only and args.step_global_keep and (ctx in TARGETS_HC_COMPRESSED or args.small):
                     cfgs = cfgs or [(s_, None) for s_ in args.schedules]
-                    group(f"head-class step {tag}, global heads at {args.step_global_keep}", bench_headclass_step,
-                          ctx, page, b, t_c, cfgs, args, args.step_global_keep)
+                    group(f"head-class step {tag}, global heads at {args.step_global_keep}",
+                          bench_headclass_step, ctx, page, b, t_c, cfgs, args, args.step_global_keep)
 
     # order: rows with targets first, so a --deadline-min cut loses the least
     decode_groups([c for c in contexts if c in TARGETS_HC or args.small])

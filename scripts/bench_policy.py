@@ -81,7 +81,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new", type=int, default=16384)
     ap.add_argument("--policy-warm-new", type=int, default=2048,
-                    help="a policy's compile run generates this many tokens (its compressed page lists stay in "
+                    help="a policy's compile run generates this many tokens "
+                         "(its compressed page lists stay in "
                          "the buckets a short run reaches); the full cache's compile run is full length")
     ap.add_argument("--decode-interval", type=int, default=512, help="policies compress every N new tokens")
     ap.add_argument("--out", default=None, help="markdown file whose section is replaced")
@@ -122,7 +123,8 @@ def main(argv=None) -> list[dict]:
     lines = [f"`{cmd}` on {jax.devices()[0].device_kind}; {args.shape} shape, random weights ({dtype}), "
              f"batch {args.batch}, {args.prompt}-token prompts, {args.new} generated each, greedy, "
              f"policies compress every {args.decode_interval} new tokens; second run of each timed.", "",
-             "| method | wall s | tok/s | vs full | peak KV GB held | compressions | variants compiled in the timed run |",
+             "| method | wall s | tok/s | vs full | peak KV GB held | compressions | "
+             "variants compiled in the timed run |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"

@@ -15,7 +15,8 @@ step (K = 1) per method at the context `prompt + new` instead (compile only; a C
     python scripts/bench_retrieval.py --batch 16 --prompt 2048 --gen 32768 --budget 1024 --host-tier  # GPU
     python scripts/bench_retrieval.py --batch 2 --prompt 64 --new 32 --budget 16 --page-size 4   # CPU smoke
     python scripts/bench_retrieval.py --cost --methods full,specontext --gen 30720               # CPU proxy
-    python scripts/bench_retrieval.py --shape 1b --batch 16 --prompt 2048 --gen 32768 --methods full,specontext
+    python scripts/bench_retrieval.py --shape 1b --batch 16 --prompt 2048 --gen 32768 \\
+        --methods full,specontext
 """
 
 from __future__ import annotations
@@ -153,15 +154,17 @@ def step_cost(model, method: str, args) -> dict:
         pol = eng.kv_policy
         d |= dict(head_rows=np.arange(s, dtype=np.int32), known=np.ones(s, bool))
         lowered = retrieval._decode_retrieval.lower(
-            rn.params, rn.pool, retrieval._on_device(d), r._state_for(pol), r.params_for(pol), r._summary_for(pol),
-            r._buffer_for(pol), r._host_for(pol), cfg=cfg, policy=pol, attn_impl=rn.attn_impl, greedy=True,
+            rn.params, rn.pool, retrieval._on_device(d), r._state_for(pol), r.params_for(pol),
+            r._summary_for(pol), r._buffer_for(pol), r._host_for(pol), cfg=cfg, policy=pol,
+            attn_impl=rn.attn_impl, greedy=True,
             local_layers=r.local_layers, chunk=r._chunk(pol, s))
     compiled = lowered.compile()
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, list) else c
     targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
     return {"method": method, "budget": None if method == "full" else args.budget, "batch": s,
-            "context": args.prompt + args.new, "flops": c.get("flops"), "bytes_accessed": c.get("bytes accessed"),
+            "context": args.prompt + args.new, "flops": c.get("flops"),
+            "bytes_accessed": c.get("bytes accessed"),
             "custom_calls": dict(targets)}
 
 
@@ -203,7 +206,8 @@ def run_method(model, method: str, args) -> dict:
             steady_tokens += n
             steady_s += dt
     r = eng.retriever
-    row = {"method": method, "budget": None if policy_of(method) is None else args.budget, "tokens": all_tokens,
+    row = {"method": method, "budget": None if policy_of(method) is None else args.budget,
+           "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
            "preemptions": eng.scheduler.num_preemptions}

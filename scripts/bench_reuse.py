@@ -217,7 +217,8 @@ def ttft_once(eng, policy, prompt: Prompt) -> tuple[float, object]:
     elapsed = time.perf_counter() - t0
     if first is None:
         raise RuntimeError(f"request {rid} finished without a token")
-    while eng.has_unfinished():  # the second token and the teardown, untimed: the engine idles for the next run
+    # the second token and the teardown, untimed: the engine idles for the next run
+    while eng.has_unfinished():
         eng.step()
     return elapsed, eng.reuser.stats.pop(rid, None)
 

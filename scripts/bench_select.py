@@ -59,7 +59,8 @@ def load_windowed(buf, src, page_table, buf_rows, idx, dest, load, *, page_size,
     n = jnp.sum(flat).astype(jnp.int32)
     rank = jnp.where(flat, jnp.cumsum(flat) - 1, flat.shape[0] + chunk)
     size = -(-flat.shape[0] // chunk) * chunk
-    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
+    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32),
+                                                       mode="drop")
 
     def one(state):
         r, k_buf, v_buf = state
@@ -87,8 +88,8 @@ def load_rows_table(args, iters: int) -> list[tuple[str, float]]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.engine import host_tier
     from jaxkv.cache.pool import KVPool
+    from jaxkv.engine import host_tier
 
     s, h, b, d, ps = args.batch, args.kv_heads, args.budget, args.kv_dim, args.page_size
     lsel, npg = args.layers, -(-args.slots // ps)
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--churn", type=float, default=1.0, help="new fraction of the selection per step")
     ap.add_argument("--only-load", action="store_true", help="only the load rows")
-    ap.add_argument("--key-dtype", default="float32", help="the retrieval head's key cache dtype (scores rows)")
+    ap.add_argument("--key-dtype", default="float32",
+                    help="the retrieval head's key cache dtype (scores rows)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args(argv)
     if args.small:
@@ -188,7 +190,8 @@ def main(argv=None) -> int:
         else:  # "dot-lowp": the query in the key dtype, fp32 accumulation
             logits = jnp.einsum("shgd,shnd->shgn", qg.astype(keys.dtype), keys,
                                 preferred_element_type=jnp.float32)
-        return sc.group_weights(logits[:, :, :, None], jnp.arange(n)[None, None, :] <= p[:, -1:, None])[:, :, 0]
+        return sc.group_weights(logits[:, :, :, None],
+                                jnp.arange(n)[None, None, :] <= p[:, -1:, None])[:, :, 0]
 
     hm = {how: timed(jax.jit(functools.partial(head_major, how=how)), state_hm, x, pos, iters=args.iters)
           for how in ("reduce", "dot", "dot-lowp")}
@@ -212,7 +215,8 @@ def report(args, out) -> int:
 
     s, h, n, b = args.batch, args.kv_heads, args.slots, args.budget
     print(f"\n{' '.join(sys.argv)}  ({jax.devices()[0].device_kind})")
-    print(f"rows {s}, KV heads {h}, slots {n}, budget {b}, retrieval head {args.group * h} x {args.head_dim}, "
+    print(f"rows {s}, KV heads {h}, slots {n}, budget {b}, "
+          f"retrieval head {args.group * h} x {args.head_dim}, "
           f"keys {args.key_dtype}")
     print("| piece | ms per step |\n|---|---|")
     for name, ms in out:

@@ -45,8 +45,8 @@ def prompt_temperatures(model, policy, ids) -> np.ndarray:
                             k[0].astype(jnp.float32)) * cfg.head_dim ** -0.5
         vis = (pos[None, :] <= qpos[0][:, None])[None, None]  # [1, 1, W, N]
         logits = jnp.where(vis, logits, NEG)[None]
-        obs = Observation(q=qw[None], q_pos=qpos, k=jnp.swapaxes(k, 1, 2), v=jnp.swapaxes(v, 1, 2), k_pos=kpos,
-                          logits=logits, layer=layer)
+        obs = Observation(q=qw[None], q_pos=qpos, k=jnp.swapaxes(k, 1, 2), v=jnp.swapaxes(v, 1, 2),
+                          k_pos=kpos, logits=logits, layer=layer)
         temps = temps.at[layer].set(policy.temperatures(obs)[0])
         from jaxkv.models.attention import dense_attention
 
@@ -77,8 +77,10 @@ def main(argv=None) -> int:
     policy = HardKV(p=args.p, window=args.window, transform=args.transform)
     enc = lambda s: model.tokenizer.encode(s, add_special_tokens=False)
     prompts = [enc(i.prefix) + [t for s in i.segments for t in enc(s)] + enc(i.suffix)
-               for task in args.tasks.split(",") for i in make_instances(task, args.context, args.num, args.seed)]
-    logs = np.stack([np.log(prompt_temperatures(model, policy, ids)) for ids in tqdm(prompts, desc="calibrate")])
+               for task in args.tasks.split(",")
+               for i in make_instances(task, args.context, args.num, args.seed)]
+    logs = np.stack([np.log(prompt_temperatures(model, policy, ids))
+                     for ids in tqdm(prompts, desc="calibrate")])
     temps = np.exp(logs.mean(0))
     out = Path(args.out) if args.out else Path(args.model) / CALIBRATION_FILE
     save_calibration(out, model, policy, temps)

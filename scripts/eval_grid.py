@@ -11,8 +11,9 @@ policy method in ``--methods`` into one cell per budget and draws accuracy vs bu
 Each cell is its own ``jaxkv.eval`` process (so a cell's failure is contained and every cell leaves its
 JSON in ``--out-dir``); ``--jobs`` run at once. ``--shared-workers`` instead runs the cells in ``--jobs``
 long-lived worker processes (cells of one worker share the loaded model and every compiled step, which is
-most of a short cell's time on a GPU); a failing cell is still recorded and the worker goes on. On a GPU the processes share the card, so preallocation
-is switched off. The table is printed last and written to ``--out-dir/table.md``.
+most of a short cell's time on a GPU); a failing cell is still recorded and the worker goes on. On a GPU
+the processes share the card, so preallocation is switched off. The table is printed last and written to
+``--out-dir/table.md``.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def run_cell(task: str, context: int, method: str, args) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.log"
     log.write_text(proc.stdout + proc.stderr[-4000:])
-    cell = {"task": task, "context": context, "method": method, "wall_s": time.time() - t0, "rc": proc.returncode}
+    cell = {"task": task, "context": context, "method": method, "wall_s": time.time() - t0,
+            "rc": proc.returncode}
     if proc.returncode == 0 and out.is_file():
         cell |= json.loads(out.read_text())["summary"] | {"accuracy": json.loads(out.read_text())["accuracy"]}
+    status = f"accuracy={cell['accuracy']:.3f}" if "accuracy" in cell else f"FAILED rc={proc.returncode:d}"
     print(f"[{cell['wall_s']:6.1f}s] {task:8s} {method:8s} {context:6d} "
-          f"{'accuracy=%.3f' % cell['accuracy'] if 'accuracy' in cell else 'FAILED rc=%d' % proc.returncode}",
+          f"{status}",
           flush=True)
     if proc.returncode != 0:
         print("    " + "\n    ".join(proc.stderr.strip().splitlines()[-6:]), flush=True)
@@ -123,9 +126,11 @@ def table(cells: list[dict], args) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if "accuracy" not in c:
-            lines.append(f"| {c['task']} | {c['context']} | {c['method']} | failed (rc {c['rc']}) | | | | | |")
+            lines.append(f"| {c['task']} | {c['context']} | {c['method']} | "
+                         f"failed (rc {c['rc']}) | | | | | |")
             continue
-        lines.append(f"| {c['task']} | {c['context']} | {c['method']} | **{c['accuracy']:.3f}** | {c['f1']:.3f} | "
+        lines.append(f"| {c['task']} | {c['context']} | {c['method']} | "
+                     f"**{c['accuracy']:.3f}** | {c['f1']:.3f} | "
                      f"{c['exact_match']:.3f} | {c['top1_agree']:.3f} | {c['kv_bytes_held'] / 2**20:.1f} | "
                      f"{c['ttft_s_median']:.3f} |")
     return "\n".join(lines)

@@ -3,7 +3,8 @@
     python scripts/profile_decode.py --batch 1 --prompt 8192      # 1B shape, random weights (GPU)
     python scripts/profile_decode.py --small                      # tiny model, CPU smoke run
     python scripts/profile_decode.py --batch 16 --prompt 16384 --kv-policy specontext --kv-budget 1024
-    python scripts/profile_decode.py --batch 16 --prompt 32768 --kv-policy specontext:key_dtype=bfloat16 --kv-budget 1024
+    python scripts/profile_decode.py --batch 16 --prompt 32768 --kv-policy specontext:key_dtype=bfloat16 \\
+        --kv-budget 1024
     python scripts/profile_decode.py --prefill --prompt 8192      # time to first token of one fresh prompt
 
 Builds the random-weight checkpoint like scripts/bench_e2e.py, warms the engine (compiles), then records
@@ -65,10 +66,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each: decode_steps tokens)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--max-step-tokens", type=int, default=8192, help="as scripts/bench_e2e.py's batch row")
-    ap.add_argument("--warm", type=int, default=3, help="untimed decode engine steps after the prefill (compiles)")
+    ap.add_argument("--warm", type=int, default=3,
+                    help="untimed decode engine steps after the prefill (compiles)")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--kv-policy", default=None,
-                    help="engine-wide KV policy (e.g. specontext: a random retrieval head is saved beside the "
+                    help="engine-wide KV policy "
+                         "(e.g. specontext: a random retrieval head is saved beside the "
                          "random checkpoint), all heads global")
     ap.add_argument("--kv-budget", type=float, default=None)
     ap.add_argument("--prefill", action="store_true", help="trace time to first token, not decode steps")

@@ -353,7 +353,8 @@ def table(r: dict) -> str:
          f"({', '.join(f'{k}: {v}' for k, v in a['errors_by_kind'].items()) or 'none'}), {a['hung']} hung, "
          f"{a['5xx']} 5xx; {a['preemptions']} preemptions; {a['wall_s']} s"),
         ("", "RSS before / after, pages in use after",
-         f"{a['rss_before_mb']} / {a['rss_after_mb']} MB ({a['rss_growth_pct']:+.1f} %); after each identical "
+         f"{a['rss_before_mb']} / {a['rss_after_mb']} MB ({a['rss_growth_pct']:+.1f} %); "
+         "after each identical "
          f"burst {' / '.join(str(x) for x in a['rss_after_bursts_mb'])} MB, "
          f"{a['pages_in_use_after']} pages"),
         ("(b) malformed", f"{b['requests']} requests",
@@ -383,7 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile", action="store_true",
                     help="start the server with --precompile (every step variant compiled before serving)")
     ap.add_argument("--bursts", type=int, default=None,
-                    help="identical load bursts (RSS after each: a leak grows every time); default 2, --short 1")
+                    help="identical load bursts (RSS after each: a leak grows every time); "
+                         "default 2, --short 1")
     a = ap.parse_args(argv)
     short = a.short
     # Short: what the test suite can afford on 2 cores (one fuzz server is the restarted one).
@@ -413,7 +415,8 @@ def main(argv=None) -> int:
 
     try:
         bursts = a.bursts or (1 if short else 2)
-        result["load"] = timed("load", lambda: asyncio.run(load_phase(s, n_load, timeout + 30, short, bursts)))
+        result["load"] = timed("load",
+                               lambda: asyncio.run(load_phase(s, n_load, timeout + 30, short, bursts)))
         result["malformed"] = timed("malformed", lambda: asyncio.run(malformed_phase(s, n_bad)))
         result["aborts"] = timed("aborts", lambda: asyncio.run(abort_phase(s, n_abort, max_model_len - 16)))
         result["restart"], s = timed("restart", lambda: restart_phase(s, base, port))

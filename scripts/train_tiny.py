@@ -339,7 +339,8 @@ def train(args) -> None:
         extra = json.loads(args.task_weights)
         unknown = set(extra) - set(tc["task_weights"])
         if unknown:
-            raise SystemExit(f"--task-weights: unknown tasks {sorted(unknown)}; known {sorted(tc['task_weights'])}")
+            raise SystemExit(f"--task-weights: unknown tasks {sorted(unknown)}; "
+                             f"known {sorted(tc['task_weights'])}")
         tc["task_weights"] = {**tc["task_weights"], **extra}
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32

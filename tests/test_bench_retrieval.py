@@ -1,4 +1,5 @@
-"""CPU smoke runs of the retrieval benchmarks (scripts/bench_retrieval.py --points, scripts/bench_select.py)."""
+"""CPU smoke runs of the retrieval benchmarks (scripts/bench_retrieval.py --points,
+scripts/bench_select.py)."""
 
 import importlib.util
 import math
@@ -26,8 +27,9 @@ def test_estimate_interpolates_step_time():
 
 def test_points_mode_times_both_methods(capsys):
     mod = _script("bench_retrieval")
-    assert mod.main(["--shape", "small", "--batch", "2", "--budget", "16", "--page-size", "4", "--points", "64",
-                     "--prompt", "64", "--new", "64", "--methods", "full,specontext", "--point-steps", "3"]) == 0
+    assert mod.main(["--shape", "small", "--batch", "2", "--budget", "16", "--page-size", "4",
+                     "--points", "64", "--prompt", "64", "--new", "64", "--methods", "full,specontext",
+                     "--point-steps", "3"]) == 0
     out = capsys.readouterr().out
     assert '"preemptions": 0' in out  # the pool is sized for every row's whole context
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}

@@ -24,7 +24,8 @@ def test_bench_e2e_small_writes_its_table(tmp_path):
     assert "## Kernels\n\nkept" in text and "## End to end (engine vs transformers)" in text
     assert "python scripts/bench_e2e.py --small" in text
     out.write_text(out.read_text().replace("## Kernels", "### An earlier run\n\nhistory\n\n## Kernels"))
-    bench.main(["--small", "--only", "ttft", "--out", str(out)])  # a rerun replaces its own section's lead only
+    # a rerun replaces its own section's lead only
+    bench.main(["--small", "--only", "ttft", "--out", str(out)])
     text = out.read_text()
     assert text.count("## End to end") == 1 and "kept" in text
     assert "### An earlier run\n\nhistory" in text and text.count("python scripts/bench_e2e.py --small") == 1

@@ -129,6 +129,6 @@ def test_engine_method_equals_full_and_policies_run_through_it(toy_model, tmp_pa
 
 
 def test_policy_flags_need_a_policy_method():
-    r = subprocess.run([sys.executable, "-m", "jaxkv.eval", "--task", "vt", "--method", "full", "--budget", "0.5"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "jaxkv.eval", "--task", "vt", "--method", "full",
+                        "--budget", "0.5"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and "apply to the KV policy methods" in r.stderr

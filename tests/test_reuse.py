@@ -1,4 +1,5 @@
-"""Segment reuse through the engine: store contract, RoPE shift, method degenerate cases, bad input, no leaks."""
+"""Segment reuse through the engine: store contract, RoPE shift, method degenerate cases, bad input,
+no leaks."""
 
 import dataclasses
 
@@ -36,8 +37,8 @@ def pieces(model):
 
 def make_engine(model, **kw):
     cfg = model.config
-    eng = Engine(model, page_size=4, max_model_len=128, head_classes=all_global(cfg.num_layers, cfg.num_kv_heads),
-                 attn_impl="reference", **kw)
+    eng = Engine(model, page_size=4, max_model_len=128,
+                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), attn_impl="reference", **kw)
     eng.reuser.keep_logits = True
     return eng
 
@@ -88,7 +89,8 @@ def test_full_and_engine_equal_dense_and_recompute_all_equals_full(model, pieces
     assert outs[0].token_ids == out_full
     # Every reuse method degenerates to full when everything is recomputed.
     for name, fields in [("cacheblend", {"ratio": 1.0}), ("sparsex", {"ratio": 1.0}), ("epic", {"first": 64}),
-                         ("naive", {"full_layers": 99}), ("redknot", {"dense_until": 99, "edge_thresh": 0.0})]:
+                         ("naive", {"full_layers": 99}),
+                         ("redknot", {"dense_until": 99, "edge_thresh": 0.0})]:
         out, st = run(make_engine(model), pre, [s1, s2], suf, get_reuse_policy(name, **fields))
         np.testing.assert_allclose(st.first_logits, dense, atol=1e-4, err_msg=name)
         assert out == out_full, name

@@ -20,8 +20,8 @@ _TRACED_STEP = re.compile(r"Finished tracing (_step|_decode) ")
 
 def test_precompiled_server_with_a_default_policy(tmp_path):
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
-    s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16", "--num-pages", "64",
-                       "--max-num-seqs", "1", "--max-step-tokens", "8", "--precompile",
+    s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16",
+                       "--num-pages", "64", "--max-num-seqs", "1", "--max-step-tokens", "8", "--precompile",
                        "--kv-policy", "snapkv", "--kv-budget", "0.25",
                        "--kv-policy-arg", "window=8"], env={"JAX_LOG_COMPILES": "1"})
     try:

@@ -2,9 +2,10 @@
 
 A segment (a document, a tool output, a chat turn) is prefilled once by the engine at positions
 ``start..start+n-1`` (``start`` = the length of the anchor it is prefilled after, `jaxkv.engine.reuse`; the
-anchor's own K/V are not kept) and its post-RoPE K/V kept in pages of the shared pool: ``pages[layer, kv_head, j]`` holds the
-segment's tokens ``[j * page_size, (j + 1) * page_size)`` of that (layer, KV head), in position order; slots
-past ``n`` in the last page hold position -1. A request that reuses it copies those pages into its own,
+anchor's own K/V are not kept) and its post-RoPE K/V kept in pages of the shared pool:
+``pages[layer, kv_head, j]`` holds the segment's tokens ``[j * page_size, (j + 1) * page_size)`` of that
+(layer, KV head), in position order; slots past ``n`` in the last page hold position -1. A request that
+reuses it copies those pages into its own,
 rotating K by the position delta (`pallas_kernels.rope_shift`), or references them in place when nothing
 moves and nothing is recomputed (`jaxkv.engine.reuse`).
 

@@ -310,8 +310,8 @@ class HeadPageTables:
         table = np.asarray(table, np.int32)
         n = -(-int(num_slots) // self.page_size)
         if table.shape != (self.num_layers, self.num_kv_heads, n):
-            raise ValueError(f"adopt_pages: {num_slots} slots need [{self.num_layers}, {self.num_kv_heads}, {n}] "
-                             f"pages (got {table.shape})")
+            raise ValueError(f"adopt_pages: {num_slots} slots need "
+                             f"[{self.num_layers}, {self.num_kv_heads}, {n}] pages (got {table.shape})")
         seq = _Seq(self.num_layers, self.num_kv_heads, n)
         seq.table[:, :, :n] = table
         seq.npages[:] = n

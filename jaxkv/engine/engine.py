@@ -198,7 +198,8 @@ class Engine:
     def add_reuse_request(self, prefix_ids, segments, suffix_ids, reuse="naive",
                           sampling: SamplingParams | None = None, request_id: str | None = None,
                           extra_key: str | None = None) -> str:
-        """Queues a prompt ``prefix | segments | suffix`` whose segments reuse cached K/V (jaxkv/engine/reuse.py).
+        """Queues a prompt ``prefix | segments | suffix`` whose segments reuse cached K/V
+        (jaxkv/engine/reuse.py).
 
         `segments`: segment ids (`register_segment`) or token lists (registered on first sight) in namespace
         `extra_key`; `reuse`: a method name from jaxkv.policies.reuse.REUSE_POLICIES or a ReusePolicy.

@@ -176,7 +176,8 @@ def _on_host(f, num_outputs: int, form: str | None = None):
                 raise
     keyword = getattr(con, "compute_on2", None) or compute_on
     try:
-        return keyword(jax.jit(f), compute_type="device_host", out_memory_spaces=(_host_space(),) * num_outputs)
+        return keyword(jax.jit(f), compute_type="device_host",
+                       out_memory_spaces=(_host_space(),) * num_outputs)
     except (TypeError, ImportError):
         if form == "keyword":
             raise
@@ -221,7 +222,8 @@ def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, pag
     chunk = flat.shape[0] if single else chunk
     rank = jnp.where(flat, jnp.cumsum(flat) - 1, flat.shape[0] + chunk)
     size = -(-flat.shape[0] // chunk) * chunk
-    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
+    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32),
+                                                       mode="drop")
     rounds = (n + chunk - 1) // chunk
 
     lsel, nrows, _, w, d = buf.k.shape

@@ -291,8 +291,8 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk",
                                              "inplace"),
                    donate_argnames=("pool", "rstate", "summary", "sbuf"))
-def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None, greedy=False,
-                      local_layers=(), chunk=1, inplace=False):
+def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None,
+                      greedy=False, local_layers=(), chunk=1, inplace=False):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
     (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
@@ -350,9 +350,9 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
             def full(now, before):
                 """Paged attention over the pool (head lengths `now` with the token written; with deferred
                 writes over the pool before the step, `before`, plus the token's own K/V by the lse)."""
-                out, lse = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer], before if deferred else now,
-                                           q_seq, positions, d["sink"][layer], d["window"][layer], scale=scale,
-                                           implementation=attn_impl)
+                out, lse = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer],
+                                           before if deferred else now, q_seq, positions, d["sink"][layer],
+                                           d["window"][layer], scale=scale, implementation=attn_impl)
                 return _merge_own(out, lse, qq, own_k, own_v, scale) if deferred else out
 
             if layer < first:
@@ -391,7 +391,8 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 kq, vq, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
                                             positions)
                 kpos = jnp.where(live[:, None, None], kpos, -1)
-                out = gathered_attention(qq, kq, vq, kpos, positions, window=cfg.layer_windows[layer], scale=scale)
+                out = gathered_attention(qq, kq, vq, kpos, positions, window=cfg.layer_windows[layer],
+                                         scale=scale)
             if layer in local_mask:  # ring heads keep their sink + window attention (only they read the ring)
                 g = cfg.num_heads // hkv
                 lm = local_mask[layer][None]
@@ -433,7 +434,8 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     carry = ((pool, summary, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    ((pool, summary, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(body, carry, xs)
+    ((pool, summary, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(
+        body, carry, xs)
     return tokens, logprobs, ran, last, stats, moved, pool, rstate, summary, sbuf
 
 
@@ -474,7 +476,8 @@ class Retriever:
         if host_tier and not HOST_TIER_AVAILABLE:
             raise NotImplementedError("retrieval_host_tier needs jax.experimental.compute_on: the "
                                       "context form compute_on('device_host') or the keyword form "
-                                      f"(compute_type=, out_memory_spaces=); jax {jax.__version__} has neither")
+                                      "(compute_type=, out_memory_spaces=); "
+                                      f"jax {jax.__version__} has neither")
         self.host_tier = host_tier
         self._host = None  # (k, v) host mirror of the pool's flat slots, made on first use with host_tier
         window = np.asarray(engine.runner._heads["window"])
@@ -536,8 +539,9 @@ class Retriever:
                          lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
                 stateful = policy if state is not None else None
                 _, _, runner.pool, state_out, summary_out = _step_tap(
-                    runner.params, runner.pool, _on_device(b), self._state.get(type(policy)), head if stateful else None,
-                    self._summary if summary is not None else None, cfg=cfg, policy=stateful,
+                    runner.params, runner.pool, _on_device(b), self._state.get(type(policy)),
+                    head if stateful else None, self._summary if summary is not None else None, cfg=cfg,
+                    policy=stateful,
                     attn_impl=runner.attn_impl, greedy=greedy,
                     fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None)
             else:
@@ -547,8 +551,8 @@ class Retriever:
                          stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
                 *_, runner.pool, state_out, summary_out, sbuf = _decode_retrieval(
                     runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
-                    self._summary if summary is not None else None, self._buffer_for(policy), self._host_for(policy),
-                    cfg=cfg, policy=policy, attn_impl=runner.attn_impl, greedy=greedy,
+                    self._summary if summary is not None else None, self._buffer_for(policy),
+                    self._host_for(policy), cfg=cfg, policy=policy, attn_impl=runner.attn_impl, greedy=greedy,
                     local_layers=self.local_layers, chunk=self._chunk(policy, s), inplace=self.inplace)
                 if sbuf is not None:
                     self._buf[policy] = sbuf
@@ -576,8 +580,8 @@ class Retriever:
             lsel = cfg.num_layers - policy.tap_layer(self.params_for(policy))
             width = -(-int(np.ceil(self.resident * policy.budget)) // eng.page_size) * eng.page_size
             dim = 0 if self.inplace else cfg.head_dim   # in place: the buffer keeps positions only
-            self._buf[policy] = host_tier.init_buffer(lsel, eng.scheduler.max_num_seqs, cfg.num_kv_heads, width,
-                                                      dim, eng.runner.pool.k.dtype)
+            self._buf[policy] = host_tier.init_buffer(lsel, eng.scheduler.max_num_seqs, cfg.num_kv_heads,
+                                                      width, dim, eng.runner.pool.k.dtype)
         return self._buf[policy]
 
     def _host_for(self, policy: RetrievalPolicy):

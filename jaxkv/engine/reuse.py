@@ -45,7 +45,8 @@ class ReuseStats:
     promoted_heads: list[int]  # per layer: local heads promoted by RedKnot's edge-mass restore
     keys_seen: list[int]  # per layer: sum over query rows of the keys they may see (causal, windowed heads
     # counted with their window, mean over KV heads)
-    prefill_s: float  # wall clock of the reuse prefill (copy + forward + first token), segment prefill excluded
+    prefill_s: float  # wall clock of the reuse prefill (copy + forward + first token), segment prefill
+    # excluded
     first_logits: np.ndarray | None = None
 
     @property
@@ -145,7 +146,8 @@ class Reuser:
         tokens = [int(t) for t in tokens]
         self._check_tokens(tokens, "segment")
         if self.start + len(tokens) >= self.engine.max_model_len:
-            raise SegmentError(f"segment has {len(tokens)} tokens; the context holds {self.engine.max_model_len}")
+            raise SegmentError(f"segment has {len(tokens)} tokens; "
+                               f"the context holds {self.engine.max_model_len}")
         e = self.store.find(tokens, extra_key)
         if e is not None:
             if frozen:

@@ -194,7 +194,8 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     return tokens, logprobs, pool
 
 
-def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None, mesh=None):
+def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None,
+               mesh=None):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
     `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin

@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "per head (> 1)")
     ap.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="KV policy methods: another policy field, e.g. --policy-arg window=32")
-    ap.add_argument("--method-opts", default="", help="method fields, e.g. ratio=0.3,full_layers=2 (reuse methods)")
+    ap.add_argument("--method-opts", default="",
+                    help="method fields, e.g. ratio=0.3,full_layers=2 (reuse methods)")
     args = ap.parse_args(argv)
     loader = args.task.split(":", 1)[0] if ":" in args.task else None
     if loader is None and args.task not in TASKS:

@@ -1,4 +1,5 @@
-"""Eval methods that run through the serving engine (`jaxkv.engine`): `reuse_full` and the segment-reuse methods.
+"""Eval methods that run through the serving engine (`jaxkv.engine`): `reuse_full` and the segment-reuse
+methods.
 
 Each method owns one `Engine` (all heads full-history, prefix caching off, one sequence) for all instances,
 so compilations are shared. A prompt's segments are registered on first sight by the engine's own prefill
@@ -56,7 +57,8 @@ class EngineReuse(Method):
         eng = self._engine_for(len(pieces.ids) + max_new_tokens)
         sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
                             ignore_eos=True)
-        rid = eng.add_reuse_request(pieces.prefix, pieces.segments, pieces.suffix, reuse=self.policy, sampling=sp)
+        rid = eng.add_reuse_request(pieces.prefix, pieces.segments, pieces.suffix, reuse=self.policy,
+                                    sampling=sp)
         out: list[int] = []
         while eng.has_unfinished():
             for o in eng.step():
@@ -92,7 +94,8 @@ def _make(name: str, policy: str, doc: str):
     return register_method(name)(cls)
 
 
-_make("reuse_full", "full", "The reuse path with the `full` policy: every token prefilled (must equal `full`).")
+_make("reuse_full", "full",
+      "The reuse path with the `full` policy: every token prefilled (must equal `full`).")
 _make("naive", "naive", "Reuse every segment's rotated K/V, recompute only the new text.")
 _make("epic", "epic", "EPIC: recompute the first tokens of each segment plus the new text.")
 _make("cacheblend", "cacheblend", "CacheBlend: recompute the reused tokens with the largest K/V deviation.")

@@ -131,7 +131,8 @@ SPLIT_PROGRAMS = 4 * 132   # per layer, split units down to ~this many items (4 
 DECODE_LAUNCH = (4, 2)     # (num_warps, num_stages) for block_q == 1
 PREFILL_LAUNCH = (4, 3)
 PREFILL_KEYS = 32    # keys per inner iteration for prefill (block_q 16 -> 64 rows)
-DEFAULT_SCHEDULE = "grid"    # "compact" (persistent programs over non-empty items) timed within +-3% of it on the H200
+# "compact" (persistent programs over non-empty items) timed within +-3% of it on the H200
+DEFAULT_SCHEDULE = "grid"
 COMPACT_PROGRAMS = 4 * 132   # persistent attention programs (H200: 132 SMs)
 COMPACT_MERGE_PROGRAMS = 132
 

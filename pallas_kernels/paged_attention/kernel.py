@@ -64,7 +64,7 @@ def _attend(q, qpos, pt_ref, k_ref, v_ref, pos_ref, *, unit, length, nsc, w0, si
         v = v_ref[sid]
         kpos = pos_ref[sid]                                            # [bk]
         kvalid = okk & (jk * page_size + kk_off < length) & (kpos >= 0)
-        v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))          # stale slots: weight 0 must not meet NaN
+        v = jnp.where(kvalid[:, None], v, jnp.zeros_like(v))  # stale slots: weight 0 must not meet NaN
         vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         local = (kpos[None, :] > qpos[:, None] - window) | (kpos[None, :] < sink)
         vis = vis & ((window == 0) | local)
@@ -247,9 +247,9 @@ def merge_splits(meta, o_part, l_part, *, out_dtype, interpret: bool = False, bl
 def work_list(meta, active, *, num_splits: int):
     """Non-empty (unit, split) items of the compact schedule, full splits first.
 
-    meta [U, META_WIDTH] (column 7: the unit's split size pps), active [U] bool (unit has queries). Returns work [U * K] int32 (item = u * K + k;
-    the first num_work entries are valid), num_work [1], merge_units [U] int32 (units with > 1 split, first
-    num_merge entries valid), num_merge [1]."""
+    meta [U, META_WIDTH] (column 7: the unit's split size pps), active [U] bool (unit has queries).
+    Returns work [U * K] int32 (item = u * K + k; the first num_work entries are valid), num_work [1],
+    merge_units [U] int32 (units with > 1 split, first num_merge entries valid), num_merge [1]."""
     u_n = meta.shape[0]
     nv, pps = meta[:, 4], meta[:, 7]
     nsplit = jnp.maximum(pl.cdiv(nv, pps), 1)
@@ -354,7 +354,8 @@ def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_r
     if num_splits > 1:
         out_shape += [jax.ShapeDtypeStruct((num_splits, u_n, rows, d), jnp.float32),
                       jax.ShapeDtypeStruct((num_splits, u_n, rows), jnp.float32)]
-    kernel = functools.partial(_compact_kernel, scale=scale, page_size=page_size, ppb=ppb, max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv)
+    kernel = functools.partial(_compact_kernel, scale=scale, page_size=page_size, ppb=ppb,
+                               max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv)
     res = pl.pallas_call(
         kernel,
         grid=(num_programs,),

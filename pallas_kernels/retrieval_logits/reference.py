@@ -1,9 +1,9 @@
 """jnp twin of the retrieval-logits kernel: the decode query of each row against its key-cache row.
 
-Contract: q [S, Hkv, G, D] float32 (already scaled), state [R, N, Hkv, D] float32 or bfloat16 (a retrieval head's key
-cache, slot = position), rows [S] int32 (the state row of each query row, in [0, R)), q_pos [S] int32,
-num_slots (static, <= N). Returns logits [S, Hkv, G, num_slots] float32: q . key for slots <= q_pos,
--inf past it.
+Contract: q [S, Hkv, G, D] float32 (already scaled), state [R, N, Hkv, D] float32 or bfloat16 (a retrieval
+head's key cache, slot = position), rows [S] int32 (the state row of each query row, in [0, R)),
+q_pos [S] int32, num_slots (static, <= N). Returns logits [S, Hkv, G, num_slots] float32: q . key for
+slots <= q_pos, -inf past it.
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ def test_work_list_covers_every_nonempty_split_once_full_splits_first(pps):
     active = np.array([1, 1, 1, 1, 1, 0, 1], bool)             # unit 5 has no queries
     meta = np.zeros((len(nv), META_WIDTH), np.int32)
     meta[:, 4], meta[:, 7] = nv, pps
-    work, nw, mu, nm = (np.asarray(x) for x in work_list(jnp.asarray(meta), jnp.asarray(active), num_splits=k))
+    work, nw, mu, nm = (np.asarray(x)
+                        for x in work_list(jnp.asarray(meta), jnp.asarray(active), num_splits=k))
     nw, nm = int(nw[0]), int(nm[0])
     want = {(u, s) for u in range(len(nv)) if active[u] for s in range(max(1, -(-nv[u] // pps[u])))}
     got = [(w // k, w % k) for w in work[:nw]]

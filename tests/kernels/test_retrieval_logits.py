@@ -8,8 +8,10 @@ import pytest
 from pallas_kernels.retrieval_logits import retrieval_logits
 
 
-@pytest.mark.parametrize("g,d,num_slots,block_n,dtype", [(2, 16, 40, 16, "float32"), (1, 8, 64, 32, "float32"),
-                                                          (4, 32, 33, 16, "float32"), (3, 16, 50, 16, "bfloat16")])
+@pytest.mark.parametrize("g,d,num_slots,block_n,dtype", [(2, 16, 40, 16, "float32"),
+                                                          (1, 8, 64, 32, "float32"),
+                                                          (4, 32, 33, 16, "float32"),
+                                                          (3, 16, 50, 16, "bfloat16")])
 def test_kernel_equals_twin_and_oracle(g, d, num_slots, block_n, dtype):
     s, hkv, r, n = 3, 2, 5, 64
     kq, ks = jax.random.split(jax.random.PRNGKey(g * 100 + d))

@@ -165,7 +165,8 @@ def select(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, r
     key = _order_key(rank)
     kth = kth_largest_key(key, count, digit_bits)[..., None]
     above = key > kth
-    ties = (key == kth) & (jnp.cumsum(key == kth, axis=-1) <= count[..., None] - jnp.sum(above, -1, keepdims=True))
+    ties = (key == kth) & (jnp.cumsum(key == kth, axis=-1)
+                           <= count[..., None] - jnp.sum(above, -1, keepdims=True))
     take = above | ties
     dest = jnp.where(take, jnp.cumsum(take, axis=-1) - 1, k)
     lead = jnp.indices(dest.shape[:-1] + (1,), sparse=True)[:-1]

@@ -91,7 +91,8 @@ class RedKnot(ReusePolicy):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{self.name}: {f} must be a bool (got {getattr(self, f)!r})")
         if self.ffn_select not in ("mass", "deviation"):
-            raise ValueError(f"{self.name}: ffn_select must be 'mass' or 'deviation' (got {self.ffn_select!r})")
+            raise ValueError(f"{self.name}: ffn_select must be 'mass' or 'deviation' "
+                             f"(got {self.ffn_select!r})")
         if self.ffn_capacity == 0:
             raise ValueError(f"{self.name}: ffn_capacity must be > 0 (the last prompt token needs the FFN)")
         if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
