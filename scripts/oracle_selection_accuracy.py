@@ -36,13 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _bucket(n: int) -> int:
-    b = 1024
-    while b < n:
-        b *= 2
-    return b
-
-
 def _masked_attend(q, kl, vl, mask):
     """q [1, 1, Hq, D], kl/vl [1, N, Hkv, D], mask [1, Hkv, N] ->
     (out [1, 1, Hq, D], probs [1, Hkv, G, N])."""
@@ -158,6 +151,8 @@ def _prefill_fn(cfg):
 def oracle_generate(model, ids: list[int], max_new: int, stop, mode: str, budget: int, tap: int) -> list[int]:
     """Greedy decode of one prompt, every step attending the `mode` oracle's selection."""
     import jax.numpy as jnp
+
+    from jaxkv.policies.retrieve.decode import _bucket  # the library decode's dense-cache length bucket
 
     cfg, params = model.config, model.params
     n = len(ids)
