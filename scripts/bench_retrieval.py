@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 
-def random_head_beside(model, num_heads: int | None = None, seed: int = 0, tap_layer: int = 1) -> None:
+def random_head_beside(model, num_heads: int | None = None, seed: int = 0, tap_layer: int = 1,
+                       key_layer: int | None = None) -> None:
     """Saves a random-weight retrieval head beside `model` (a random-weight checkpoint made here): its
     selections mean nothing, but its cost per step is a distilled head's, which is what a speed run needs."""
     import jax
@@ -45,7 +46,7 @@ def random_head_beside(model, num_heads: int | None = None, seed: int = 0, tap_l
 
     cfg = model.config
     hc = sc.HeadConfig.for_model(cfg, tap_layer=tap_layer, num_heads=num_heads or 2 * cfg.num_kv_heads,
-                                 model_id=model.model_id)
+                                 model_id=model.model_id, key_layer=key_layer)
     sc.save_head(Path(model.path) / sc.HEAD_DIR, sc.init_head(hc, jax.random.PRNGKey(seed)),
                  {"random": True, "seed": seed})
 
@@ -63,7 +64,7 @@ def load_model(args, tmp: str):
     path = Path(tmp) / args.shape
     make_checkpoint(args.shape, path, args.prompt + args.new + 1)
     model = jaxkv.load(path, dtype=args.dtype)
-    random_head_beside(model, tap_layer=args.head_tap)
+    random_head_beside(model, tap_layer=args.head_tap, key_layer=args.head_key_layer)
     return model
 
 
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--head-tap", type=int, default=1,
                     help="with --shape: the random head's tap layer (layers [0, tap) run dense every step)")
+    ap.add_argument("--head-key-layer", type=int, default=None,
+                    help="with --shape: a lagged random head whose keys read the stream after N layers")
     ap.add_argument("--shape", choices=("1b", "8b", "small"),
                     help="instead of --model: a random-weight checkpoint of this shape (bench_e2e.py) "
                          "with a random retrieval head (speed only: its selections mean nothing)")

@@ -6,9 +6,10 @@
 1. Teacher pass (once, cached in ``--cache``): ``--num-seqs`` instances of the task mixture (seeds
    disjoint from the eval seeds) at the ``--context`` lengths (a comma list is used in turn; all padded to
    the longest), prompt + reference answer (teacher forcing). For each, the residual stream after
-   ``--tap-layer`` layers and, at ``--queries`` query positions (the answer tokens first, i.e. the decode
-   steps, then random prompt positions), the target's attention averaged over layers ``tap-layer..L-1``
-   (`jaxkv.policies.retrieve.distil`).
+   ``--key-layer`` layers (default ``--tap-layer``; the keys' input), the stream after ``--tap-layer``
+   layers at the query positions (the query's input) and, at ``--queries`` query positions (the answer
+   tokens first, i.e. the decode steps, then random prompt positions), the target's attention averaged
+   over layers ``tap-layer..L-1`` (`jaxkv.policies.retrieve.distil`).
 2. Training: the head (RMSNorm + Q/K projections, GQA shapes of the target) fits those distributions by
    cross-entropy (= KL + the teacher entropy, logged as KL), AdamW with warmup + cosine, a tqdm bar,
    orbax checkpoints (params, optimiser state, step; resumes from the newest), a JSONL log
@@ -51,7 +52,7 @@ def build_teacher_data(model, args) -> dict:
 
     tok = model.tokenizer
     rng = np.random.default_rng(args.seed)
-    xs, qs, ts, names = [], [], [], []
+    xs, xqs, qs, ts, names = [], [], [], [], []
     contexts = [int(c) for c in str(args.context).split(",")]
     t = max(contexts)  # every sequence padded to the longest (causal: padding is never seen)
     for i in tqdm(range(args.num_seqs), desc="teacher", file=sys.stderr):
@@ -62,13 +63,15 @@ def build_teacher_data(model, args) -> dict:
         full = full[:t]
         qidx = query_positions(len(ids), len(full), args.queries, rng)
         toks = np.pad(np.asarray(full, np.int32), (0, t - len(full)))[None]
-        x, target = teacher_attention(model.params, model.config, jnp.asarray(toks), jnp.asarray(qidx),
-                                      tap_layer=args.tap_layer, mean=True)
+        x, xq, target = teacher_attention(model.params, model.config, jnp.asarray(toks), jnp.asarray(qidx),
+                                          tap_layer=args.tap_layer, mean=True, key_layer=args.key_layer)
         xs.append(np.asarray(x, np.float32))
+        xqs.append(np.asarray(xq, np.float32))
         qs.append(qidx)
         ts.append(np.asarray(target, np.float16))
         names.append(task)
-    return {"x": np.stack(xs), "qidx": np.stack(qs), "target": np.stack(ts), "task": np.array(names)}
+    return {"x": np.stack(xs), "xq": np.stack(xqs), "qidx": np.stack(qs), "target": np.stack(ts),
+            "task": np.array(names)}
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -110,7 +113,11 @@ def train(args) -> None:
         ent = np.zeros_like(ent)  # another loss: "kl" below logs the loss itself
 
     cfg = sc.HeadConfig.for_model(model.config, tap_layer=args.tap_layer, head_dim=args.head_dim,
-                                  model_id=model.model_id)
+                                  model_id=model.model_id, key_layer=args.key_layer)
+    if "xq" not in data:  # a cache from before the two-stream teacher: x is the one (tap) stream
+        if cfg.lagged:
+            raise SystemExit(f"{cache} holds one stream; a lagged head needs a new teacher pass (--cache)")
+        data["xq"] = np.take_along_axis(data["x"], data["qidx"][:, :, None], axis=1)
     head = sc.init_head(cfg, jax.random.PRNGKey(args.seed))
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.inject_hyperparams(optax.adamw)(learning_rate=args.lr, weight_decay=0.01))
@@ -119,9 +126,10 @@ def train(args) -> None:
     loss_kw = {"power": args.target_power, "top_k": args.top_k, "top_weight": args.top_weight}
 
     @jax.jit
-    def step_fn(params, opt_state, x, qidx, target, lr):
+    def step_fn(params, opt_state, x, xq, qidx, target, lr):
         def loss_fn(p):
-            return distil_loss(sc.RetrievalHead(p, cfg), x, qidx, target.astype(jnp.float32), **loss_kw)
+            return distil_loss(sc.RetrievalHead(p, cfg), x, qidx, target.astype(jnp.float32), xq=xq,
+                               **loss_kw)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         opt_state[1].hyperparams["learning_rate"] = lr
@@ -129,8 +137,9 @@ def train(args) -> None:
         return optax.apply_updates(params, updates), opt_state, loss
 
     @jax.jit
-    def eval_fn(params, x, qidx, target):
-        return distil_loss(sc.RetrievalHead(params, cfg), x, qidx, target.astype(jnp.float32), **loss_kw)
+    def eval_fn(params, x, xq, qidx, target):
+        return distil_loss(sc.RetrievalHead(params, cfg), x, qidx, target.astype(jnp.float32), xq=xq,
+                           **loss_kw)
 
     ckpt_dir = Path(args.ckpt_dir).resolve()
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -145,18 +154,18 @@ def train(args) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     mode = "a" if start else "w"
     rng = random.Random(args.seed + start)
-    vx, vq, vt = data["x"][:n_val], data["qidx"][:n_val], data["target"][:n_val]
+    vx, vxq, vq, vt = data["x"][:n_val], data["xq"][:n_val], data["qidx"][:n_val], data["target"][:n_val]
     val_ent = float(ent[:n_val].mean())
     loss = float("nan")
     with log.open(mode) as f, tqdm(range(start, args.steps), desc="distil", file=sys.stderr) as bar:
         for step in bar:
             b = rng.sample(range(n_val, n), min(args.batch, n - n_val))
             lr = lr_at(step, args.steps, args.lr, args.warmup)
-            params, opt_state, loss = step_fn(params, opt_state, data["x"][b], data["qidx"][b],
+            params, opt_state, loss = step_fn(params, opt_state, data["x"][b], data["xq"][b], data["qidx"][b],
                                               data["target"][b], jnp.float32(lr))
             row = {"step": step, "loss": float(loss), "kl": float(loss) - float(ent[b].mean()), "lr": lr}
             if step % args.eval_every == 0 or step == args.steps - 1:
-                vl = float(eval_fn(params, vx, vq, vt))
+                vl = float(eval_fn(params, vx, vxq, vq, vt))
                 row |= {"val_loss": vl, "val_kl": vl - val_ent}
                 bar.set_postfix(kl=f"{row['kl']:.3f}", val_kl=f"{row['val_kl']:.3f}")
             f.write(json.dumps(row) + "\n")
@@ -209,6 +218,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--tap-layer", type=int, default=1, help="the head reads the stream after N layers")
+    ap.add_argument("--key-layer", type=int, default=None,
+                    help="keys read the stream after N layers (> --tap-layer: a lagged head whose query adds "
+                         "the previous token's key stream; default: the tap layer)")
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension (default: the model's)")
     ap.add_argument("--context", default="2048", help="context(s) of the teacher sequences, e.g. 2048,8192")
     ap.add_argument("--num-seqs", type=int, default=96)

@@ -69,14 +69,17 @@ def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries
     t = _bucket(len(ids))
     qidx = np.arange(n_prompt, len(ids) - 1)[:max_queries].astype(np.int32)
     toks = jnp.asarray(np.pad(np.asarray(ids, np.int32), (0, t - len(ids)))[None])
-    x, probs = teacher_attention(model.params, cfg, toks, jnp.asarray(qidx), tap_layer=tap, mean=False)
+    x, xq, probs = teacher_attention(model.params, cfg, toks, jnp.asarray(qidx), tap_layer=tap, mean=False,
+                                     key_layer=head.config.keys_layer)
     # probs [L', Hq, Q, T] -> true GQA-max [L', Hkv, Q, T]
     lp = probs.shape[0]
     gmax = jnp.max(probs.reshape(lp, hkv, g, len(qidx), t), axis=2)
     positions = jnp.arange(t, dtype=jnp.int32)[None]
-    q, k = sc.head_qk(head, x[None], positions)
+    prev = x[None, np.maximum(qidx - 1, 0)] if head.config.lagged else None
+    q = sc.head_query(head, xq[None], jnp.asarray(qidx)[None], prev)
+    k = sc.head_keys(head, x[None], positions)
     vis = jnp.arange(t)[None, None, :] <= jnp.asarray(qidx)[None, :, None]  # [1, Q, T]
-    hscore = sc.group_weights(sc.head_logits(head, q[:, qidx], k), vis)[0]  # [Hkv, Q, T]
+    hscore = sc.group_weights(sc.head_logits(head, q, k), vis)[0]  # [Hkv, Q, T]
     oscore = jnp.mean(gmax, axis=0)  # [Hkv, Q, T]
     qpos = jnp.asarray(qidx)
     glob = jnp.asarray(global_heads(model, tap))  # [L', Hkv]

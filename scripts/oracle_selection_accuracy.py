@@ -190,6 +190,8 @@ def main(argv=None) -> None:
                          "head:<dir name> (default: the model's shipped head, reported as `head`)")
     ap.add_argument("--sink", type=int, default=0, help="the head selector's forced first positions")
     ap.add_argument("--recent", type=int, default=0, help="the head selector's forced newest positions")
+    ap.add_argument("--tap", type=int, default=None,
+                    help="layers [0, tap) of the oracles run dense (default: the shipped head's tap layer)")
     ap.add_argument("--num", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--implementation", default="reference", choices=["pallas", "reference"],
@@ -207,7 +209,9 @@ def main(argv=None) -> None:
 
     model = jaxkv.load(args.model)
     head = sc.load_for_model(model)
-    tap = head.config.tap_layer
+    tap = head.config.tap_layer if args.tap is None else args.tap
+    if not 0 <= tap < model.config.num_layers:
+        raise SystemExit(f"--tap must be in [0, {model.config.num_layers})")
     heads = {"head": head}
     if args.heads:
         heads = {f"head:{Path(d).name}": sc.load_head(d, model) for d in args.heads.split(",")}

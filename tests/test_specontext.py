@@ -280,7 +280,7 @@ def test_teacher_attention_matches_dense_forward(toy):
     t = 48
     tokens = jnp.asarray(np.random.default_rng(4).integers(10, cfg.vocab_size, (1, t)), jnp.int32)
     qidx = jnp.array([3, 20, 47], jnp.int32)
-    x_tap, probs = teacher_attention(params, cfg, tokens, qidx, tap_layer=1, mean=False)
+    x_tap, x_q, probs = teacher_attention(params, cfg, tokens, qidx, tap_layer=1, mean=False)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     seen = {}
 
@@ -293,11 +293,15 @@ def test_teacher_attention_matches_dense_forward(toy):
     x = params["embed"][tokens]
     x, _ = llama.decoder_layer(params["layers"][0], cfg, 0, x, pos, llama.rope.inv_freq(cfg), attend, None)
     np.testing.assert_allclose(np.asarray(x_tap), np.asarray(x[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(x_q), np.asarray(x[0, qidx]), rtol=1e-5, atol=1e-5)
+    x_key, x_q0, _ = teacher_attention(params, cfg, tokens, qidx, tap_layer=0, mean=True, key_layer=1)
+    np.testing.assert_allclose(np.asarray(x_key), np.asarray(x[0]), rtol=1e-5, atol=1e-5)  # keys: layer 1
+    np.testing.assert_allclose(np.asarray(x_q0), np.asarray(params["embed"][tokens][0, qidx]), rtol=1e-6)
     llama.forward(params, cfg, tokens, pos, attend, None)
     for layer in range(1, cfg.num_layers):
         np.testing.assert_allclose(np.asarray(probs[layer - 1]), np.asarray(seen[layer][:, qidx]),
                                    rtol=1e-4, atol=1e-6)
-    _, mean = teacher_attention(params, cfg, tokens, qidx, tap_layer=1, mean=True)
+    _, _, mean = teacher_attention(params, cfg, tokens, qidx, tap_layer=1, mean=True)
     np.testing.assert_allclose(np.asarray(mean), np.asarray(probs.mean(0)), rtol=1e-5, atol=1e-7)
 
 

@@ -5,9 +5,10 @@ attention and keeps its full KV in the pool; each of its decode steps runs a sep
 multi-step decode (`_decode_retrieval`, a `lax.scan` over K steps like `runner._decode`) in which:
 
 * **shared** policies (SpeContext): layers ``[0, tap_layer)`` run the normal paged attention; after them
-  the policy writes the step's retrieval-head key into its state and scores every past position per KV
-  head; `select` picks the top-B (plus forced tokens); every later layer gathers exactly those slots of
-  its own (layer, KV head) page list from the pool and attends over them;
+  the policy scores every past position per KV head; `select` picks the top-B (plus forced tokens); every
+  later layer gathers exactly those slots of its own (layer, KV head) page list from the pool and attends
+  over them. The policy records the step's token in its state at ``key_layer`` (the tap itself, before
+  scoring; deeper for a lagged SpeContext head, after the selection);
 * **layer-wise** policies (Quest): in each layer from ``dense_layers`` on, the per-page key min/max of
   the head's page list is computed from the pool, the page upper bounds of the layer's query rank the
   pages, and attention runs over the top pages only.
@@ -15,11 +16,12 @@ multi-step decode (`_decode_retrieval`, a `lax.scan` over K steps like `runner._
 Heads the head-class map makes local (sink + window rings) keep their ring attention; the selection
 applies to the global heads (where a slot's storage index is its position).
 
-Where the retrieval head's keys live: one device array per stateful policy class, ``[max_num_seqs,
-max_pages_per_head * page_size, Hkv, Dr]`` float32 (a row per running request, slot = position), made on
-first use. Rows are handed out on a request's first step and taken back when it no longer runs. The
-ragged step (prefill chunks) runs `_step_tap` whenever a chunk of a stateful retrieval request is in it:
-the same step as the runner's, plus the head's key write at the tap layer. A decode token of a retrieval
+Where the retrieval head's keys live: one device state per stateful policy class, ``[max_num_seqs,
+max_pages_per_head * page_size, Hkv, Dr]`` keys (a row per running request, slot = position; a lagged head
+adds each row's newest key-stream vector), made on first use. Rows are handed out on a request's first
+step and taken back when it no longer runs. The ragged step (prefill chunks) runs `_step_tap` whenever a
+chunk of a stateful retrieval request is in it: the same step as the runner's, plus the head's key write
+at its key layer. A decode token of a retrieval
 request that the scheduler put into a ragged step (next to other requests' prefill) is split off and run
 through `_decode_retrieval` with K = 1, so every generated token after the first reads the selection.
 """
@@ -258,7 +260,7 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     state) and, with `summary`, the per-page key bounds of every key written."""
     scale = cfg.head_dim ** -0.5
     freqs = rope.inv_freq(cfg)
-    tap = policy.tap_layer(head) if policy is not None else -1
+    tap = policy.key_layer(head) if policy is not None else -1  # where the state records tokens
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
 
     def attend(layer, q, k, v, state):
@@ -317,6 +319,7 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     deferred = shared
     use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
     first = policy.tap_layer(head) if shared else policy.dense_layers
+    key_layer = policy.key_layer(head) if shared else first  # > first: a lagged head records after selecting
     hkv = cfg.num_kv_heads
     local_mask = {layer: jnp.asarray(np.asarray(w) > 0) for layer, w in local_layers}
     if shared:
@@ -405,8 +408,9 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
         stats = jnp.zeros((s, 3), jnp.int32)
         moved = jnp.zeros((2,), jnp.int32)
         for i, p in enumerate(params["layers"]):
-            if shared and i == first:
+            if shared and i == key_layer:
                 rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
+            if shared and i == first:
                 scores = policy.score_rows(head, rstate, x, pos2, jnp.maximum(d["head_rows"], 0), n_slots)
                 now = policy.select(scores, positions)
                 sbuf, stats, moved = _refresh(

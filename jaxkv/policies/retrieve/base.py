@@ -71,6 +71,12 @@ class RetrievalPolicy:
         selection applies to layers tap_layer.. (0 = the selection depends on the step's input alone)."""
         return 0
 
+    def key_layer(self, head) -> int:
+        """Where the method's state records each token (`observe` / `observe_tokens` see the stream after this
+        many layers): `tap_layer` unless the method keys a deeper stream than it selects from (a lagged
+        SpeContext head); then the step selects at `tap_layer` and records the token later in the step."""
+        return self.tap_layer(head)
+
     def for_model(self, model) -> RetrievalPolicy:
         """This policy with its model-dependent fields resolved (e.g. a dtype "auto"); the engine and the
         library decode call it once per policy and model."""

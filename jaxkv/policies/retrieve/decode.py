@@ -85,9 +85,11 @@ def prefill(params, cfg: ModelConfig, policy: RetrievalPolicy, head, tokens, kc,
     attend = dense_cache_attend(cfg, positions)
     x = params["embed"][tokens]
     state = (kc, vc)
+    # Padding rows past n_valid observe nothing: their positions are moved past the state (dropped).
+    observed = jnp.where(positions < n_valid[:, None], positions, jnp.iinfo(jnp.int32).max // 2)
     for i, p in enumerate(params["layers"]):
-        if i == policy.tap_layer(head):
-            hstate = policy.observe(head, hstate, x, positions)
+        if i == policy.key_layer(head):
+            hstate = policy.observe(head, hstate, x, observed)
         x, state = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, state)
     last = jnp.take_along_axis(x, (n_valid - 1)[:, None, None], axis=1)
     hidden = llama.rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
@@ -115,7 +117,10 @@ def decode_step(params, cfg: ModelConfig, policy: RetrievalPolicy, head, tokens,
                                     implementation=implementation)
         return out[:, None], (kc, vc)
 
+    key = policy.key_layer(head)  # a lagged head records the step's token after the selection
     for i in range(tap, cfg.num_layers):
+        if i == key and key != tap:
+            hstate = policy.observe(head, hstate, x, positions)
         x, state = llama.decoder_layer(params["layers"][i], cfg, i, x, positions, freqs, attend, state)
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return llama.lm_head(params, cfg, hidden)[:, 0], *state, hstate, sel

@@ -1,9 +1,10 @@
 """The target's attention as the retrieval head's teacher, and the distillation loss.
 
 `teacher_attention` runs the target over one sequence (dense causal attention in query blocks, so 8K+
-tokens fit in a few hundred MB) and returns the residual stream after ``tap_layer`` layers (the head's
-input) plus every later layer's attention probabilities at chosen query positions. Used by
-scripts/distil_retrieval_head.py (targets) and scripts/eval_retrieval_head.py (true top-B for recall).
+tokens fit in a few hundred MB) and returns the residual streams the head reads (its keys'
+after ``key_layer`` layers, its query's after ``tap_layer``) plus every later layer's attention
+probabilities at chosen query positions. Used by scripts/distil_retrieval_head.py (targets) and
+scripts/eval_retrieval_head.py (true top-B for recall).
 
 Loss (docs/specontext.md): the pruned head has no LM head, so Eq. 2's KL(P_T || P_S) is applied to what
 it does produce, its attention distribution: per query head g and query t, the target distribution is
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.models import llama, rope
-from jaxkv.policies.retrieve.specontext import RetrievalHead, head_logits, head_qk
+from jaxkv.policies.retrieve.specontext import RetrievalHead, head_keys, head_logits, head_query, own_key_lag
 
 _BLOCK = 1024  # query block of the teacher's dense attention
 
@@ -46,11 +47,14 @@ def _blocked_causal_attention(q, k, v, block: int):
     return out.reshape(1, t, hq, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tap_layer", "mean"))
-def teacher_attention(params, cfg, tokens, qidx, *, tap_layer: int, mean: bool):
+@functools.partial(jax.jit, static_argnames=("cfg", "tap_layer", "mean", "key_layer"))
+def teacher_attention(params, cfg, tokens, qidx, *, tap_layer: int, mean: bool, key_layer: int | None = None):
     """tokens [1, T] (positions 0..T-1), qidx [Q] query positions ->
-    (x_tap [T, hidden] float32, probs): probs [L - tap_layer, Hq, Q, T] float32, or their mean over layers
+    (x_key [T, hidden], x_query [Q, hidden], probs), streams float32: x_key the residual stream after
+    ``key_layer`` layers (default ``tap_layer``) at every position, x_query the stream after ``tap_layer``
+    layers at the query positions; probs [L - tap_layer, Hq, Q, T] float32, or their mean over layers
     [Hq, Q, T] with ``mean=True``. Rows of probs are each query's softmax over keys 0..qidx."""
+    key_layer = tap_layer if key_layer is None else key_layer
     t = tokens.shape[1]
     positions = jnp.arange(t, dtype=jnp.int32)[None]
     freqs = rope.inv_freq(cfg)
@@ -71,25 +75,33 @@ def teacher_attention(params, cfg, tokens, qidx, *, tap_layer: int, mean: bool):
     shape = (cfg.num_heads, qidx.shape[0], t)
     acc = jnp.zeros(shape if mean else (cfg.num_layers - tap_layer, *shape), jnp.float32)
     x = params["embed"][tokens]
-    x_tap = x
+    streams = {}
     for i, p in enumerate(params["layers"]):
-        if i == tap_layer:
-            x_tap = x
+        streams[i] = x
         x, acc = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, acc)
     if mean:
         acc = acc / (cfg.num_layers - tap_layer)
-    return x_tap[0].astype(jnp.float32), acc
+    x_key = streams[key_layer][0].astype(jnp.float32)
+    return x_key, streams[tap_layer][0, qidx].astype(jnp.float32), acc
 
 
-def head_log_probs(head: RetrievalHead, x, qidx) -> jax.Array:
-    """x [S, T, hidden], qidx [S, Q] -> log-softmax of the head's attention [S, Hq, Q, T] (causal)."""
+def head_log_probs(head: RetrievalHead, x, qidx, xq=None) -> jax.Array:
+    """x [S, T, hidden] (the key stream), qidx [S, Q], xq [S, Q, hidden] (the query stream at qidx; default
+    x's, for a head whose query and keys read one stream) -> log-softmax of the head's attention
+    [S, Hq, Q, T] (causal). A lagged head's query also reads x at qidx - 1 (teacher forcing)."""
     s, t, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
-    q, k = head_qk(head, x, positions)
-    qq = jnp.take_along_axis(q, qidx[:, :, None, None], axis=1)  # [S, Q, Hq, Dr]
+    take = functools.partial(jnp.take_along_axis, axis=1)
+    if xq is None:
+        if head.config.lagged:
+            raise ValueError("a lagged head's distillation needs the query stream (xq)")
+        xq = take(x, qidx[:, :, None])
+    prev = take(x, jnp.maximum(qidx - 1, 0)[:, :, None]) if head.config.lagged else None
+    qq = head_query(head, xq, qidx, prev)  # [S, Q, Hq, Dr]
+    k = head_keys(head, x, positions)
     logits = head_logits(head, qq, k)  # [S, Hkv, G, Q, T]
     logits = logits.reshape(s, head.config.num_heads, *logits.shape[3:])
-    vis = jnp.arange(t)[None, None, :] <= qidx[:, :, None]  # [S, Q, T]
+    vis = jnp.arange(t)[None, None, :] <= qidx[:, :, None] - own_key_lag(head)  # [S, Q, T]
     return jax.nn.log_softmax(jnp.where(vis[:, None], logits, -jnp.inf), axis=-1)
 
 
@@ -102,7 +114,7 @@ def sharpen(target, power: float):
     return t / jnp.maximum(jnp.sum(t, axis=-1, keepdims=True), 1e-30)
 
 
-def distil_loss(head: RetrievalHead, x, qidx, target, *, power: float = 1.0, top_k: int = 0,
+def distil_loss(head: RetrievalHead, x, qidx, target, *, xq=None, power: float = 1.0, top_k: int = 0,
                 top_weight: float = 0.0) -> jax.Array:
     """Mean over (row, query head, query) of the cross-entropy -sum_t target' * log p_head, target' =
     `sharpen(target, power)` (target [S, Hq, Q, T], rows summing to 1 over visible keys).
@@ -111,7 +123,11 @@ def distil_loss(head: RetrievalHead, x, qidx, target, *, power: float = 1.0, top
     put its mass on the keys the teacher ranks first, which is what a top-B selection reads. The plain KL
     spends the head's capacity on the diffuse bulk of the attention, and a head with a low KL can still
     rank the one key a step needs below B (docs/specontext.md, "Oracle selections")."""
-    logp = head_log_probs(head, x, qidx)
+    logp = head_log_probs(head, x, qidx, xq)
+    if own_key_lag(head):  # the query's own key is not scored (served the same way): its mass is dropped
+        own = jnp.arange(target.shape[-1])[None, None, None, :] == qidx[:, None, :, None]
+        target = jnp.where(own, 0.0, target)
+        target = target / jnp.maximum(jnp.sum(target, axis=-1, keepdims=True), 1e-30)
     t = sharpen(target, power)
     loss = -jnp.mean(jnp.sum(jnp.where(t > 0, t * logp, 0.0), axis=-1))
     if top_weight > 0 and top_k > 0:

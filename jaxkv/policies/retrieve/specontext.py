@@ -10,6 +10,13 @@ max-reduced to one row per KV head (Fig. 5), and the top ``budget`` positions of
 run dense: they are the head's input. Distillation (scripts/distil_retrieval_head.py) fits the head's
 attention to the target's layer-averaged attention (docs/specontext.md says why not the logit KL).
 
+A *lagged* head (``key_layer > tap_layer``, docs/specontext.md "The lagged head") reads a deeper stream
+for its keys than the step can afford before selecting: each token's key comes from the stream after
+``key_layer`` layers, written when the token passes that layer, and the step's query reads the current
+stream after ``tap_layer`` layers together with the *previous* token's ``key_layer`` stream (the paper's
+head reads the target's previous-step features, after EAGLE-3). Its state is then ``(keys, last)``: the key
+cache and each row's last ``key_layer`` stream [R, hidden].
+
 The head ships next to its model (``<model>/retrieval_head/``: ``config.json`` + ``head.safetensors``);
 `load_head` reads it, `save_head` writes it.
 """
@@ -46,8 +53,12 @@ class HeadConfig:
     rope_theta: float
     rms_norm_eps: float = 1e-5
     model_id: str = ""  # the target it was distilled from
+    key_layer: int | None = None  # keys read the stream after this many layers (None: tap; > tap: lagged)
 
     def __post_init__(self):
+        if self.key_layer is not None and self.key_layer < self.tap_layer:
+            raise ValueError(f"retrieval head: key_layer {self.key_layer} is below tap_layer "
+                             f"{self.tap_layer}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"retrieval head: num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
@@ -56,12 +67,25 @@ class HeadConfig:
 
     @classmethod
     def for_model(cls, cfg, *, tap_layer: int = 1, num_heads: int | None = None, head_dim: int | None = None,
-                  model_id: str = "") -> HeadConfig:
+                  model_id: str = "", key_layer: int | None = None) -> HeadConfig:
         """A head matching a target ModelConfig (its KV heads, hidden size and RoPE base)."""
         if not 0 <= tap_layer < cfg.num_layers:
             raise ValueError(f"tap_layer must be in [0, {cfg.num_layers}) (got {tap_layer})")
+        if key_layer is not None and not tap_layer <= key_layer < cfg.num_layers:
+            raise ValueError(f"key_layer must be in [tap_layer, {cfg.num_layers}) (got {key_layer})")
         return cls(cfg.hidden_size, num_heads or cfg.num_heads, cfg.num_kv_heads, head_dim or cfg.head_dim,
-                   tap_layer, float(cfg.rope_theta), float(cfg.rms_norm_eps), model_id)
+                   tap_layer, float(cfg.rope_theta), float(cfg.rms_norm_eps), model_id,
+                   None if key_layer == tap_layer else key_layer)
+
+    @property
+    def keys_layer(self) -> int:
+        """The stream the keys read: after this many target layers."""
+        return self.tap_layer if self.key_layer is None else self.key_layer
+
+    @property
+    def lagged(self) -> bool:
+        """Keys from a deeper stream than the step's query; the query adds the previous token's key stream."""
+        return self.keys_layer > self.tap_layer
 
     @property
     def freqs(self) -> np.ndarray:
@@ -72,31 +96,63 @@ class HeadConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RetrievalHead:
-    """Parameters {"norm": [H], "wq": [H, Hq*Dr], "wk": [H, Hkv*Dr]} and their static config."""
+    """Parameters {"norm": [H], "wq": [H, Hq*Dr], "wk": [H, Hkv*Dr]} and their static config. A lagged head
+    adds "norm_k" [H] (its key stream's norm) and its "wq" is [2H, Hq*Dr] (current stream, previous key
+    stream)."""
 
     params: dict
     config: HeadConfig = dataclasses.field(metadata={"static": True})
 
 
+def param_shapes(config: HeadConfig) -> dict:
+    h, d = config.hidden_size, config.head_dim
+    shapes = {"norm": (h,), "wq": (2 * h if config.lagged else h, config.num_heads * d),
+              "wk": (h, config.num_kv_heads * d)}
+    if config.lagged:
+        shapes["norm_k"] = (h,)
+    return shapes
+
+
 def init_head(config: HeadConfig, key: jax.Array, scale: float = 0.02) -> RetrievalHead:
     kq, kk = jax.random.split(key)
-    h, d = config.hidden_size, config.head_dim
-    return RetrievalHead({
-        "norm": jnp.ones((h,), jnp.float32),
-        "wq": scale * jax.random.normal(kq, (h, config.num_heads * d), jnp.float32),
-        "wk": scale * jax.random.normal(kk, (h, config.num_kv_heads * d), jnp.float32),
-    }, config)
+    shapes = param_shapes(config)
+    params = {"norm": jnp.ones(shapes["norm"], jnp.float32),
+              "wq": scale * jax.random.normal(kq, shapes["wq"], jnp.float32),
+              "wk": scale * jax.random.normal(kk, shapes["wk"], jnp.float32)}
+    if config.lagged:
+        params["norm_k"] = jnp.ones(shapes["norm_k"], jnp.float32)
+    return RetrievalHead(params, config)
+
+
+def head_keys(head: RetrievalHead, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [S, T, hidden] (the stream after `keys_layer` layers), positions [S, T] -> post-RoPE keys
+    [S, T, Hkv, Dr] float32."""
+    c, p = head.config, head.params
+    s, t, _ = x.shape
+    h = rms_norm(x.astype(jnp.float32), p["norm_k" if c.lagged else "norm"], c.rms_norm_eps)
+    return rope.apply_rope((h @ p["wk"]).reshape(s, t, c.num_kv_heads, c.head_dim), positions, c.freqs)
+
+
+def head_query(head: RetrievalHead, x: jax.Array, positions: jax.Array, prev: jax.Array | None = None
+               ) -> jax.Array:
+    """x [S, T, hidden] (the stream after `tap_layer` layers) -> post-RoPE queries [S, T, Hq, Dr] float32.
+    A lagged head also reads ``prev`` [S, T, hidden]: each query token's predecessor's `keys_layer` stream."""
+    c, p = head.config, head.params
+    s, t, _ = x.shape
+    h = rms_norm(x.astype(jnp.float32), p["norm"], c.rms_norm_eps)
+    if c.lagged:
+        if prev is None:
+            raise ValueError("a lagged retrieval head's query needs the previous token's key stream")
+        h = jnp.concatenate([h, rms_norm(prev.astype(jnp.float32), p["norm_k"], c.rms_norm_eps)], axis=-1)
+    return rope.apply_rope((h @ p["wq"]).reshape(s, t, c.num_heads, c.head_dim), positions, c.freqs)
 
 
 def head_qk(head: RetrievalHead, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [S, T, hidden] (the stream after `tap_layer` layers), positions [S, T] -> post-RoPE
-    q [S, T, Hq, Dr], k [S, T, Hkv, Dr] in float32."""
-    c, p = head.config, head.params
-    s, t, _ = x.shape
-    h = rms_norm(x.astype(jnp.float32), p["norm"], c.rms_norm_eps)
-    q = (h @ p["wq"]).reshape(s, t, c.num_heads, c.head_dim)
-    k = (h @ p["wk"]).reshape(s, t, c.num_kv_heads, c.head_dim)
-    return rope.apply_rope(q, positions, c.freqs), rope.apply_rope(k, positions, c.freqs)
+    q [S, T, Hq, Dr], k [S, T, Hkv, Dr] in float32 (a head whose query and keys read one stream)."""
+    if head.config.lagged:
+        raise ValueError("a lagged retrieval head reads two streams: use head_query and head_keys")
+    return head_query(head, x, positions), head_keys(head, x, positions)
 
 
 def head_logits(head: RetrievalHead, q: jax.Array, keys: jax.Array) -> jax.Array:
@@ -117,10 +173,22 @@ def group_weights(logits: jax.Array, visible: jax.Array) -> jax.Array:
     return jnp.max(probs, axis=2)
 
 
-def init_state(head: RetrievalHead, num_seqs: int, max_len: int, dtype=jnp.float32) -> jax.Array:
-    """The head's key cache: [S, N, Hkv, Dr] (float32 unless asked), slot i = position i."""
+def init_state(head: RetrievalHead, num_seqs: int, max_len: int, dtype=jnp.float32):
+    """The head's key cache [S, N, Hkv, Dr] (float32 unless asked), slot i = position i; a lagged head's
+    state is (that cache, each row's last key-stream vector [S, hidden] float32)."""
     c = head.config
-    return jnp.zeros((num_seqs, max_len, c.num_kv_heads, c.head_dim), dtype)
+    keys = jnp.zeros((num_seqs, max_len, c.num_kv_heads, c.head_dim), dtype)
+    return (keys, jnp.zeros((num_seqs, c.hidden_size), jnp.float32)) if c.lagged else keys
+
+
+def own_key_lag(head: RetrievalHead) -> int:
+    """1 for a lagged head: its query scores keys before the current token's (written later in the step;
+    the read rule forces the current token anyway), 0 when the step's own key is scored too."""
+    return int(head.config.lagged)
+
+
+def key_cache(state) -> jax.Array:
+    return state[0] if isinstance(state, tuple) else state
 
 
 def write_keys(head: RetrievalHead, state: jax.Array, x: jax.Array, positions: jax.Array):
@@ -128,6 +196,21 @@ def write_keys(head: RetrievalHead, state: jax.Array, x: jax.Array, positions: j
     q, k = head_qk(head, x, positions)
     rows = jnp.arange(state.shape[0])[:, None]
     return state.at[rows, positions].set(k.astype(state.dtype), mode="drop"), q
+
+
+def observe_lagged(head: RetrievalHead, state, x: jax.Array, positions: jax.Array, rows: jax.Array):
+    """A lagged head's state update from ragged tokens: x [T, hidden] (the key stream), positions [T], rows
+    [T] (out of range: dropped). Writes each token's key and, per row, the stream of its newest token (the
+    next step's query reads it)."""
+    keys, last = state
+    k = head_keys(head, x[None], positions[None])[0]
+    keys = keys.at[rows, positions].set(k.astype(keys.dtype), mode="drop")
+    r = last.shape[0]
+    ok = (rows >= 0) & (rows < r) & (positions < keys.shape[1])
+    newest = jnp.full((r + 1,), -1, jnp.int32).at[jnp.where(ok, rows, r)].max(positions)
+    take = ok & (positions == newest[jnp.where(ok, rows, r)])
+    last = last.at[jnp.where(take, rows, r)].set(x.astype(last.dtype), mode="drop")
+    return keys, last
 
 
 @register
@@ -163,27 +246,46 @@ class SpeContext(RetrievalPolicy):
     def tap_layer(self, head: RetrievalHead) -> int:
         return head.config.tap_layer
 
+    def key_layer(self, head: RetrievalHead) -> int:
+        return head.config.keys_layer
+
     def init_state(self, head: RetrievalHead, num_seqs: int, max_len: int):
         dtype = "float32" if self.key_dtype == "auto" else self.key_dtype  # unresolved (no for_model): fp32
         return init_state(head, num_seqs, max_len, jnp.dtype(dtype))
 
     def observe(self, head: RetrievalHead, state, x, positions):
+        if head.config.lagged:
+            s, t = positions.shape
+            rows = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, t))
+            return observe_lagged(head, state, x.reshape(s * t, -1), positions.reshape(-1), rows.reshape(-1))
         return write_keys(head, state, x, positions)[0]
 
     def load_params(self, model) -> RetrievalHead:
         return load_for_model(model)
 
     def observe_tokens(self, head: RetrievalHead, state, x, positions, rows):
-        _, k = head_qk(head, x[None], positions[None])
-        rows = jnp.where(rows >= 0, rows, state.shape[0])  # out of bounds: dropped
+        rows = jnp.where(rows >= 0, rows, key_cache(state).shape[0])  # out of bounds: dropped
+        if head.config.lagged:
+            return observe_lagged(head, state, x, positions, rows)
+        k = head_keys(head, x[None], positions[None])
         return state.at[rows, positions].set(k[0].astype(state.dtype), mode="drop")
 
+    def _query(self, head: RetrievalHead, state, x, positions, rows):
+        """The decode query [S, 1, Hq, Dr] of each row (x [S, 1, hidden] the stream after `tap_layer`)."""
+        if not head.config.lagged:
+            return head_query(head, x, positions)
+        return head_query(head, x, positions, state[1][rows][:, None])
+
     def scores(self, head: RetrievalHead, state, x, positions):
-        state, q = write_keys(head, state, x, positions)
-        q = q[:, -1:]  # the decode query
-        n = state.shape[1]
-        visible = jnp.arange(n)[None, None, :] <= positions[:, -1:, None]  # [S, 1, N]
-        w = group_weights(head_logits(head, q, state), visible)  # [S, Hkv, 1, N]
+        if head.config.lagged:  # the step's keys are written at key_layer (`observe`), after the selection
+            q = self._query(head, state, x[:, -1:], positions[:, -1:], jnp.arange(x.shape[0]))
+        else:
+            state, q = write_keys(head, state, x, positions)
+            q = q[:, -1:]  # the decode query
+        keys = key_cache(state)
+        n = keys.shape[1]
+        visible = jnp.arange(n)[None, None, :] <= positions[:, -1:, None] - own_key_lag(head)  # [S, 1, N]
+        w = group_weights(head_logits(head, q, keys), visible)  # [S, Hkv, 1, N]
         return w[:, :, 0], state
 
     def score_rows(self, head: RetrievalHead, state, x, positions, rows, num_slots):
@@ -191,20 +293,21 @@ class SpeContext(RetrievalPolicy):
         dim that XLA fuses with the row gather, instead of copying the rows out and writing the step's keys
         (already in the state) into the copy (docs/specontext.md has the timings)."""
         c = head.config
-        q, _ = head_qk(head, x[:, -1:], positions[:, -1:])  # [S, 1, Hq, Dr]
+        q = self._query(head, state, x[:, -1:], positions[:, -1:], rows)  # [S, 1, Hq, Dr]
+        keys = key_cache(state)
         s = q.shape[0]
         qg = q.reshape(s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim) * c.head_dim ** -0.5
         impl = self.scores_impl
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         if impl == "xla":
-            keys = state[rows, :num_slots]  # [S, N, Hkv, Dr]: a gather XLA fuses into the reduce below
-            logits = jnp.sum(qg[:, None] * keys[:, :, :, None, :], axis=-1)  # [S, N, Hkv, G]
+            kr = keys[rows, :num_slots]  # [S, N, Hkv, Dr]: a gather XLA fuses into the reduce below
+            logits = jnp.sum(qg[:, None] * kr[:, :, :, None, :], axis=-1)  # [S, N, Hkv, G]
             logits = jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [S, Hkv, G, 1, N]
         else:
-            logits = retrieval_logits(qg, state, rows, positions[:, -1], num_slots=num_slots,
+            logits = retrieval_logits(qg, keys, rows, positions[:, -1], num_slots=num_slots,
                                       implementation=impl)[:, :, :, None]
-        visible = jnp.arange(num_slots)[None, None, :] <= positions[:, -1:, None]
+        visible = jnp.arange(num_slots)[None, None, :] <= positions[:, -1:, None] - own_key_lag(head)
         return group_weights(logits, visible)[:, :, 0]
 
 
@@ -237,15 +340,16 @@ def load_head(path: str | Path, model=None) -> RetrievalHead:
     fields = {f.name for f in dataclasses.fields(HeadConfig)}
     config = HeadConfig(**{k: v for k, v in raw.items() if k in fields})
     arrays = load_file(str(path / "head.safetensors"))
-    h, d = config.hidden_size, config.head_dim
-    want = {"norm": (h,), "wq": (h, config.num_heads * d), "wk": (h, config.num_kv_heads * d)}
+    h = config.hidden_size
+    want = param_shapes(config)
     got = {k: tuple(v.shape) for k, v in arrays.items()}
     if got != want:
         raise ValueError(f"{path}/head.safetensors: tensors {got} do not match config.json {want}")
     head = RetrievalHead({k: jnp.asarray(v) for k, v in arrays.items()}, config)
     if model is not None:
         mc = model.config
-        if (mc.hidden_size, mc.num_kv_heads) != (h, config.num_kv_heads) or config.tap_layer >= mc.num_layers:
+        fits = (mc.hidden_size, mc.num_kv_heads) == (h, config.num_kv_heads)
+        if not fits or config.keys_layer >= mc.num_layers:
             raise ValueError(f"retrieval head {path} does not fit model {model.model_id}")
         if config.model_id and config.model_id != model.model_id:
             raise ValueError(f"retrieval head {path} was distilled from {config.model_id}, "
