@@ -89,9 +89,10 @@ def test_served_score_is_the_distilled_attention(lagged):
     got, _ = pol.scores(head, state, xq[None], qidx[None])
     np.testing.assert_allclose(np.asarray(got)[..., :n], want, rtol=1e-4, atol=1e-6)
     rows = jnp.array([0], jnp.int32)
-    xla = sc.SpeContext(budget=8, scores_impl="xla")
-    in_place = xla.score_rows(head, state, xq[None], qidx[None], rows, 64)
-    np.testing.assert_allclose(np.asarray(in_place)[..., :n], want, rtol=1e-4, atol=1e-6)
+    for impl in ("xla", "pallas", "reference"):  # pallas: the retrieval-logits kernel, interpret mode here
+        pol_i = sc.SpeContext(budget=8, scores_impl=impl)
+        in_place = pol_i.score_rows(head, state, xq[None], qidx[None], rows, 64)
+        np.testing.assert_allclose(np.asarray(in_place)[..., :n], want, rtol=1e-4, atol=1e-6)
     # The previous token's stream matters: another one changes the scores.
     other = (state[0], state[1] + 1.0)
     assert not np.allclose(np.asarray(pol.scores(head, other, xq[None], qidx[None])[0])[..., :n], want)
