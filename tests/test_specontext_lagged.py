@@ -169,3 +169,16 @@ def test_distil_loss_drops_the_own_key_and_scripts_run_lagged(lagged, tmp_path):
     row = json.loads(res.read_text())["rows"][0]
     assert row["recall"]["head"]["4096"][:2] == pytest.approx([1.0, 1.0], abs=1e-5)
     assert 0.0 < row["recall"]["head"]["16"][1] < 1.0
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_engine_two_rows_multi_step_decode_keep_their_own_previous_stream(lagged, host):
+    """Two requests decoding together, 4 steps per dispatch (in place, or through the host tier's buffer):
+    each row's query reads its own previous-token stream, so both give the library decode's tokens."""
+    from jaxkv.policies.retrieve import decode
+
+    model, head = lagged
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
+    got, _ = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4, retrieval_host_tier=host)
+    assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
