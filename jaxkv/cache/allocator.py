@@ -2,6 +2,10 @@
 
 A page is owned by whoever holds a reference: a sequence's page list (``HeadPageTables``) and/or the
 prefix cache. A page returns to the free stack when its count drops to zero.
+
+``host_pages`` adds page ids ``[num_pages, num_pages + host_pages)`` that exist only in host memory (the
+SpeContext host tier's mirror, where offloaded pages live; jaxkv/engine/retrieval.py): `allocate` never
+hands them out, `allocate_host` does, and a freed one returns to its own stack.
 """
 
 from __future__ import annotations
@@ -14,14 +18,19 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, host_pages: int = 0):
         if not isinstance(num_pages, int | np.integer) or num_pages < 1:
             raise ValueError(f"PageAllocator: num_pages must be a positive integer (got {num_pages!r})")
+        if not isinstance(host_pages, int | np.integer) or host_pages < 0:
+            raise ValueError(f"PageAllocator: host_pages must be an integer >= 0 (got {host_pages!r})")
         self.num_pages = int(num_pages)
+        self.host_pages = int(host_pages)
         # Free stack: entries [0, _top) are free page ids; popping from the end hands out low ids first.
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
-        self._ref = np.zeros(self.num_pages, np.int32)  # [num_pages] reference count per page
+        self._host_free = np.arange(self.num_pages + self.host_pages - 1, self.num_pages - 1, -1, dtype=np.int32)
+        self._host_top = self.host_pages
+        self._ref = np.zeros(self.num_pages + self.host_pages, np.int32)  # reference count per page
 
     @property
     def num_free(self) -> int:
@@ -29,6 +38,19 @@ class PageAllocator:
 
     def can_allocate(self, n: int) -> bool:
         return n <= self._top
+
+    @property
+    def num_free_host(self) -> int:
+        return self._host_top
+
+    def allocate_host(self, n: int) -> np.ndarray:
+        """``n`` fresh host-only page ids (reference count 1); raises OutOfPages."""
+        if n < 0 or n > self._host_top:
+            raise OutOfPages(f"asked for {n} host pages, {self._host_top} of {self.host_pages} are free")
+        ids = self._host_free[self._host_top - n:self._host_top][::-1].copy()
+        self._host_top -= n
+        self._ref[ids] = 1
+        return ids
 
     def allocate(self, n: int, heads=None) -> np.ndarray:
         """Returns ``n`` fresh page ids (np.int32[n]) with reference count 1; raises OutOfPages.
@@ -62,8 +84,12 @@ class PageAllocator:
             raise ValueError("decref below zero (page freed twice)")
         self._ref[uniq] -= counts.astype(np.int32)
         freed = uniq[self._ref[uniq] == 0]
+        host = freed[freed >= self.num_pages]
+        freed = freed[freed < self.num_pages]
         self._free[self._top:self._top + freed.size] = freed
         self._top += freed.size
+        self._host_free[self._host_top:self._host_top + host.size] = host
+        self._host_top += host.size
 
     def free(self, ids) -> None:
         """Returns pages that are held exactly once (by the caller) to the free stack."""
@@ -74,6 +100,6 @@ class PageAllocator:
 
     def _check(self, ids) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
-            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages + self.host_pages):
+            raise ValueError(f"page id out of range [0, {self.num_pages + self.host_pages})")
         return ids

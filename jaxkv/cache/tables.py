@@ -259,6 +259,19 @@ class HeadPageTables:
             self.journal.reset(seq_id)
         return int(freed.size)
 
+    def replace_pages(self, seq_id, lh: np.ndarray, j: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Points entries (flat layer-head ``lh``, page index ``j``) of a sequence at other page ids (the
+        caller moved the data and owns both references); returns the ids they held."""
+        seq = self._get(seq_id)
+        flat = seq.table.reshape(-1, seq.table.shape[2])
+        if ((j < 0) | (j >= seq.npages.reshape(-1)[lh])).any():
+            raise ValueError("replace_pages: an entry past the sequence's pages")
+        old = flat[lh, j].copy()
+        flat[lh, j] = ids
+        if self.journal is not None:
+            self.journal.pages(seq_id, lh, j, ids)
+        return old
+
     def release(self, seq_id) -> None:
         """Drops the sequence and one reference to each of its pages (no-op for an unknown id)."""
         seq = self._seqs.pop(seq_id, None)

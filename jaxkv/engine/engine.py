@@ -76,7 +76,7 @@ class Engine:
                  decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
                  retrieval_host_tier: bool = False, retrieval_resident: float = 1.0,
-                 retrieval_inplace: bool | None = None,
+                 retrieval_inplace: bool | None = None, retrieval_host_pages: int = 0,
                  pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
                  segment_ffn_cache_bytes: int | None = None):
         cfg = model.config
@@ -106,7 +106,8 @@ class Engine:
             num_pages = -(-num_pages // tp) * tp
             self.allocator = ShardedPageAllocator(num_pages, tp, cfg.num_kv_heads)
         else:
-            self.allocator = PageAllocator(num_pages)
+            self.allocator = PageAllocator(num_pages, host_pages=_host_pages(retrieval_host_pages,
+                                                                              retrieval_host_tier))
         self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
                                      window, max_step_tokens)
         # Page tables and per-head counters live on the device, updated from the host tables' journal;
@@ -144,6 +145,12 @@ class Engine:
         # the pool itself, no buffer copy of the K/V (H200, 1B shape, batch 64: 4.64 -> 3.04 ms a step at 8K).
         self.retriever = Retriever(self, host_tier=retrieval_host_tier, resident=retrieval_resident,
                                    inplace=retrieval_inplace)
+        # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
+        # move to when the device pool runs short (progressive offload), before anything is preempted.
+        if self.allocator.__class__ is PageAllocator and self.allocator.host_pages:
+            self.scheduler.offload = self.retriever.offload
+        elif retrieval_host_pages:
+            raise ValueError("retrieval_host_pages is not supported with tensor parallelism")
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.
@@ -480,6 +487,15 @@ class Engine:
             prefix_cache_query_tokens=self.prefix.query_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
             num_preemptions=self.scheduler.num_preemptions)
+
+
+def _host_pages(n, host_tier: bool) -> int:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"retrieval_host_pages must be an integer >= 0 (got {n!r})")
+    if n and not host_tier:
+        raise ValueError("retrieval_host_pages is host memory of the SpeContext host tier: it needs "
+                         "retrieval_host_tier=True")
+    return int(n)
 
 
 def _resolve_policy(policy, budget, model) -> CompressPolicy | RetrievalPolicy | None:

@@ -268,6 +268,14 @@ def mirror_slots(host_k, host_v, pool_k, pool_v, slots):
     return _host_scatter(host_k, host_v, put(rows), put(k), put(v))
 
 
+@functools.partial(jax.jit, donate_argnames=("host_k", "host_v"))
+def move_host_rows(host_k, host_v, src, dst):
+    """Copies host mirror rows `src` [T] to rows `dst` [T] (both in host memory; the offload of a page)."""
+    put = functools.partial(jax.device_put, device=host_sharding())
+    k, v = _host_gather(host_k, host_v, put(src))
+    return _host_scatter(host_k, host_v, put(dst), k, v)
+
+
 def transfer_bytes(rows: int, layers: int, head_dim: int, itemsize: int) -> int:
     """Host -> device bytes of moving `rows` (sequence, KV head) rows of `layers` layers, K + V."""
     return 2 * rows * layers * head_dim * itemsize

@@ -495,6 +495,7 @@ class Retriever:
         # of every buffered layer: moved = load rounds x chunk (padding included), needed = rows the buffer
         # lacked, baseline = selected rows (re-fetching the selection every step).
         self.host_steps = 0
+        self.pages_offloaded = 0  # device pages moved to host-only pages by `offload` since start
         self.host_rows_moved = 0
         self.host_rows_needed = 0
         self.host_rows_baseline = 0
@@ -592,11 +593,72 @@ class Retriever:
         """The pool's host mirror (k, v) [num_pages * page_size, D] when the host tier serves `policy`."""
         if not self.host_tier or policy.layer_wise:
             return None
-        if self._host is None:
+        if self._host is None:  # device pages, then the host-only pages (allocator.host_pages) after them
             pool = self.engine.runner.pool
             d = pool.k.shape[-1]
-            self._host = (host_tier.to_host(pool.k.reshape(-1, d)), host_tier.to_host(pool.v.reshape(-1, d)))
+            extra = getattr(self.engine.allocator, "host_pages", 0) * self.engine.page_size
+
+            def mirror(x):
+                x = x.reshape(-1, d)
+                return host_tier.to_host(jnp.concatenate([x, jnp.zeros((extra, d), x.dtype)]) if extra else x)
+
+            self._host = (mirror(pool.k), mirror(pool.v))
         return self._host
+
+    def offload(self, need: int) -> int:
+        """Progressive offload (SpeContext Alg. 1/2, adapted): frees up to `need` device pages by moving
+        pages of running shared-retrieval requests to host-only pages (allocator.host_pages), the global
+        heads of the layers the selection serves, deepest layer first, oldest pages first; only pages of
+        positions every dispatched call has long finished writing (the host mirror holds them). Those heads
+        are read only through the selection buffer, whose loads of positions before a dispatch come from the
+        mirror through the page table; dense layers, ring heads and the page being written stay on the
+        device. Nothing moves back. Returns the device pages freed."""
+        eng = self.engine
+        alloc, tables, ps = eng.allocator, eng.tables, eng.page_size
+        if not self.host_tier or need <= 0 or alloc.num_free_host == 0:
+            return 0
+        margin = 2 * max(eng.decode_steps, eng.scheduler.max_step_tokens)
+        per_layer: dict[int, list] = {}  # layer -> [(request id, flat lh [n], j [n])]
+        glob = ~tables.local  # [L, H]
+        L, H = tables.num_layers, tables.num_kv_heads
+        for req in eng.scheduler.running:
+            pol = req.kv_policy
+            if not is_retrieval(req) or pol.layer_wise or req.num_computed <= len(req.prompt_ids):
+                continue
+            first = pol.tap_layer(self.params_for(pol))
+            self._host_for(pol)
+            safe = max(0, (req.num_computed - margin) // ps)  # pages [0, safe): positions long dispatched
+            if safe == 0:
+                continue
+            table = tables._get(req.request_id).table  # [L, H, cap]
+            for layer in range(L - 1, first - 1, -1):
+                h, j = np.nonzero(glob[layer][:, None] & (table[layer, :, :safe] >= 0)
+                                  & (table[layer, :, :safe] < alloc.num_pages))
+                if h.size:
+                    per_layer.setdefault(layer, []).append((req.request_id, layer * H + h, j))
+        freed = 0
+        for layer in sorted(per_layer, reverse=True):
+            for rid, lh, j in per_layer[layer]:
+                n = min(lh.size, need - freed, alloc.num_free_host)
+                if n <= 0:
+                    return freed
+                lh, j = lh[:n], j[:n]
+                seq = tables._get(rid)
+                old = seq.table.reshape(L * H, -1)[lh, j]
+                keep = alloc.refcount(old) == 1  # a shared page stays where it is
+                lh, j, old = lh[keep], j[keep], old[keep]
+                if not old.size:
+                    continue
+                new = alloc.allocate_host(old.size)
+                rows = np.arange(ps, dtype=np.int32)
+                self._host = host_tier.move_host_rows(
+                    *self._host, jnp.asarray((old[:, None] * ps + rows).reshape(-1)),
+                    jnp.asarray((new[:, None] * ps + rows).reshape(-1)))
+                tables.replace_pages(rid, lh, j, new)
+                alloc.decref(old)
+                freed += int(old.size)
+                self.pages_offloaded += int(old.size)
+        return freed
 
     def _mirror(self, slots) -> None:
         """Copies the pool slots a retrieval call just wrote into the host mirror (when there is one)."""

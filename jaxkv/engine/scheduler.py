@@ -47,6 +47,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
         self.segments = None  # a jaxkv.cache.segments.SegmentStore whose idle entries may be evicted
+        # offload(n) -> device pages freed by moving running requests' pages to host memory (SpeContext's
+        # progressive offload, jaxkv/engine/retrieval.py), tried before preempting; None: no offload.
+        self.offload = None
 
     def add_running(self, request: Request) -> None:
         """Takes a request whose prompt was prefilled outside the step loop (segment reuse) as running."""
@@ -153,11 +156,14 @@ class Scheduler:
         return self.tables.append(req.request_id, _positions(req, n), return_slots=self.host_slots)
 
     def _make_room(self, need: int, protect: Request | None) -> bool:
-        """Frees pages until `need` fit: idle prefix-cache pages first, then the newest running request."""
+        """Frees pages until `need` fit: idle prefix-cache pages, idle segments, offload to host memory, then
+        the newest running request."""
         while not self.allocator.can_allocate(need):
             if self.prefix is not None and self.prefix.evict(need - self.allocator.num_free) > 0:
                 continue
             if self.segments is not None and self.segments.evict(need - self.allocator.num_free) > 0:
+                continue
+            if self.offload is not None and self.offload(need - self.allocator.num_free) > 0:
                 continue
             # Only requests newer than `protect` may go: older ones already hold this step's slots.
             victims = self.running[self.running.index(protect) + 1:] if protect is not None else []
