@@ -28,7 +28,8 @@ class PageAllocator:
         # Free stack: entries [0, _top) are free page ids; popping from the end hands out low ids first.
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
-        self._host_free = np.arange(self.num_pages + self.host_pages - 1, self.num_pages - 1, -1, dtype=np.int32)
+        self._host_free = np.arange(self.num_pages + self.host_pages - 1, self.num_pages - 1, -1,
+                                    dtype=np.int32)
         self._host_top = self.host_pages
         self._ref = np.zeros(self.num_pages + self.host_pages, np.int32)  # reference count per page
 

@@ -617,7 +617,10 @@ class Retriever:
         alloc, tables, ps = eng.allocator, eng.tables, eng.page_size
         if not self.host_tier or need <= 0 or alloc.num_free_host == 0:
             return 0
-        margin = 2 * max(eng.decode_steps, eng.scheduler.max_step_tokens)
+        # A decoding request's slots not yet dispatched are at most one call's (decode_steps), one more call
+        # may be in flight, and the page being written stays: positions before num_computed - margin are
+        # written and mirrored by calls dispatched before this one.
+        margin = 2 * eng.decode_steps + ps
         per_layer: dict[int, list] = {}  # layer -> [(request id, flat lh [n], j [n])]
         glob = ~tables.local  # [L, H]
         L, H = tables.num_layers, tables.num_kv_heads
