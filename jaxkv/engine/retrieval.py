@@ -654,9 +654,13 @@ class Retriever:
                     continue
                 new = alloc.allocate_host(old.size)
                 rows = np.arange(ps, dtype=np.int32)
-                self._host = host_tier.move_host_rows(
-                    *self._host, jnp.asarray((old[:, None] * ps + rows).reshape(-1)),
-                    jnp.asarray((new[:, None] * ps + rows).reshape(-1)))
+                src = (old[:, None] * ps + rows).reshape(-1)
+                # Power-of-two row counts: a few compiled copies, not one per page count (padding: dropped).
+                size = 1 << max(6, int(src.size - 1).bit_length())
+                dst = np.full(size, self._host[0].shape[0], np.int32)
+                dst[:src.size] = (new[:, None] * ps + rows).reshape(-1)
+                src = jnp.asarray(np.pad(src, (0, size - src.size)))
+                self._host = host_tier.move_host_rows(*self._host, src, jnp.asarray(dst))
                 tables.replace_pages(rid, lh, j, new)
                 alloc.decref(old)
                 freed += int(old.size)
