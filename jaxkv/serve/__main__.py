@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --retrieval-host-tier: device buffer slots per selected slot (>= 1); 2 keeps "
                         "recently selected KV resident: ~15x fewer host bytes than re-fetching "
                         "(docs/specontext.md)")
+    p.add_argument("--retrieval-host-pages", type=int, default=0, metavar="N",
+                   help="with --retrieval-host-tier: pages of host memory that SpeContext requests' older "
+                        "KV moves to when the device pool runs short (progressive offload, instead of "
+                        "preempting a request; docs/specontext.md); 0: no offload")
     p.add_argument("--segment-anchor", default="bos", metavar="bos|none|IDS",
                    help="tokens every reusable segment is prefilled after (their K/V are dropped): 'bos' "
                         "(default: the model's BOS, the attention sink its prompts open with), 'none' "
@@ -102,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--retrieval-resident must be >= 1 (got {args.retrieval_resident})")
     if args.retrieval_resident != 1.0 and not args.retrieval_host_tier:
         p.error("--retrieval-resident sizes the host tier's device buffer: it needs --retrieval-host-tier")
+    if args.retrieval_host_pages < 0:
+        p.error(f"--retrieval-host-pages must be >= 0 (got {args.retrieval_host_pages})")
+    if args.retrieval_host_pages and not args.retrieval_host_tier:
+        p.error("--retrieval-host-pages is host memory of the SpeContext host tier: it needs "
+                "--retrieval-host-tier")
     anchor = args.segment_anchor.strip().lower()
     if anchor in ("bos", "none"):
         args.segment_anchor = None if anchor == "none" else "bos"
@@ -170,7 +179,8 @@ def main(argv=None) -> int:
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         retrieval_host_tier=args.retrieval_host_tier,
-                        retrieval_resident=args.retrieval_resident, segment_anchor=args.segment_anchor,
+                        retrieval_resident=args.retrieval_resident,
+                        retrieval_host_pages=args.retrieval_host_pages, segment_anchor=args.segment_anchor,
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
                         else int(args.segment_ffn_cache_mb * 2**20))
         name = args.served_model_name or Path(args.model).resolve().name
