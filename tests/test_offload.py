@@ -93,6 +93,8 @@ def test_offload_moves_mirror_rows_deepest_layer_first(toy):  # noqa: F811
                                               pool_k[old * ps:(old + 1) * ps])
                 moved += 1
     assert moved == 6 and eng.allocator.num_free_host == 32 - 6
+    st = eng.stats()
+    assert (st.host_pages_total, st.host_pages_in_use, st.pages_offloaded) == (32, 6, 6)
     eng.retriever._owner.clear()  # the buffer forgets its rows: the next step reloads every selected row,
     # the offloaded ones from their host pages (the path a long decode takes as its selection drifts)
     while eng.has_unfinished():

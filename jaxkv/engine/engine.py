@@ -50,6 +50,9 @@ class EngineStats:
     prefix_cache_query_tokens: int  # prompt tokens looked up
     prefix_cache_hit_tokens: int  # of those, tokens served from cached pages
     num_preemptions: int  # since start
+    host_pages_total: int = 0  # host-only pages of the SpeContext offload (retrieval_host_pages)
+    host_pages_in_use: int = 0  # of those, held by requests (pages_in_use_by_class counts them too)
+    pages_offloaded: int = 0  # device pages moved to host pages since start
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -486,7 +489,11 @@ class Engine:
             prefix_cache_hits=self.prefix.hits if self.prefix else 0,
             prefix_cache_query_tokens=self.prefix.query_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            host_pages_total=getattr(self.allocator, "host_pages", 0),
+            host_pages_in_use=getattr(self.allocator, "host_pages", 0)
+            - getattr(self.allocator, "num_free_host", 0),
+            pages_offloaded=self.retriever.pages_offloaded)
 
 
 def _host_pages(n, host_tier: bool) -> int:

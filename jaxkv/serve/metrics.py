@@ -38,6 +38,10 @@ class ServeMetrics:
         self.prefix_queries = g("jaxkv_prefix_cache_queries", "Prefix-cache lookups since start.")
         self.prefix_hits = g("jaxkv_prefix_cache_hits", "Prefix-cache lookups that hit, since start.")
         self.preemptions = g("jaxkv_num_preemptions", "Requests preempted since start.")
+        self.host_pages_in_use = g("jaxkv_kv_host_pages_in_use", "Host-memory KV pages held by requests "
+                                   "(SpeContext offload, --retrieval-host-pages).")
+        self.pages_offloaded = g("jaxkv_kv_pages_offloaded", "Device KV pages moved to host memory since "
+                                 "start.")
         self.preemptions_total = c("jaxkv_preemptions", "Preemptions (a running request's pages freed to "
                                    "make room; it is recomputed later).")
         self.pages_free = g("jaxkv_kv_pages_free", "KV pages free in the pool.")
@@ -81,6 +85,8 @@ class ServeMetrics:
         self.prefix_hits.labels(m).set(hits)
         self.prefix_hit_rate.labels(m).set(hits / q if q else 0.0)
         self.preemptions.labels(m).set(s.num_preemptions)
+        self.host_pages_in_use.labels(m).set(s.host_pages_in_use)
+        self.pages_offloaded.labels(m).set(s.pages_offloaded)
         if s.num_preemptions > self._last_preemptions:
             self.preemptions_total.labels(m).inc(s.num_preemptions - self._last_preemptions)
             self._last_preemptions = s.num_preemptions
