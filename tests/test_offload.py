@@ -82,7 +82,7 @@ def test_offload_moves_mirror_rows_deepest_layer_first(toy):  # noqa: F811
     after = eng.tables.page_lists(rid)
     ps, dev = eng.page_size, eng.allocator.num_pages
     host_k = np.asarray(eng.retriever._host[0])
-    moved = 0
+    moved, pages = 0, []
     for layer in range(model.config.num_layers):
         for h in range(model.config.num_kv_heads):
             for j, (old, new) in enumerate(zip(before[layer][h], after[layer][h], strict=True)):
@@ -92,6 +92,8 @@ def test_offload_moves_mirror_rows_deepest_layer_first(toy):  # noqa: F811
                 np.testing.assert_array_equal(host_k[new * ps:(new + 1) * ps],
                                               pool_k[old * ps:(old + 1) * ps])
                 moved += 1
+                pages.append(j)
+    assert sorted(pages) == [0, 0, 1, 1, 2, 2]  # oldest first, over both heads of the layer
     assert moved == 6 and eng.allocator.num_free_host == 32 - 6
     st = eng.stats()
     assert (st.host_pages_total, st.host_pages_in_use, st.pages_offloaded) == (32, 6, 6)

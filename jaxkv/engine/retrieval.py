@@ -637,6 +637,8 @@ class Retriever:
             for layer in range(L - 1, first - 1, -1):
                 h, j = np.nonzero(glob[layer][:, None] & (table[layer, :, :safe] >= 0)
                                   & (table[layer, :, :safe] < alloc.num_pages))
+                order = np.lexsort((h, j))  # oldest pages first, over the layer's heads
+                h, j = h[order], j[order]
                 if h.size:
                     per_layer.setdefault(layer, []).append((req.request_id, layer * H + h, j))
         freed = 0
