@@ -6,7 +6,8 @@
 The retrieval head's recall is measured against oracles (`scripts/eval_retrieval_head.py`), but recall is
 not accuracy. This script decodes greedily (full-attention prefill, then every step) with the selection
 an oracle would make, so the answer to "is the accuracy target reachable by a better head?" is measured,
-not inferred. Per decode step and KV head, with layers ``[0, tap)`` dense as under the shipped head:
+not inferred. Per decode step and KV head, with layers ``[0, tap)`` dense (``--tap``; default: the shipped
+head's tap layer):
 
 * ``shared``: the top-B of the layer-mean (layers tap..L-1) of the step's true GQA-max attention, read by
   every layer. The true attention comes from a full-attention pass of the same step, so this is the best
