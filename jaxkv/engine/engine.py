@@ -93,6 +93,9 @@ class Engine:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.head_classes = _resolve_head_classes(head_classes, model)
         mesh, tp = getattr(model, "mesh", None), 1  # tensor parallel over KV heads (docs/parallel.md)
+        host_pages = _host_pages(retrieval_host_pages, retrieval_host_tier)
+        if host_pages and mesh is not None:
+            raise ValueError("retrieval_host_pages is not supported with tensor parallelism")
         if mesh is not None:
             from jaxkv.parallel import setup_engine
             self.head_classes, tp = setup_engine(model, self.head_classes, kv_policy)
@@ -109,8 +112,7 @@ class Engine:
             num_pages = -(-num_pages // tp) * tp
             self.allocator = ShardedPageAllocator(num_pages, tp, cfg.num_kv_heads)
         else:
-            self.allocator = PageAllocator(num_pages, host_pages=_host_pages(retrieval_host_pages,
-                                                                              retrieval_host_tier))
+            self.allocator = PageAllocator(num_pages, host_pages=host_pages)
         self.tables = HeadPageTables(cfg.num_layers, cfg.num_kv_heads, page_size, self.allocator, sink,
                                      window, max_step_tokens)
         # Page tables and per-head counters live on the device, updated from the host tables' journal;
@@ -150,10 +152,8 @@ class Engine:
                                    inplace=retrieval_inplace)
         # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
-        if self.allocator.__class__ is PageAllocator and self.allocator.host_pages:
+        if host_pages:
             self.scheduler.offload = self.retriever.offload
-        elif retrieval_host_pages:
-            raise ValueError("retrieval_host_pages is not supported with tensor parallelism")
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.

@@ -256,11 +256,11 @@ def _merge_own(out, lse, q, k, v, scale):
 def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
               fresh_heads=None):
     """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
-    head_class_prefill) plus the retrieval state's key write at the tap layer of `policy` (None: no
+    head_class_prefill) plus the retrieval state's key write at the key layer of `policy` (None: no
     state) and, with `summary`, the per-page key bounds of every key written."""
     scale = cfg.head_dim ** -0.5
     freqs = rope.inv_freq(cfg)
-    tap = policy.key_layer(head) if policy is not None else -1  # where the state records tokens
+    key_layer = policy.key_layer(head) if policy is not None else -1  # where the state records tokens
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
 
     def attend(layer, q, k, v, state):
@@ -281,7 +281,7 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     x = params["embed"][b["tokens"]][None]
     pos = b["positions"][None]
     for i, p in enumerate(params["layers"]):
-        if i == tap:
+        if i == key_layer:
             rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
         x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, (pool, summary))
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -590,19 +590,22 @@ class Retriever:
         return self._buf[policy]
 
     def _host_for(self, policy: RetrievalPolicy):
-        """The pool's host mirror (k, v) [num_pages * page_size, D] when the host tier serves `policy`."""
+        """The pool's host mirror (k, v) [(num_pages + host_pages) * page_size, D] when the host tier serves
+        `policy` (host-only pages after the device ones: the offload's)."""
         if not self.host_tier or policy.layer_wise:
             return None
         if self._host is None:  # device pages, then the host-only pages (allocator.host_pages) after them
             pool = self.engine.runner.pool
             d = pool.k.shape[-1]
             extra = getattr(self.engine.allocator, "host_pages", 0) * self.engine.page_size
-
-            def mirror(x):
-                x = x.reshape(-1, d)
-                return host_tier.to_host(jnp.concatenate([x, jnp.zeros((extra, d), x.dtype)]) if extra else x)
-
-            self._host = (mirror(pool.k), mirror(pool.v))
+            if extra:  # made in host memory, then the pool's slots copied in (no device-side padding)
+                slots = pool.k.size // d
+                blank = np.zeros((slots + extra, d), pool.k.dtype)
+                host = [jax.device_put(blank, host_tier.host_sharding()) for _ in range(2)]
+                every = jnp.arange(slots, dtype=jnp.int32)
+                self._host = host_tier.mirror_slots(*host, pool.k, pool.v, every)
+            else:
+                self._host = tuple(host_tier.to_host(x.reshape(-1, d)) for x in (pool.k, pool.v))
         return self._host
 
     def offload(self, need: int) -> int:
