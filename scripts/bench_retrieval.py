@@ -198,16 +198,22 @@ def run_method(model, method: str, args) -> dict:
     cfg = model.config
     eng = start(model, method, args, seed=0)
     steady_tokens, steady_s, all_tokens, t_all = 0, 0.0, 0, time.perf_counter()
-    decode_started = False
+    decode_started, steps, compiles, last_print = False, 0, 0, time.perf_counter()
     for outs, dt, compiled in timed_steps(eng):
         n = sum(len(o.new_token_ids) for o in outs)
         all_tokens += n
+        steps, compiles = steps + 1, compiles + compiled
+        if time.perf_counter() - last_print > args.progress_s:  # where a long run spends its time
+            last_print = time.perf_counter()
+            print(f"[{method}] {last_print - t_all:.0f}s: {steps} steps ({compiles} compiled), {all_tokens} "
+                  f"tokens, {eng.scheduler.num_preemptions} preemptions, "
+                  f"{eng.retriever.pages_offloaded} pages offloaded", file=sys.stderr, flush=True)
         decode_started = decode_started or (n > 0 and not eng.scheduler.waiting)
         if decode_started and not compiled and n:
             steady_tokens += n
             steady_s += dt
     r = eng.retriever
-    row = {"method": method, "budget": None if policy_of(method) is None else args.budget,
+    row = {"method": method, "steps": steps, "compiled_steps": compiles, "budget": None if policy_of(method) is None else args.budget,
            "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
@@ -286,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON lines file")
     ap.add_argument("--points", help="contexts (comma-separated): steady decode step time at each instead of "
                                      "one long run; the table adds the [prompt -> prompt + gen] estimate")
+    ap.add_argument("--progress-s", type=float, default=15.0,
+                    help="seconds between progress lines on stderr (steps, compiles, preemptions)")
     ap.add_argument("--point-steps", type=int, default=4, help="decode engine steps per point")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()

@@ -120,10 +120,17 @@ def test_mirror_copies_written_slots_and_the_gather_runs_on_the_host():
     pool_k = jnp.arange(n * d, dtype=jnp.float32).reshape(8, 4, d)
     host = (ht.to_host(jnp.zeros((n, d))), ht.to_host(jnp.zeros((n, d))))
     hk, hv = ht.mirror_slots(*host, pool_k, -pool_k, jnp.asarray([[3, -1], [17, 5]], jnp.int32))
+    assert hk.sharding.memory_kind == hv.sharding.memory_kind == ht.host_memory_kind()  # stays on the host
     got = np.asarray(hk)
     assert set(np.flatnonzero(got.any(-1)).tolist()) == {3, 5, 17}
     np.testing.assert_array_equal(got[17], np.asarray(pool_k).reshape(n, d)[17])
     np.testing.assert_array_equal(np.asarray(hv)[5], -np.asarray(pool_k).reshape(n, d)[5])
+    hk2, _ = ht.move_host_rows(hk, hv, jnp.asarray([17, 3]), jnp.asarray([30, n]))  # n: out of range, dropped
+    assert hk2.sharding.memory_kind == ht.host_memory_kind()
+    np.testing.assert_array_equal(np.asarray(hk2)[30], got[17])
+    assert set(np.flatnonzero(np.asarray(hk2).any(-1)).tolist()) == {3, 5, 17, 30}
+    hk, hv = ht.mirror_slots(ht.to_host(jnp.zeros((n, d))), ht.to_host(jnp.zeros((n, d))), pool_k, -pool_k,
+                             jnp.asarray([[3, -1], [17, 5]], jnp.int32))
     buf = ht.init_buffer(1, 1, 1, 4, d, jnp.float32)
     one = jnp.ones((1, 1, 4), bool)
     text = _load_text(buf, (hk, hv), one)

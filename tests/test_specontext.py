@@ -686,7 +686,6 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
 
     if host == "keyword":
         monkeypatch.setattr(ht, "_host_gather", ht._on_host(ht._gather_host_rows, 2, form="keyword"))
-        monkeypatch.setattr(ht, "_host_scatter", ht._on_host(ht._scatter_host_rows, 2, form="keyword"))
         jax.clear_caches()  # the decode and mirror programs traced with the other form must not be reused
         host = True
     model, head = toy

@@ -644,12 +644,12 @@ class Retriever:
                 h, j = h[order], j[order]
                 if h.size:
                     per_layer.setdefault(layer, []).append((req.request_id, layer * H + h, j))
-        freed = 0
+        freed, moves = 0, []
         for layer in sorted(per_layer, reverse=True):
             for rid, lh, j in per_layer[layer]:
                 n = min(lh.size, need - freed, alloc.num_free_host)
                 if n <= 0:
-                    return freed
+                    break
                 lh, j = lh[:n], j[:n]
                 seq = tables._get(rid)
                 old = seq.table.reshape(L * H, -1)[lh, j]
@@ -658,18 +658,21 @@ class Retriever:
                 if not old.size:
                     continue
                 new = alloc.allocate_host(old.size)
-                rows = np.arange(ps, dtype=np.int32)
-                src = (old[:, None] * ps + rows).reshape(-1)
-                # Power-of-two row counts: a few compiled copies, not one per page count (padding: dropped).
-                size = 1 << max(6, int(src.size - 1).bit_length())
-                dst = np.full(size, self._host[0].shape[0], np.int32)
-                dst[:src.size] = (new[:, None] * ps + rows).reshape(-1)
-                src = jnp.asarray(np.pad(src, (0, size - src.size)))
-                self._host = host_tier.move_host_rows(*self._host, src, jnp.asarray(dst))
+                moves.append((old, new))
                 tables.replace_pages(rid, lh, j, new)
-                alloc.decref(old)
+                alloc.decref(old)   # reused only by later dispatches, which the copy below precedes
                 freed += int(old.size)
                 self.pages_offloaded += int(old.size)
+        if moves:   # one host copy for the whole pass
+            rows = np.arange(ps, dtype=np.int32)
+            old, new = (np.concatenate(x) for x in zip(*moves))
+            src = (old[:, None] * ps + rows).reshape(-1)
+            # Power-of-two row counts: a few compiled copies, not one per page count (padding: dropped).
+            size = 1 << max(6, int(src.size - 1).bit_length())
+            dst = np.full(size, self._host[0].shape[0], np.int32)
+            dst[:src.size] = (new[:, None] * ps + rows).reshape(-1)
+            src = jnp.asarray(np.pad(src, (0, size - src.size)))
+            self._host = host_tier.move_host_rows(*self._host, src, jnp.asarray(dst))
         return freed
 
     def _mirror(self, slots) -> None:
