@@ -213,8 +213,8 @@ def run_method(model, method: str, args) -> dict:
             steady_tokens += n
             steady_s += dt
     r = eng.retriever
-    row = {"method": method, "steps": steps, "compiled_steps": compiles, "budget": None if policy_of(method) is None else args.budget,
-           "tokens": all_tokens,
+    row = {"method": method, "steps": steps, "compiled_steps": compiles,
+           "budget": None if policy_of(method) is None else args.budget, "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
            "preemptions": eng.scheduler.num_preemptions, "pages_offloaded": r.pages_offloaded,
