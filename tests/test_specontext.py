@@ -695,6 +695,7 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
                            retrieval_host_tier=host, retrieval_inplace=False)   # the buffer path
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
     t = eng.retriever.transfer()
+    assert eng.retriever.resident == (2.0 if host else 1.0)  # the host tier defaults to 2
     if host:
         assert eng.retriever._host[0].sharding.memory_kind in ("pinned_host", "unpinned_host")
         assert 0 < t["h2d_bytes_needed_per_step"] <= t["h2d_bytes_per_step"] < t["h2d_bytes_refetch_per_step"]

@@ -78,7 +78,7 @@ class Engine:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
                  decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
-                 retrieval_host_tier: bool = False, retrieval_resident: float = 1.0,
+                 retrieval_host_tier: bool = False, retrieval_resident: float | None = None,
                  retrieval_inplace: bool | None = None, retrieval_host_pages: int = 0,
                  pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
                  segment_ffn_cache_bytes: int | None = None):
@@ -144,8 +144,8 @@ class Engine:
                              ffn_cache_bytes=segment_ffn_cache_bytes)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
         # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py); its device buffer
-        # holds `retrieval_resident` x the budget slots per (sequence, KV head), so a position selected again
-        # soon after it left the selection is still resident and moves nothing.
+        # holds `retrieval_resident` x the budget slots per (sequence, KV head) (None: 2 with the host tier),
+        # so a position selected again soon after it left the selection is still resident and moves nothing.
         # `retrieval_inplace` (default: whenever there is no host tier): attention reads the selected slots in
         # the pool itself, no buffer copy of the K/V (H200, 1B shape, batch 64: 4.64 -> 3.04 ms a step at 8K).
         self.retriever = Retriever(self, host_tier=retrieval_host_tier, resident=retrieval_resident,
