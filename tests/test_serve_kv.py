@@ -349,10 +349,8 @@ def test_windowed_heads_refuse_reuse_clearly(ckpt):
 # ------------------------------------------------------------------------------------ SpeContext host tier
 
 
-def test_specontext_host_tier_server_answers_as_the_in_place_server(ckpt, tmp_path):
-    """`--kv-policy specontext --retrieval-host-tier --retrieval-resident 2`: the selection's K/V comes from
-    a pinned host mirror through a resident device buffer; the greedy completion equals the server that reads
-    the selection in place (same checkpoint, same random retrieval head beside it)."""
+def _with_random_head(ckpt, tmp_path):
+    """A copy of the tiny checkpoint with a random-weight retrieval head beside it (tap layer 1)."""
     import shutil
 
     import jax
@@ -366,6 +364,14 @@ def test_specontext_host_tier_server_answers_as_the_in_place_server(ckpt, tmp_pa
     cfg = model.config
     hc = sc.HeadConfig.for_model(cfg, num_heads=2 * cfg.num_kv_heads, model_id=model.model_id)
     sc.save_head(model_dir / sc.HEAD_DIR, sc.init_head(hc, jax.random.PRNGKey(0)), {"random": True})
+    return model_dir
+
+
+def test_specontext_host_tier_server_answers_as_the_in_place_server(ckpt, tmp_path):
+    """`--kv-policy specontext --retrieval-host-tier --retrieval-resident 2`: the selection's K/V comes from
+    a pinned host mirror through a resident device buffer; the greedy completion equals the server that reads
+    the selection in place (same checkpoint, same random retrieval head beside it)."""
+    model_dir = _with_random_head(ckpt, tmp_path)
     common = ["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "512",
               "--max-num-seqs", "2", "--max-step-tokens", "64", "--head-classes", "global", "--no-precompile",
               "--kv-policy", "specontext", "--kv-budget", "16"]
@@ -380,3 +386,35 @@ def test_specontext_host_tier_server_answers_as_the_in_place_server(ckpt, tmp_pa
         finally:
             s.stop()
     assert texts[0] == texts[1]
+
+
+def test_specontext_offload_server_finishes_a_batch_its_pool_cannot_hold(ckpt, tmp_path):
+    """`--retrieval-host-pages`: two concurrent 158 + 60-token requests need 2 x 4 heads x 55 pages of 4
+    slots = 440 pages; the pool has 360 (both prompts fit, their decodes do not). The server moves older
+    pages of the selected layer to host memory instead of preempting: both requests finish, the metrics
+    show pages offloaded and no preemption, and every host page is free again afterwards. (The same server
+    without `--retrieval-host-pages` preempts once on this load.)"""
+    import concurrent.futures
+
+    model_dir = _with_random_head(ckpt, tmp_path)
+    s = ServerProcess(["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--page-size", "4",
+                       "--num-pages", "360", "--max-num-seqs", "2", "--max-step-tokens", "512",
+                       "--head-classes", "global", "--no-precompile", "--kv-policy", "specontext",
+                       "--kv-budget", "16", "--retrieval-host-tier", "--retrieval-host-pages", "512"])
+    try:
+        c = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=300)
+        name = c.models.list().data[0].id
+
+        def ask(prompt):
+            return c.completions.create(model=name, prompt=prompt, max_tokens=60, temperature=0,
+                                        extra_body={"ignore_eos": True})
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            rs = list(ex.map(ask, [PROMPT, PROMPT.replace("king", "cook")]))
+        assert [r.usage.completion_tokens for r in rs] == [60, 60]
+        assert s.metric("jaxkv_kv_pages_offloaded") > 0
+        assert s.metric("jaxkv_num_preemptions") == 0
+        assert any(k.startswith("jaxkv_kv_host_pages_in_use") for k in s.metrics())
+        assert s.metric("jaxkv_kv_host_pages_in_use") == 0   # released with their requests
+    finally:
+        s.stop()
