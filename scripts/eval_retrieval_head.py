@@ -10,7 +10,10 @@ and KV head, the true top-B is the top-B of the layer's attention max-reduced ov
 selector the table reports
 
 * ``recall``: |selected ∩ true top-B| / min(B, visible), mean over layers, KV heads and queries;
-* ``mass``: the fraction of each query head's attention (per layer) that falls on the selected slots.
+* ``mass``: the fraction of each query head's attention (per layer) that falls on the selected slots;
+* ``cover@k`` (``--cover-k``, default 32): the fraction of the true top-k (k much smaller than B) that the
+  selection holds, mean over layers, KV heads and queries: whether the few keys that dominate a query's
+  attention are read, which set recall against the whole top-B cannot tell when attention is diffuse.
 
 Selectors at the same B: ``head`` (the shipped retrieval head; forced tokens only with ``--sink`` /
 ``--recent``, 0 by default as in the paper),
@@ -53,8 +56,8 @@ def global_heads(model, tap: int) -> np.ndarray:
 
 
 def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries: int, sink: int = 0,
-                recent: int = 0) -> dict:
-    """{selector: {B: (recall, mass, recall over global heads, mass over global heads)}} for one
+                recent: int = 0, cover_k: int = 32) -> dict:
+    """{selector: {B: (recall, mass, recall over global heads, mass over global heads, cover@k)}} for one
     teacher-forced sequence (global = the head-class file's global (layer, KV head) pairs)."""
     import jax
     import jax.numpy as jnp
@@ -84,6 +87,9 @@ def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries
     qpos = jnp.asarray(qidx)
     glob = jnp.asarray(global_heads(model, tap))  # [L', Hkv]
     glob_q = jnp.repeat(glob, g, axis=1)  # [L', Hq]
+    kc = min(cover_k, t)
+    cover_top = jax.lax.top_k(jnp.where(vis[0][None, None], gmax, -1.0), kc)[1]  # [L', Hkv, Q, kc]
+    cover_den = jnp.minimum(kc, qpos + 1)[None, None, :].astype(jnp.float32)
     out = {}
     for b in budgets:
         true_top = jax.lax.top_k(jnp.where(vis[0][None, None], gmax, -1.0), min(b, t))[1]  # [L', Hkv, Q, b]
@@ -106,9 +112,14 @@ def recall_rows(model, head, ids: list[int], n_prompt: int, budgets, max_queries
             rec = jnp.mean(jnp.sum(true_mask & mask[None], axis=-1) / denom, axis=-1)  # [L', Hkv]
             mq = jnp.repeat(mask, g, axis=0)  # [Hq, Q, T]
             mass = jnp.mean(jnp.sum(jnp.where(mq[None], probs, 0.0), axis=-1), axis=-1)  # [L', Hq]
+            # cover@k: top-k entries beyond the visible prefix are ranked -1 (slot 0 repeated): only the
+            # first min(k, pos + 1) count, and every one of those is visible.
+            held = jnp.take_along_axis(jnp.broadcast_to(mask[None], gmax.shape), cover_top, axis=-1)
+            held &= jnp.arange(kc)[None, None, None, :] < cover_den[..., None]
+            cover = jnp.mean(jnp.sum(held, axis=-1) / cover_den)
             out.setdefault(name, {})[b] = (float(jnp.mean(rec)), float(jnp.mean(mass)),
                                            float(jnp.sum(rec * glob) / jnp.sum(glob)),
-                                           float(jnp.sum(mass * glob_q) / jnp.sum(glob_q)))
+                                           float(jnp.sum(mass * glob_q) / jnp.sum(glob_q)), float(cover))
     return out
 
 
@@ -122,6 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-queries", type=int, default=256)
+    ap.add_argument("--cover-k", type=int, default=32, help="cover@k: share of the true top-k selected")
     ap.add_argument("--sink", type=int, default=0, help="SpeContext forced first positions (paper: 0)")
     ap.add_argument("--recent", type=int, default=0, help="SpeContext forced newest positions (paper: 0)")
     ap.add_argument("--accuracy", action="store_true", help="also decode: full vs SpeContext at each B")
@@ -153,7 +165,7 @@ def main(argv=None) -> None:
                 tgt = tok.encode(inst.target, add_special_tokens=False)
                 row = {"task": task, "context": ctx, "index": i, "prompt_tokens": len(ids),
                        "recall": recall_rows(model, head, ids + tgt, len(ids), budgets, args.max_queries,
-                                             args.sink, args.recent)}
+                                             args.sink, args.recent, args.cover_k)}
                 if args.accuracy:
                     max_new = len(tgt) + 8
                     full = get_method("full", model).run(PromptPieces(ids, [], []), max_new, stop)
@@ -167,14 +179,14 @@ def main(argv=None) -> None:
                         row[f"overlap_{b}"] = float(np.mean(out["overlap"] or [np.nan]))
                 results.append(row)
     elapsed = time.perf_counter() - t0
-    print_tables(results, budgets, args.accuracy)
+    print_tables(results, budgets, args.accuracy, args.cover_k)
     print(f"\n{len(results)} instances, {elapsed:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "head": head.config.__dict__,
                                               "rows": results}, indent=1, default=str))
 
 
-def print_tables(results, budgets, accuracy: bool) -> None:
+def print_tables(results, budgets, accuracy: bool, cover_k: int = 32) -> None:
     groups = sorted({(r["task"], r["context"]) for r in results}, key=lambda k: (k[0], k[1]))
     sels = ["head", "oracle", "streaming"]
     cols = " | ".join(f"{s} recall@{b} / mass" for s in sels for b in budgets)
@@ -195,6 +207,13 @@ def print_tables(results, budgets, accuracy: bool) -> None:
         rows = [r for r in results if (r["task"], r["context"]) == (task, ctx)]
         cells = [f"{np.mean([r['recall'][s][b][2] for r in rows]):.3f} / "
                  f"{np.mean([r['recall'][s][b][3] for r in rows]):.3f}" for s in sels for b in budgets]
+        print(f"| {task} | {ctx} | {len(rows)} | " + " | ".join(cells) + " |")
+    print(f"\ncover@{cover_k} (share of the true top-{cover_k} the selection holds):\n| task | context | n | "
+          + " | ".join(f"{s} @{b}" for s in sels for b in budgets) + " |")
+    print("|" + "---|" * (3 + len(sels) * len(budgets)))
+    for task, ctx in groups:
+        rows = [r for r in results if (r["task"], r["context"]) == (task, ctx)]
+        cells = [f"{np.mean([r['recall'][s][b][4] for r in rows]):.3f}" for s in sels for b in budgets]
         print(f"| {task} | {ctx} | {len(rows)} | " + " | ".join(cells) + " |")
     if not accuracy:
         return

@@ -426,7 +426,12 @@ def test_distil_and_eval_scripts_end_to_end(toy, tmp_path, capsys):
     row = json.loads(res.read_text())["rows"][0]
     for sel in ("head", "oracle", "streaming"):
         assert row["recall"][sel]["4096"][:2] == pytest.approx([1.0, 1.0], abs=1e-5)  # B > context: all
+        assert row["recall"][sel]["4096"][4] == pytest.approx(1.0)                     # cover@32 too
         assert 0.0 < row["recall"][sel]["16"][1] < 1.0
+        assert 0.0 < row["recall"][sel]["16"][4] < 1.0   # 16 slots cannot hold every query's top 32
+    # The oracle ranks by the layer mean of the true attention: at 16 slots it holds more of the true
+    # top 32 than the 4 sinks + newest tokens do.
+    assert row["recall"]["oracle"]["16"][4] > row["recall"]["streaming"]["16"][4]
     assert row["spec_4096"] == row["full"]
 
 
