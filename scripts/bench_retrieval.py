@@ -218,6 +218,7 @@ def run_method(model, method: str, args) -> dict:
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
            "preemptions": eng.scheduler.num_preemptions, "pages_offloaded": r.pages_offloaded,
+           "offload_passes": r.offload_passes,
            "device_pages": eng.allocator.num_pages}
     if method.split(":")[0] == "specontext":
         item = eng.runner.pool.k.dtype.itemsize

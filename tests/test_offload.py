@@ -46,6 +46,25 @@ def test_offload_replaces_preemption_and_keeps_the_tokens(toy, host_pages):  # n
         assert eng.retriever.pages_offloaded == 0 and eng.scheduler.num_preemptions > 0
 
 
+def test_offload_headroom_serves_many_reservations_per_pass(toy):  # noqa: F811
+    """An offload pass frees `offload_headroom` pages beyond its need, so later reservations find room
+    without another pass (each pass scans every running request's tables and copies on the host): fewer
+    passes for the same load, the same tokens, no preemption."""
+    model, _ = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    reqs = [(_prompt(model, 50, 0), pol, None), (_prompt(model, 37, 1), pol, None)]
+    runs = {}
+    for headroom in (0, 16):
+        def setup(eng, h=headroom):
+            eng.scheduler.offload_headroom = h
+        runs[headroom] = _engine_run(model, reqs, num_pages=140, decode_steps=2, retrieval_host_tier=True,
+                                     retrieval_host_pages=64, setup=setup)
+    (tok0, e0), (tok16, e16) = runs[0], runs[16]
+    assert tok0 == tok16
+    assert e0.scheduler.num_preemptions == e16.scheduler.num_preemptions == 0
+    assert 0 < e16.retriever.offload_passes < e0.retriever.offload_passes
+
+
 def test_offload_needs_the_host_tier(toy):  # noqa: F811
     from jaxkv.engine.engine import Engine
 

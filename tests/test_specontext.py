@@ -438,16 +438,18 @@ def test_distil_and_eval_scripts_end_to_end(toy, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ engine
 
 
-def _engine_run(model, requests, *, after=None, **kw):
+def _engine_run(model, requests, *, after=None, setup=None, **kw):
     """Runs `requests` [(prompt, kv_policy, kv_budget)] through one Engine (fp32, greedy); `after` =
-    {step index: [(prompt, policy, budget)]} adds requests once that many steps ran.
-    Returns (token lists, engine)."""
+    {step index: [(prompt, policy, budget)]} adds requests once that many steps ran; `setup(engine)` runs
+    before the first request. Returns (token lists, engine)."""
     from jaxkv.engine.engine import Engine
     from jaxkv.sampling import SamplingParams
 
     kw = {"page_size": 4, "max_model_len": 128, "max_num_seqs": 4, "max_step_tokens": 16,
           "enable_prefix_caching": False, **kw}
     eng = Engine(model, **kw)
+    if setup is not None:
+        setup(eng)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ids, got, step = [], {}, 0
 

@@ -35,6 +35,8 @@ from jaxkv.sampling import SamplingParams
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running request decodes (docs/engine.md)
+# An offload pass frees this fraction of the pool beyond its need (Scheduler.offload_headroom).
+OFFLOAD_HEADROOM_DIV = 64
 FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
 
 
@@ -154,6 +156,7 @@ class Engine:
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:
             self.scheduler.offload = self.retriever.offload
+            self.scheduler.offload_headroom = self.allocator.num_pages // OFFLOAD_HEADROOM_DIV
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.

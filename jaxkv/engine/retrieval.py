@@ -505,6 +505,7 @@ class Retriever:
         # lacked, baseline = selected rows (re-fetching the selection every step).
         self.host_steps = 0
         self.pages_offloaded = 0  # device pages moved to host-only pages by `offload` since start
+        self.offload_passes = 0  # calls of `offload` that moved something
         self.host_rows_moved = 0
         self.host_rows_needed = 0
         self.host_rows_baseline = 0
@@ -673,6 +674,7 @@ class Retriever:
                 freed += int(old.size)
                 self.pages_offloaded += int(old.size)
         if moves:   # one host copy for the whole pass
+            self.offload_passes += 1
             rows = np.arange(ps, dtype=np.int32)
             old, new = (np.concatenate(x) for x in zip(*moves))
             src = (old[:, None] * ps + rows).reshape(-1)

@@ -50,6 +50,10 @@ class Scheduler:
         # offload(n) -> device pages freed by moving running requests' pages to host memory (SpeContext's
         # progressive offload, jaxkv/engine/retrieval.py), tried before preempting; None: no offload.
         self.offload = None
+        # Pages an offload pass frees beyond the need: one pass then serves many reservations, instead of
+        # one pass per request per step (each pass scans every running request's tables and copies on the
+        # host), the low/high watermark of a pager.
+        self.offload_headroom = 0
 
     def add_running(self, request: Request) -> None:
         """Takes a request whose prompt was prefilled outside the step loop (segment reuse) as running."""
@@ -163,7 +167,8 @@ class Scheduler:
                 continue
             if self.segments is not None and self.segments.evict(need - self.allocator.num_free) > 0:
                 continue
-            if self.offload is not None and self.offload(need - self.allocator.num_free) > 0:
+            if (self.offload is not None
+                    and self.offload(need - self.allocator.num_free + self.offload_headroom) > 0):
                 continue
             # Only requests newer than `protect` may go: older ones already hold this step's slots.
             victims = self.running[self.running.index(protect) + 1:] if protect is not None else []
