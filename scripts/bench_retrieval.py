@@ -199,6 +199,7 @@ def run_method(model, method: str, args) -> dict:
     eng = start(model, method, args, seed=0)
     steady_tokens, steady_s, all_tokens, t_all = 0, 0.0, 0, time.perf_counter()
     decode_started, steps, compiles, last_print = False, 0, 0, time.perf_counter()
+    finished = True
     for outs, dt, compiled in timed_steps(eng):
         n = sum(len(o.new_token_ids) for o in outs)
         all_tokens += n
@@ -208,12 +209,15 @@ def run_method(model, method: str, args) -> dict:
             print(f"[{method}] {last_print - t_all:.0f}s: {steps} steps ({compiles} compiled), {all_tokens} "
                   f"tokens, {eng.scheduler.num_preemptions} preemptions, "
                   f"{eng.retriever.pages_offloaded} pages offloaded", file=sys.stderr, flush=True)
+        if args.max_wall_s and time.perf_counter() - t_all > args.max_wall_s:
+            finished = False   # a row that thrashes (e.g. preempting) reports what it did, not a timeout
+            break
         decode_started = decode_started or (n > 0 and not eng.scheduler.waiting)
         if decode_started and not compiled and n:
             steady_tokens += n
             steady_s += dt
     r = eng.retriever
-    row = {"method": method, "steps": steps, "compiled_steps": compiles,
+    row = {"method": method, "steps": steps, "compiled_steps": compiles, "finished": finished,
            "budget": None if policy_of(method) is None else args.budget, "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
            "tok_per_s": steady_tokens / steady_s if steady_s else float("nan"),
@@ -293,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON lines file")
     ap.add_argument("--points", help="contexts (comma-separated): steady decode step time at each instead of "
                                      "one long run; the table adds the [prompt -> prompt + gen] estimate")
+    ap.add_argument("--max-wall-s", type=float, default=0.0,
+                    help="stop a method after this many seconds and report it unfinished (0: run to the end)")
     ap.add_argument("--progress-s", type=float, default=15.0,
                     help="seconds between progress lines on stderr (steps, compiles, preemptions)")
     ap.add_argument("--point-steps", type=int, default=4, help="decode engine steps per point")
@@ -341,7 +347,7 @@ def main(argv=None) -> int:
                   if "h2d_ratio" in r else " | - | - | -")
         print(f"| {r['method']} | {r['budget'] or '-'} | {r['tok_per_s']:.0f} | "
               f"{r['tok_per_s'] / base:.2f} | "
-              f"{r['wall_s']:.1f} | {extra} |")
+              f"{r['wall_s']:.1f}{'' if r['finished'] else ' (stopped)'} | {extra} |")
     return 0
 
 

@@ -43,3 +43,15 @@ def test_bench_select_small(capsys):
     assert _script("bench_select").main(["--small"]) == 0
     out = capsys.readouterr().out
     assert "select: radix, 2-bit digits" in out and "scores: in place (score_rows)" in out
+
+
+def test_run_mode_stops_a_method_at_its_wall_limit(capsys):
+    """`--max-wall-s`: a method that would run long (a thrashing pool) is stopped and reported unfinished,
+    with what it did, instead of the whole bench hitting an outer timeout."""
+    mod = _script("bench_retrieval")
+    assert mod.main(["--shape", "small", "--batch", "2", "--budget", "16", "--page-size", "4",
+                     "--prompt", "64", "--new", "64", "--methods", "full", "--max-wall-s", "0.001",
+                     "--progress-s", "0"]) == 0
+    out = capsys.readouterr()
+    assert '"finished": false' in out.out and "(stopped)" in out.out
+    assert "[full]" in out.err   # progress lines on stderr
