@@ -335,6 +335,19 @@ def test_selection_size_is_data_so_prompts_share_a_compilation(model, pieces):
     assert a.recomputed_rows[-1] - b.recomputed_rows[-1] == 1  # ceil(0.3 * 32) - ceil(0.3 * 30) = 10 - 9
 
 
+def test_layouts_in_one_token_bucket_share_a_compilation(model, pieces):
+    """Every size of the pass but the rows follows the token bucket (pages per head, copy and clear lists)
+    or a floor (probes): one segment or two, a 19- or a 7-token question, 43 or 44 tokens, one compiled
+    pass. (Before, the probe count was its own power of two and these two compiled twice.)"""
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model)
+    pol = get_reuse_policy("redknot")   # every token a row (T = R): the rows follow the token bucket too
+    run(eng, pre, [s1], s1, pol)
+    before = num_compilations()
+    run(eng, pre, [s1, s2], suf, pol)
+    assert num_compilations() == before
+
+
 @pytest.mark.parametrize("spec", [dict(name="redknot", edge_thresh=1.0, dense_until=99),   # map windows
                                   dict(name="redknot", edge_thresh=0.0, dense_until=99),   # all promoted
                                   dict(name="full")])

@@ -31,6 +31,10 @@ from jaxkv.engine.runner import StepBatch
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
 from jaxkv.policies.reuse.apply import reuse_prefill
 
+# Probe queries (the new text after the first segment) are padded to at least this many: questions of up
+# to 64 tokens share one compiled variant.
+PROBE_FLOOR = 64
+
 
 @dataclasses.dataclass
 class ReuseStats:
@@ -386,7 +390,11 @@ class Reuser:
         select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
 
         table = self._allocate(L * H * npg).reshape(L, H, npg)
-        Pb = min(row_bucket(npg, floor=4, geometric_from=32), max(npg, eng.max_pages_per_head))
+        # Every other size follows T where it can (fewer compiled variants: docs/policies.md, "Buckets"):
+        # pages per head from the token bucket (holes add < 1 page per segment), the copy and clear lists
+        # from the whole table, the probes from a floor.
+        Pb = min(row_bucket(max(npg, -(-T // ps)), floor=4, geometric_from=32),
+                 max(npg, eng.max_pages_per_head))
         b = {"tokens": np.zeros(T, np.int32), "positions": np.full(T, -1, np.int32),
              "is_new": np.zeros(T, bool), "forced": np.zeros(T, bool), "seg_offset": np.full(T, -1, np.int32),
              "storage": np.full(T, -1, np.int32), "page_table": np.full((1, L, H, Pb), -1, np.int32),
@@ -399,7 +407,7 @@ class Reuser:
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
             probe = np.nonzero(lay.is_new)[0]
-        Np = max(8, 1 << max(probe.size - 1, 0).bit_length())
+        Np = max(PROBE_FLOOR, 1 << max(probe.size - 1, 0).bit_length())
         b["probe"] = np.full(Np, -1, np.int32)
         b["probe"][:probe.size] = probe
         src, dst, delta = [], [], []
@@ -408,14 +416,14 @@ class Reuser:
             src.append(e.pages.ravel())
             dst.append(table[:, :, page0:page0 + m].ravel())
             delta.append(np.full(e.pages.size, d, np.int32))
-        M = bucket_for(max(sum(s.size for s in src), 1), powers_of_two(1 << 30, start=64))
+        M = L * H * Pb  # segment pages <= the table's entries
         for name, parts in (("src", src), ("dst", dst), ("delta", delta)):
             arr = np.full(M, -1 if name != "delta" else 0, np.int32)
             if parts:
                 flat = np.concatenate(parts)
                 arr[:flat.size] = flat
             b[name] = arr
-        C = bucket_for(table.size, powers_of_two(1 << 30, start=64))
+        C = L * H * Pb
         b["clear"] = np.full(C, -1, np.int32)
         b["clear"][:table.size] = table.ravel()
         if getattr(pol, "ffn_reuse", False):
