@@ -348,6 +348,29 @@ def test_layouts_in_one_token_bucket_share_a_compilation(model, pieces):
     assert num_compilations() == before
 
 
+def test_precompiled_redknot_serves_without_a_compile_and_writes_nothing(model, pieces):
+    """`Engine.precompile_reuse("redknot")` compiles one pass per token bucket on all-padding batches: the
+    pool is unchanged, a RedKnot request then compiles nothing, and its tokens equal a fresh engine's.
+    Methods that pick rows from the prompt are refused."""
+    from jaxkv.engine.reuse import row_bucket
+
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model)
+    pol = get_reuse_policy("redknot", mass_thresh=0.77)   # fields no other test uses: its own compilations
+    pool0 = [np.asarray(x).copy() for x in (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)]
+    compiled = num_compilations()
+    n = eng.precompile_reuse(pol, progress=False)
+    assert n == len({row_bucket(i, floor=8) for i in range(1, eng.max_model_len + 1)})   # 8 .. 128
+    assert num_compilations() == compiled + n
+    for before, now in zip(pool0, (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)):
+        np.testing.assert_array_equal(np.asarray(now), before)
+    got, _ = run(eng, pre, [s1, s2], suf, pol)
+    assert num_compilations() == compiled + n   # the request's shapes are one of the precompiled ones
+    assert got == run(make_engine(model), pre, [s1, s2], suf, pol)[0]
+    with pytest.raises(ValueError, match="picks its rows"):
+        eng.precompile_reuse("sparsex", progress=False)
+
+
 @pytest.mark.parametrize("spec", [dict(name="redknot", edge_thresh=1.0, dense_until=99),   # map windows
                                   dict(name="redknot", edge_thresh=0.0, dense_until=99),   # all promoted
                                   dict(name="full")])

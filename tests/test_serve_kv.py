@@ -41,7 +41,7 @@ def server(ckpt, tmp_path_factory):
     keys.write_text(json.dumps(KEYS))
     s = ServerProcess(["--model", str(ckpt), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "512",
                        "--max-num-seqs", "4", "--max-step-tokens", "64", "--head-classes", "global",
-                       "--api-keys-file", str(keys), "--no-precompile"])
+                       "--api-keys-file", str(keys), "--no-precompile", "--precompile-reuse", "redknot"])
     yield s
     s.stop()
 
@@ -80,6 +80,7 @@ def test_server_default_policy_is_visible(server):
     assert info["kv_policy"] is None and info["segment_reuse"] is True
     assert {"snapkv", "hardkv", "specontext", "quest"} <= set(info["kv_policies"])
     assert set(info["reuse_methods"]) == {"naive", "epic", "cacheblend", "sparsex", "redknot", "full"}
+    assert info["precompiled_reuse_passes"] == {"redknot": 6}   # --precompile-reuse: token buckets 8 .. 256
 
 
 def test_per_request_policy_compresses_and_a_large_budget_equals_full(server):

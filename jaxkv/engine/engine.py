@@ -255,6 +255,12 @@ class Engine:
             n += self.retriever.precompile(self.kv_policy, progress)
         return n
 
+    def precompile_reuse(self, reuse="redknot", progress: bool = True) -> int:
+        """Compiles a segment-reuse method's pass for every token bucket (methods that recompute every token,
+        such as RedKnot); returns how many. Call before serving, with no segments registered yet or not: the
+        passes write nothing (docs/policies.md, "Buckets")."""
+        return self.reuser.precompile(reuse, progress)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.reuser.waiting)
 

@@ -279,6 +279,48 @@ class Reuser:
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             raise ValueError(f"{what} token ids must lie in [0, {vocab})")
 
+    # ---- precompile ---------------------------------------------------------------------------
+    def precompile(self, reuse, progress: bool = True) -> int:
+        """Compiles `reuse`'s pass for every token bucket up to the engine's context, so no request of it
+        waits on a compile; returns how many. Only for methods whose rows are every prompt token (RedKnot,
+        or any that recomputes every token): their pass's shapes follow the token bucket alone (docs/
+        policies.md, "Buckets"; questions up to `PROBE_FLOOR` tokens). Each runs on an all-padding batch:
+        every position, slot, page and copy entry is -1, so nothing in the pool is written."""
+        from tqdm.auto import tqdm
+
+        eng, cfg, pol = self.engine, self.cfg, resolve_reuse(reuse)
+        L, H, ps = cfg.num_layers, cfg.num_kv_heads, self.page_size
+        if eng.tables.local.any():
+            raise ValueError("segment reuse needs an engine whose heads all keep full history "
+                             "(head_classes='all_global', server: --head-classes global)")
+        probe = Layout(32, np.arange(32) == 31, np.where(np.arange(32) < 31, 0, -1).astype(np.int32),
+                       np.where(np.arange(32) < 31, np.arange(32), -1).astype(np.int32), ((0, 31),), ps)
+        if not np.asarray(pol.forced(probe)).all():
+            raise ValueError(f"precompile: {pol.name!r} picks its rows from the prompt, so its compiled "
+                             "shapes depend on more than the token bucket; only methods that recompute every "
+                             "token (e.g. redknot) can be precompiled")
+        sizes = sorted({row_bucket(n, floor=8) for n in range(1, eng.max_model_len + 1)})
+        hidden, dtype = cfg.hidden_size, eng.runner.params["embed"].dtype
+        for T in tqdm(sizes, desc=f"jaxkv: compiling {pol.name} reuse passes", disable=not progress):
+            Pb = min(row_bucket(-(-T // ps), floor=4, geometric_from=32), eng.max_pages_per_head)
+            M = L * H * Pb
+            i32 = lambda n, v=-1: np.full(n, v, np.int32)  # noqa: E731
+            b = {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
+                 "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
+                 "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": np.int32(0),
+                 "num_selected": np.int32(0), "probe": i32(PROBE_FLOOR), "src": i32(M), "dst": i32(M),
+                 "delta": i32(M, 0), "clear": i32(M), "temperature": np.zeros(1, np.float32),
+                 "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
+                 "counters": i32(1, 0)}
+            if getattr(pol, "ffn_reuse", False):
+                b["ffn_cache"] = jnp.zeros((L, T, hidden), dtype)
+            pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
+                                          policy=pol, num_rows=T, select_cap=0, impl=self.impl,
+                                          rows_are_tokens=True, head_windows=self.head_windows)
+            eng.runner.pool = pool
+            jax.block_until_ready(tok)
+        return len(sizes)
+
     # ---- requests -----------------------------------------------------------------------------
     def check(self, segments, extra_key, reuse) -> ReusePolicy:
         """Validates a reuse request's segments and method before anything is queued (SegmentError /

@@ -88,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="device memory for RedKnot ffn_reuse's per-segment FFN outputs (outside the page "
                         "pool; least recently used dropped first and recomputed on next use); default: a "
                         "quarter of the KV pool")
+    p.add_argument("--precompile-reuse", default="", metavar="METHODS",
+                   help="comma-separated segment-reuse methods whose pass is compiled for every token bucket "
+                        "before the server is ready (methods that recompute every token, e.g. redknot; "
+                        "needs --head-classes global; docs/policies.md, 'Buckets')")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
@@ -200,6 +204,17 @@ def main(argv=None) -> int:
         print(f"jaxkv: precompiled {n} step variants in {took:.1f}s", flush=True)
     else:
         state.info["precompiled_variants"] = 0
+    reuse_passes = {}
+    for name in filter(None, (x.strip() for x in args.precompile_reuse.split(","))):
+        t0 = time.perf_counter()
+        try:
+            reuse_passes[name] = engine.precompile_reuse(name)
+        except ValueError as e:
+            print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
+            return 2
+        print(f"jaxkv: precompiled {reuse_passes[name]} {name} reuse passes in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+    state.info["precompiled_reuse_passes"] = reuse_passes
     if args.warmup:
         warm_up(engine)
     policy = "none" if engine.kv_policy is None else (
