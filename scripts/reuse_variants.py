@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jaxkv  # noqa: E402
 from jaxkv.cache.head_classes import all_global  # noqa: E402
 from jaxkv.engine.engine import Engine  # noqa: E402
-from jaxkv.policies.reuse.apply import reuse_prefill  # noqa: E402
+from jaxkv.policies.reuse.apply import num_compilations  # noqa: E402
 from jaxkv.sampling import SamplingParams  # noqa: E402
 
 method = sys.argv[1] if len(sys.argv) > 1 else "redknot"
@@ -34,5 +34,5 @@ for _ in range(24):
     eng.add_reuse_request([1], segs, q, reuse=method, sampling=sp)
     while eng.has_unfinished():
         eng.step()
-print(f"{method}: 24 requests, {reuse_prefill._cache_size()} compiled reuse passes, "
+print(f"{method}: 24 requests, {num_compilations()} compiled reuse passes, "
       f"{time.perf_counter() - t0:.0f} s")

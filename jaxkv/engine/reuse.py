@@ -279,6 +279,26 @@ class Reuser:
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             raise ValueError(f"{what} token ids must lie in [0, {vocab})")
 
+    def _blank_batch(self, T: int, npg: int, num_probes: int) -> dict:
+        """A reuse pass's inputs for a prompt bucket of T tokens and `npg` pages per head, all padding (every
+        position, slot, page and copy entry -1: a pass over it writes nothing). Every size but T follows
+        T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"): pages
+        per head are the bucket of max(npg, T / page size) (holes add < 1 page per segment), the copy and
+        clear lists the whole table, the probes at least `PROBE_FLOOR`."""
+        eng, L, H, ps = self.engine, self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
+        Pb = min(row_bucket(max(npg, -(-T // ps)), floor=4, geometric_from=32),
+                 max(npg, eng.max_pages_per_head))
+        M = L * H * Pb  # segment pages <= the table's entries
+        Np = max(PROBE_FLOOR, 1 << max(num_probes - 1, 0).bit_length())
+        i32 = lambda shape, v=-1: np.full(shape, v, np.int32)  # noqa: E731
+        return {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
+                "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
+                "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": np.int32(0),
+                "num_selected": np.int32(0), "probe": i32(Np), "src": i32(M), "dst": i32(M),
+                "delta": i32(M, 0), "clear": i32(M), "temperature": np.zeros(1, np.float32),
+                "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
+                "counters": i32(1, 0)}
+
     # ---- precompile ---------------------------------------------------------------------------
     def precompile(self, reuse, progress: bool = True) -> int:
         """Compiles `reuse`'s pass for every token bucket up to the engine's context, so no request of it
@@ -289,7 +309,7 @@ class Reuser:
         from tqdm.auto import tqdm
 
         eng, cfg, pol = self.engine, self.cfg, resolve_reuse(reuse)
-        L, H, ps = cfg.num_layers, cfg.num_kv_heads, self.page_size
+        L, ps = cfg.num_layers, self.page_size
         if eng.tables.local.any():
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global', server: --head-classes global)")
@@ -302,16 +322,7 @@ class Reuser:
         sizes = sorted({row_bucket(n, floor=8) for n in range(1, eng.max_model_len + 1)})
         hidden, dtype = cfg.hidden_size, eng.runner.params["embed"].dtype
         for T in tqdm(sizes, desc=f"jaxkv: compiling {pol.name} reuse passes", disable=not progress):
-            Pb = min(row_bucket(-(-T // ps), floor=4, geometric_from=32), eng.max_pages_per_head)
-            M = L * H * Pb
-            i32 = lambda n, v=-1: np.full(n, v, np.int32)  # noqa: E731
-            b = {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
-                 "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
-                 "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": np.int32(0),
-                 "num_selected": np.int32(0), "probe": i32(PROBE_FLOOR), "src": i32(M), "dst": i32(M),
-                 "delta": i32(M, 0), "clear": i32(M), "temperature": np.zeros(1, np.float32),
-                 "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
-                 "counters": i32(1, 0)}
+            b = self._blank_batch(T, 1, 0)   # pages per head from T alone, as a request of this bucket has
             if getattr(pol, "ffn_reuse", False):
                 b["ffn_cache"] = jnp.zeros((L, T, hidden), dtype)
             pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
@@ -432,48 +443,30 @@ class Reuser:
         select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
 
         table = self._allocate(L * H * npg).reshape(L, H, npg)
-        # Every other size follows T where it can (fewer compiled variants: docs/policies.md, "Buckets"):
-        # pages per head from the token bucket (holes add < 1 page per segment), the copy and clear lists
-        # from the whole table, the probes from a floor.
-        Pb = min(row_bucket(max(npg, -(-T // ps)), floor=4, geometric_from=32),
-                 max(npg, eng.max_pages_per_head))
-        b = {"tokens": np.zeros(T, np.int32), "positions": np.full(T, -1, np.int32),
-             "is_new": np.zeros(T, bool), "forced": np.zeros(T, bool), "seg_offset": np.full(T, -1, np.int32),
-             "storage": np.full(T, -1, np.int32), "page_table": np.full((1, L, H, Pb), -1, np.int32),
-             "lengths": np.full((1, L, H), slot, np.int32), "last": np.int32(n - 1),
-             "num_selected": np.int32(k_sel)}
-        b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
-        b["forced"][:n], b["seg_offset"][:n], b["storage"][:n] = forced, lay.seg_offset, storage
-        b["page_table"][0, :, :, :npg] = table
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
             probe = np.nonzero(lay.is_new)[0]
-        Np = max(PROBE_FLOOR, 1 << max(probe.size - 1, 0).bit_length())
-        b["probe"] = np.full(Np, -1, np.int32)
+        b = self._blank_batch(T, npg, probe.size)
+        b["lengths"][:] = slot
+        b["last"], b["num_selected"] = np.int32(n - 1), np.int32(k_sel)
+        b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
+        b["forced"][:n], b["seg_offset"][:n], b["storage"][:n] = forced, lay.seg_offset, storage
+        b["page_table"][0, :, :, :npg] = table
         b["probe"][:probe.size] = probe
-        src, dst, delta = [], [], []
+        at = 0
         for e, page0, d in copies:
-            m = e.pages.shape[2]
-            src.append(e.pages.ravel())
-            dst.append(table[:, :, page0:page0 + m].ravel())
-            delta.append(np.full(e.pages.size, d, np.int32))
-        M = L * H * Pb  # segment pages <= the table's entries
-        for name, parts in (("src", src), ("dst", dst), ("delta", delta)):
-            arr = np.full(M, -1 if name != "delta" else 0, np.int32)
-            if parts:
-                flat = np.concatenate(parts)
-                arr[:flat.size] = flat
-            b[name] = arr
-        C = L * H * Pb
-        b["clear"] = np.full(C, -1, np.int32)
+            m, size = e.pages.shape[2], e.pages.size
+            b["src"][at:at + size] = e.pages.ravel()
+            b["dst"][at:at + size] = table[:, :, page0:page0 + m].ravel()
+            b["delta"][at:at + size] = d
+            at += size
         b["clear"][:table.size] = table.ravel()
         if getattr(pol, "ffn_reuse", False):
             b["ffn_cache"] = self._ffn_cache(pieces, T)
         sp = req.sampling
-        b.update(temperature=np.array([sp.temperature], np.float32), top_k=np.array([sp.top_k], np.int32),
-                 top_p=np.array([sp.top_p], np.float32), seeds=np.array([req.seed], np.uint32),
-                 counters=np.zeros(1, np.int32))
+        b["temperature"][0], b["top_k"][0], b["top_p"][0], b["seeds"][0] = (sp.temperature, sp.top_k,
+                                                                            sp.top_p, req.seed)
 
         t0 = time.perf_counter()
         pool, tok, logprob, logits, st = reuse_prefill(
