@@ -12,7 +12,10 @@ Each cell is its own ``jaxkv.eval`` process (so a cell's failure is contained an
 JSON in ``--out-dir``); ``--jobs`` run at once. ``--shared-workers`` instead runs the cells in ``--jobs``
 long-lived worker processes (cells of one worker share the loaded model and every compiled step, which is
 most of a short cell's time on a GPU); a failing cell is still recorded and the worker goes on. On a GPU
-the processes share the card, so preallocation is switched off. The table is printed last and written to
+the processes share the card: preallocation is off and each is capped at 0.9 / --jobs of its memory
+(unless XLA_PYTHON_CLIENT_MEM_FRACTION is set). ``--seeds`` runs every cell once per draw and adds a
+per-draw table with the mean; a method spec ``name[@budget][:field=value...]`` passes policy fields
+(``hardkv@0.125:window=64``, ``specontext:sink=4:recent=256``). The table is printed last and written to
 ``--out-dir/table.md``.
 """
 
@@ -31,41 +34,58 @@ from pathlib import Path
 import numpy as np
 
 
-def run_cell(task: str, context: int, method: str, args) -> dict:
-    out = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.json"
-    name, _, budget = method.partition("@")
-    cmd = [sys.executable, "-m", "jaxkv.eval", "--task", task, "--method", name, "--context", str(context),
-           "--num", str(args.num), "--seed", str(args.seed), "--out", str(out), "--dtype", args.dtype]
-    if budget:
-        cmd += ["--budget", budget]
-    if args.model:
-        cmd += ["--model", args.model]
+def cell_env(args) -> dict:
+    """Processes share the GPU: no preallocation, and each capped at its share of the card (uncapped, the
+    allocators of 8 workers kept what they had freed and starved each other: OOM in an 8K prefill)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / max(1, args.jobs):.3f}")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                       env.get("PYTHONPATH")]))
+    return env
+
+
+def run_cell(task: str, context: int, method: str, seed: int, args) -> dict:
+    argv, out = cell_argv(task, context, method, seed, args)
+    cmd = [sys.executable, "-m", "jaxkv.eval", *argv]
+    env = cell_env(args)
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.log"
-    log.write_text(proc.stdout + proc.stderr[-4000:])
-    cell = {"task": task, "context": context, "method": method, "wall_s": time.time() - t0,
+    out.with_suffix(".log").write_text(proc.stdout + proc.stderr[-4000:])
+    cell = {"task": task, "context": context, "method": method, "seed": seed, "wall_s": time.time() - t0,
             "rc": proc.returncode}
     if proc.returncode == 0 and out.is_file():
         cell |= json.loads(out.read_text())["summary"] | {"accuracy": json.loads(out.read_text())["accuracy"]}
     status = f"accuracy={cell['accuracy']:.3f}" if "accuracy" in cell else f"FAILED rc={proc.returncode:d}"
-    print(f"[{cell['wall_s']:6.1f}s] {task:8s} {method:8s} {context:6d} "
-          f"{status}",
-          flush=True)
+    print(f"[{cell['wall_s']:6.1f}s] {task:8s} {method:8s} {context:6d} s{seed} {status}", flush=True)
     if proc.returncode != 0:
         print("    " + "\n    ".join(proc.stderr.strip().splitlines()[-6:]), flush=True)
     return cell
 
 
-def cell_argv(task: str, context: int, method: str, args) -> tuple[list[str], Path]:
-    out = Path(args.out_dir) / f"{task}_{method}_{context}_s{args.seed}.json"
-    name, _, budget = method.partition("@")
+def split_method(method: str) -> tuple[str, str, list[str]]:
+    """``name[@budget][:key=value...]`` -> (name, budget or "", ["key=value", ...] policy args)."""
+    head, *pargs = method.split(":")
+    name, _, budget = head.partition("@")
+    for a in pargs:
+        if "=" not in a:
+            raise SystemExit(f"method {method!r}: policy args are key=value, got {a!r}")
+    return name, budget, pargs
+
+
+def line_and_budget(method: str) -> tuple[str, float | None]:
+    """A method spec's plot line (name plus policy args, budget dropped) and its budget (None: no budget)."""
+    name, budget, pargs = split_method(method)
+    return ":".join([name, *pargs]), (float(budget) if budget else None)
+
+
+def cell_argv(task: str, context: int, method: str, seed: int, args) -> tuple[list[str], Path]:
+    safe = method.replace(":", "+").replace("=", "-").replace("/", "_")
+    out = Path(args.out_dir) / f"{task}_{safe}_{context}_s{seed}.json"
+    name, budget, pargs = split_method(method)
     argv = ["--task", task, "--method", name, "--context", str(context), "--num", str(args.num),
-            "--seed", str(args.seed), "--out", str(out), "--dtype", args.dtype]
+            "--seed", str(seed), "--out", str(out), "--dtype", args.dtype]
     argv += ["--budget", budget] if budget else []
+    argv += [x for a in pargs for x in ("--policy-arg", a)]
     argv += ["--model", args.model] if args.model else []
     return argv, out
 
@@ -94,9 +114,7 @@ def worker(cells_file: str) -> int:
 
 def run_shared(grid, args) -> dict:
     """Splits the grid over `--jobs` worker processes; returns cell dicts like run_cell's."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                      env.get("PYTHONPATH")]))
+    env = cell_env(args)
     shards = [grid[i::max(1, args.jobs)] for i in range(max(1, args.jobs))]
     procs = []
     for i, shard in enumerate(shards):
@@ -112,7 +130,7 @@ def run_shared(grid, args) -> dict:
     cells = {}
     for g in grid:
         _, out = cell_argv(*g, args)
-        cell = {"task": g[0], "context": g[1], "method": g[2], "wall_s": float("nan"), "rc": 1}
+        cell = {"task": g[0], "context": g[1], "method": g[2], "seed": g[3], "wall_s": float("nan"), "rc": 1}
         if out.is_file():
             res = json.loads(out.read_text())
             cell |= res["summary"] | {"accuracy": res["accuracy"], "rc": 0, "wall_s": res.get("wall_s", 0.0)}
@@ -121,18 +139,34 @@ def run_shared(grid, args) -> dict:
 
 
 def table(cells: list[dict], args) -> str:
-    lines = [f"seed {args.seed}, {args.num} instances per cell, {args.dtype}", "",
-             "| task | context | method | accuracy | F1 | EM | top-1 vs full | KV MB held | TTFT median s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"seeds {args.seeds}, {args.num} instances per cell, {args.dtype}", "",
+             "| task | context | method | seed | accuracy | F1 | EM | top-1 vs full | KV MB held "
+             "| TTFT median s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if "accuracy" not in c:
-            lines.append(f"| {c['task']} | {c['context']} | {c['method']} | "
+            lines.append(f"| {c['task']} | {c['context']} | {c['method']} | {c['seed']} | "
                          f"failed (rc {c['rc']}) | | | | | |")
             continue
-        lines.append(f"| {c['task']} | {c['context']} | {c['method']} | "
+        lines.append(f"| {c['task']} | {c['context']} | {c['method']} | {c['seed']} | "
                      f"**{c['accuracy']:.3f}** | {c['f1']:.3f} | "
                      f"{c['exact_match']:.3f} | {c['top1_agree']:.3f} | {c['kv_bytes_held'] / 2**20:.1f} | "
                      f"{c['ttft_s_median']:.3f} |")
+    return "\n".join(lines)
+
+
+def draws_table(cells: list[dict]) -> str:
+    """One row per (task, context, method), one column per seed (draw), and the mean over the draws."""
+    seeds = sorted({c["seed"] for c in cells})
+    lines = ["| task | context | method | " + " | ".join(f"s{s}" for s in seeds) + " | mean |",
+             "|" + "---|" * (4 + len(seeds))]
+    for key in dict.fromkeys((c["task"], c["context"], c["method"]) for c in cells):
+        acc = {c["seed"]: c.get("accuracy") for c in cells if (c["task"], c["context"], c["method"]) == key}
+        vals = [acc.get(s) for s in seeds]
+        ok = [v for v in vals if v is not None]
+        mean = f"**{np.mean(ok):.3f}**" if len(ok) == len(vals) else "—"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+                     + " | ".join("—" if v is None else f"{v:.3f}" for v in vals) + f" | {mean} |")
     return "\n".join(lines)
 
 
@@ -147,9 +181,9 @@ def plot(cells: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
     for ax, (task, ctx) in zip(axes[0], panels):
         mine = [c for c in cells if c["task"] == task and c["context"] == ctx and "accuracy" in c]
-        for name in sorted({c["method"].partition("@")[0] for c in mine if "@" in c["method"]}):
-            pts = sorted((float(c["method"].partition("@")[2]), c["accuracy"]) for c in mine
-                         if c["method"].partition("@")[0] == name)
+        for name in sorted({line_and_budget(c["method"])[0] for c in mine if "@" in c["method"]}):
+            pts = sorted((line_and_budget(c["method"])[1], c["accuracy"]) for c in mine
+                         if "@" in c["method"] and line_and_budget(c["method"])[0] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         for c in mine:
             if "@" not in c["method"]:
@@ -167,15 +201,16 @@ def plot(cells: list[dict], path: Path) -> None:
 def memory_curves(cells: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """Per method (budget stripped): [(mean KV MB held, mean accuracy)] over the tasks every cell of the
     grid ran, one point per budget, ascending in memory; methods without a budget give one point."""
-    tasks = sorted({c["task"] for c in cells})
+    cells_per_method = len({(c["task"], c.get("seed")) for c in cells})
     ok = [c for c in cells if "accuracy" in c]
     curves: dict[str, list[tuple[float, float]]] = {}
     for m in sorted({c["method"] for c in ok}):
         mine = [c for c in ok if c["method"] == m]
-        if len(mine) != len(tasks):
+        if len(mine) != cells_per_method:
             continue
         mb = float(np.mean([c["kv_bytes_held"] for c in mine])) / 1e6
-        curves.setdefault(m.partition("@")[0], []).append((mb, float(np.mean([c["accuracy"] for c in mine]))))
+        acc = float(np.mean([c["accuracy"] for c in mine]))
+        curves.setdefault(line_and_budget(m)[0], []).append((mb, acc))
     return {k: sorted(v) for k, v in curves.items()}
 
 
@@ -232,6 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="full")
     ap.add_argument("--num", type=int, default=12)
     ap.add_argument("--seed", type=int, default=101)
+    ap.add_argument("--seeds", help="comma-separated seeds (draws); every cell runs once per seed "
+                    "(default: --seed) and a per-draw table with the mean is printed")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model")
     ap.add_argument("--jobs", type=int, default=1)
@@ -244,6 +281,7 @@ def main(argv=None) -> int:
                     help="run nothing: redraw the plots and tables of an earlier grid's cells.json "
                          "in --out-dir")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # jaxkv without an install
     if args.worker:
         return worker(args.worker)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -255,9 +293,17 @@ def main(argv=None) -> int:
     if args.budgets:
         from jaxkv.policies import POLICIES
 
-        methods = [f"{m}@{b}" if m in POLICIES else m for m in methods
-                   for b in (args.budgets.split(",") if m in POLICIES else [None])]
-    grid = list(itertools.product(args.tasks.split(","), [int(c) for c in args.contexts.split(",")], methods))
+        def with_budget(m: str, b: str) -> str:
+            name, _, pargs = split_method(m)
+            return ":".join([f"{name}@{b}", *pargs])
+
+        methods = [with_budget(m, b) if split_method(m)[0] in POLICIES else m for m in methods
+                   for b in (args.budgets.split(",") if split_method(m)[0] in POLICIES else [None])]
+    args.seeds = args.seeds or str(args.seed)
+    for m in methods:
+        split_method(m)  # bad policy-arg syntax fails before anything runs
+    grid = list(itertools.product(args.tasks.split(","), [int(c) for c in args.contexts.split(",")], methods,
+                                  [int(s) for s in args.seeds.split(",")]))
     # Longest cells first so the pool does not end on one straggler.
     order = sorted(grid, key=lambda g: -g[1])
     if args.shared_workers:
@@ -267,6 +313,8 @@ def main(argv=None) -> int:
             done = dict(zip(order, pool.map(lambda g: run_cell(*g, args), order)))
     cells = [done[g] for g in grid]
     md = table(cells, args)
+    if len(args.seeds.split(",")) > 1:
+        md += "\n\n" + draws_table(cells)
     (Path(args.out_dir) / "table.md").write_text(md + "\n")
     (Path(args.out_dir) / "cells.json").write_text(json.dumps(cells, indent=1))
     if any("@" in m for m in methods):

@@ -110,6 +110,19 @@ def test_policy_registry_and_validation():
             get_policy("specontext", **bad)
 
 
+def test_successor_spread_lifts_the_tokens_after_a_high_score():
+    s = jnp.array([[[0.1, 0.9, 0.0, 0.2, 0.0, 0.05]]])
+    np.testing.assert_allclose(sc.successor_spread(s, 0), s)
+    np.testing.assert_allclose(sc.successor_spread(s, 2)[0, 0], [0.1, 0.9, 0.9, 0.9, 0.2, 0.2])
+    np.testing.assert_allclose(sc.successor_spread(s, 1, 0.5)[0, 0], [0.1, 0.9, 0.45, 0.2, 0.1, 0.05])
+    pol = get_policy("specontext", budget=3, spread=1)  # current token (5) + the best two of the spread
+    sel = pol.select(s, jnp.array([5]))
+    assert sel.idx[0, 0].tolist() == [1, 2, 5]
+    for bad in ({"spread": -1}, {"spread": 1.5}, {"spread_weight": 0.0}, {"spread_weight": 1.5}):
+        with pytest.raises(ValueError, match="spread"):
+            get_policy("specontext", **bad)
+
+
 # ------------------------------------------------------------------------------------- retrieval head
 
 

@@ -213,6 +213,17 @@ def observe_lagged(head: RetrievalHead, state, x: jax.Array, positions: jax.Arra
     return keys, last
 
 
+def successor_spread(scores: jax.Array, spread: int, weight: float = 1.0) -> jax.Array:
+    """scores [..., N] -> max(scores[j], weight * max(scores[j - spread .. j - 1])) per slot j."""
+    if spread == 0:
+        return scores
+    out, shifted = scores, scores
+    for _ in range(spread):
+        shifted = jnp.concatenate([jnp.zeros_like(shifted[..., :1]), shifted[..., :-1]], axis=-1)
+        out = jnp.maximum(out, weight * shifted)
+    return out
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class SpeContext(RetrievalPolicy):
@@ -227,15 +238,27 @@ class SpeContext(RetrievalPolicy):
     # The dtype of the head's key cache; "auto" = the model's KV dtype (`for_model`). Scoring reads the
     # whole cache every step, so bfloat16 halves its bytes; logits still accumulate in float32.
     key_dtype: str = "auto"
+    # Successor spread: a slot also scores ``spread_weight`` x the best of the ``spread`` slots before it, so
+    # the tokens right after a key the head finds rank with it (an induction read needs the token *after*
+    # the match; docs/specontext.md "Successor spread"). 0 = the paper's rule.
+    spread: int = 0
+    spread_weight: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or not 0 <= self.spread <= 64:
+            raise ValueError(f"specontext: spread must be an integer in [0, 64] (got {self.spread!r})")
+        if not 0.0 < float(self.spread_weight) <= 1.0:
+            raise ValueError(f"specontext: spread_weight must lie in (0, 1] (got {self.spread_weight!r})")
         if self.scores_impl not in ("auto", "xla", "pallas", "reference"):
             raise ValueError(f"specontext: scores_impl must be 'auto', 'xla', 'pallas' or 'reference' "
                              f"(got {self.scores_impl!r})")
         if self.key_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"specontext: key_dtype must be 'auto', 'float32' or 'bfloat16' "
                              f"(got {self.key_dtype!r})")
+
+    def select(self, scores: jax.Array, q_pos: jax.Array):
+        return super().select(successor_spread(scores, self.spread, self.spread_weight), q_pos)
 
     def for_model(self, model) -> SpeContext:
         if self.key_dtype != "auto":
