@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num", type=int, default=8, help="prompts per task")
     ap.add_argument("--seed", type=int, default=7, help="keep apart from the eval seeds (101, 211, ...)")
     ap.add_argument("--p", type=float, default=0.9)
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--window", type=int, default=64, help="the policy's observation window (HardKV.window)")
     ap.add_argument("--transform", default="snapkv", choices=["snapkv", "vanilla"])
     ap.add_argument("--out", help="default: MODEL/hardkv_calibration.json")
     args = ap.parse_args(argv)
