@@ -277,6 +277,9 @@ def test_hardkv_calibration_file_round_trips_and_rejects_other_models(model, tmp
     here = dataclasses.replace(model, path=str(mdir))
     assert HardKV().bind(here).calibration is not None
     assert HardKV(window=32).bind(here).calibration is None
+    assert HardKV(gqa="mean").bind(here).calibration is None  # fitted on GQA-max logits
+    with pytest.raises(ValueError, match="gqa"):
+        load_calibration(path, model, HardKV(gqa="mean"))
     # A calibrated policy runs through the engine and still keeps within its caps.
     prompt = prompts_for(model, [150], seed=6)[0]
     eng = Engine(model, page_size=8, max_step_tokens=64, kv_policy=dataclasses.replace(pol, budget=80),

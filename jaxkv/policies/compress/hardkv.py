@@ -81,6 +81,7 @@ class HardKV(CompressPolicy):
     lower_fraction: float = 0.5
     transform: str = "snapkv"  # "snapkv" (max-pool 7 on logits) or "vanilla"
     kernel: int = 7
+    gqa: str = "max"  # how a KV head's query group is reduced on the logits: "max" (the reference) or "mean"
     calibration: tuple | None = None  # ((T per KV head) per layer) from a calibration file, or None
     use_calibration_file: bool = True  # False: always solve T online, even with a file beside the model
 
@@ -92,6 +93,14 @@ class HardKV(CompressPolicy):
             raise ValueError(f"hardkv: lower_fraction must lie in [0, 1] (got {self.lower_fraction!r})")
         if self.transform not in ("snapkv", "vanilla"):
             raise ValueError(f"hardkv: transform must be 'snapkv' or 'vanilla' (got {self.transform!r})")
+        if self.gqa not in ("max", "mean"):
+            raise ValueError(f"hardkv: gqa must be 'max' or 'mean' (got {self.gqa!r})")
+
+    def _z(self, obs: Observation):
+        """[S, H, W, N] raw logits per KV head: the query group reduced (padding stays NEG)."""
+        if self.gqa == "max":
+            return jnp.max(obs.logits, axis=2)
+        return jnp.where(jnp.max(obs.logits, axis=2) > NEG / 2, jnp.mean(obs.logits, axis=2), NEG)
 
     def _g(self, z):
         if self.transform == "vanilla":
@@ -101,7 +110,7 @@ class HardKV(CompressPolicy):
 
     def temperatures(self, obs: Observation):
         """[S, Hkv] temperatures solved on this window (what the calibration script averages)."""
-        z = jnp.max(obs.logits, axis=2)  # [S, H, W, N] GQA max
+        z = self._z(obs)  # [S, H, W, N]
         ok = z > NEG / 2
         row_ok = jnp.any(ok, axis=-1)  # [S, H, W]
         real = jnp.where(ok, jax.nn.softmax(jnp.where(ok, z, -jnp.inf), axis=-1), 0.0)
@@ -109,7 +118,7 @@ class HardKV(CompressPolicy):
         return solve_temperature(-jnp.sort(-self._g(z), axis=-1), n_star, row_ok, self.p)
 
     def score(self, obs: Observation):
-        z = jnp.max(obs.logits, axis=2)  # [S, H, W, N] GQA max
+        z = self._z(obs)  # [S, H, W, N]
         ok = z > NEG / 2
         row_ok = jnp.any(ok, axis=-1)  # [S, H, W]
         g = self._g(z)
@@ -135,8 +144,8 @@ class HardKV(CompressPolicy):
 
     def bind(self, model) -> HardKV:
         """Uses `hardkv_calibration.json` beside the model when present and none was given. A file fitted
-        for another observation window is not used (the temperatures are solved online instead): the
-        temperature that gives the window's rows mass p depends on how many rows vote."""
+        for another observation window or GQA reduction is not used (temperatures are solved online
+        instead): the temperature that gives the window's rows mass p depends on both."""
         if self.calibration is not None or not self.use_calibration_file or not getattr(model, "path", None):
             return self
         path = os.path.join(model.path, CALIBRATION_FILE)
@@ -144,10 +153,11 @@ class HardKV(CompressPolicy):
             return self
         with open(path) as f:
             try:
-                window = json.load(f).get("window")
+                obj = json.load(f)
+                fitted = (obj.get("window"), obj.get("gqa", "max"))
             except (json.JSONDecodeError, AttributeError):
-                window = self.window  # load_calibration names the problem
-        if window != self.window:
+                fitted = (self.window, self.gqa)  # load_calibration names the problem
+        if fitted != (self.window, self.gqa):
             return self
         return load_calibration(path, model, self)
 
@@ -163,7 +173,7 @@ def save_calibration(path, model, policy: HardKV, temperatures) -> None:
         raise ValueError(f"temperatures must be [{cfg.num_layers}, {cfg.num_kv_heads}] (got {t.shape})")
     obj = {"format": FORMAT, "model_id": model.model_id, "num_layers": cfg.num_layers,
            "num_kv_heads": cfg.num_kv_heads, "transform": policy.transform, "kernel": policy.kernel,
-           "p": policy.p, "window": policy.window, "temperatures": np.round(t, 6).tolist()}
+           "p": policy.p, "window": policy.window, "gqa": policy.gqa, "temperatures": np.round(t, 6).tolist()}
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
@@ -188,6 +198,9 @@ def load_calibration(path, model, policy: HardKV | None = None) -> HardKV:
     if obj.get("model_id") != model.model_id:
         raise ValueError(f"hardkv calibration {path} was fitted on model {obj.get('model_id')!r}, "
                          f"not {model.model_id!r}")
+    if obj.get("gqa", "max") != policy.gqa:
+        raise ValueError(f"hardkv calibration {path} was fitted for gqa {obj.get('gqa', 'max')!r}; "
+                         f"the policy uses {policy.gqa!r}")
     if obj.get("window") != policy.window:
         raise ValueError(f"hardkv calibration {path} was fitted for window {obj.get('window')!r}; "
                          f"the policy uses {policy.window!r}")
