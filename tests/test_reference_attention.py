@@ -254,3 +254,24 @@ def test_fully_masked_no_nan():
     out, lse = paged_attention(q, kp, kp, sp, pt, jnp.zeros((1, 1), jnp.int32), jnp.array([0, -1]),
                                jnp.array([3, 0]), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), scale=0.5)
     assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_dense_attention_query_blocks_equal_one_block(window, monkeypatch):
+    # Query blocks (the memory guard for long prompts) change no row: each row's softmax is its own.
+    from jaxkv.models import attention
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 24, 2, 8)), jnp.float32) for _ in range(2))
+    q_pos = jnp.asarray(np.stack([np.arange(16) + 4, np.arange(16)]), jnp.int32)
+    k_pos = jnp.asarray(np.stack([np.arange(24), np.where(np.arange(24) < 16, np.arange(24), -1)]), jnp.int32)
+    one = attention.dense_attention(q, k, v, q_pos, k_pos, window=window, sink=1, q_block=0)
+    blocked = attention.dense_attention(q, k, v, q_pos, k_pos, window=window, sink=1, q_block=4)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(attention, "MAX_SCORES", 64)  # the automatic guard takes the blocked path
+    monkeypatch.setattr(attention, "Q_BLOCK", 8)
+    auto = attention.dense_attention(q, k, v, q_pos, k_pos, window=window, sink=1)
+    np.testing.assert_allclose(np.asarray(auto), np.asarray(one), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="does not divide"):
+        attention.dense_attention(q, k, v, q_pos, k_pos, q_block=5)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+MAX_SCORES = 1 << 28  # fp32 score entries (1 GiB) above which `dense_attention` runs query blocks
+Q_BLOCK = 1024
+
 
 def visible(q_pos: jax.Array, k_pos: jax.Array, window: int, sink: int = 0) -> jax.Array:
     """bool[..., Tq, Tk]: key position k is visible to query position p (architecture.md semantics):
@@ -26,12 +29,29 @@ def dense_attention(
     window: int = 0,
     sink: int = 0,
     scale: float | None = None,
+    q_block: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention, softmax in fp32.
 
     q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], q_pos [B, Tq], k_pos [B, Tk] int -> out [B, Tq, Hq, D] (q.dtype).
     Query head qh reads KV head qh // G. A query that sees no key returns zeros.
+
+    ``q_block``: queries per block (rows are independent, so blocks change no result). None = blocks of
+    `Q_BLOCK` only when one [Tq, Tk] score matrix of all heads would exceed `MAX_SCORES` entries (an 8K
+    prompt over a 16K cache is 4 GiB of fp32 scores, twice over with the probabilities); 0 = never.
     """
+    tq, tk = q.shape[1], k.shape[1]
+    if q_block is None:
+        q_block = Q_BLOCK if q.shape[0] * q.shape[2] * tq * tk > MAX_SCORES and tq % Q_BLOCK == 0 else 0
+    if q_block and tq > q_block:
+        if tq % q_block:
+            raise ValueError(f"dense_attention: q_block {q_block} does not divide {tq} queries")
+        n = tq // q_block
+        qs = jnp.moveaxis(q.reshape(q.shape[0], n, q_block, *q.shape[2:]), 1, 0)
+        ps = jnp.moveaxis(q_pos.reshape(q_pos.shape[0], n, q_block), 1, 0)
+        out = jax.lax.map(lambda a: dense_attention(a[0], k, v, a[1], k_pos, window=window, sink=sink,
+                                                    scale=scale, q_block=0), (qs, ps))
+        return jnp.moveaxis(out, 0, 1).reshape(q.shape)
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
