@@ -253,6 +253,25 @@ def test_bad_policy_input_is_a_clear_error(model):
     assert dataclasses.replace(get_policy("hardkv"), budget=0.5).budget == 0.5
 
 
+def test_hardkv_sharp_temperature_still_ranks_every_slot():
+    # T = 0.01 underflows every probability but the best one to 0 in fp32; the log-scores still rank the
+    # rest by their logits (as probabilities they tied and the keep rule took the earliest positions).
+    from jaxkv.policies.base import Observation
+
+    z = np.array([0.0, 5.0, 1.0, 4.0, 2.0, 3.0, 10.0, -1.0], np.float32)
+    logits = jnp.asarray(np.broadcast_to(z, (1, 1, 1, 2, 8)))  # [S, H, G, W, N]
+    pol = get_policy("hardkv", budget=4, window=2, transform="vanilla", calibration=((0.01,),))
+    sc = np.asarray(pol.score(Observation(None, None, None, None, None, logits, 0)))[0, 0]
+    assert np.isfinite(sc).all() and np.argsort(-sc).tolist() == np.argsort(-z).tolist()
+    assert np.exp(sc).sum() == pytest.approx(1.0, abs=1e-6)  # still a distribution (top-p counts)
+    ctx = SelectContext(lengths=jnp.full((1, 1, 1), 8),
+                        positions=jnp.arange(8, dtype=jnp.int32)[None, None, None], target=jnp.array([4]),
+                        recent_from=jnp.array([8]), compressible=jnp.ones((1, 1), bool),
+                        lower=jnp.zeros((1, 1), jnp.int32), upper=jnp.zeros((1, 1), jnp.int32))
+    keep = select(jnp.asarray(sc)[None, None], jnp.full((1, 1, 1), 4), ctx, sink=0, kmax=4)
+    assert keep.idx[0, 0, 0].tolist() == [1, 3, 5, 6]  # the four best logits, not positions 0-3
+
+
 def test_hardkv_calibration_file_round_trips_and_rejects_other_models(model, tmp_path):
     from jaxkv.policies.compress.hardkv import HardKV, load_calibration, save_calibration
 

@@ -8,7 +8,8 @@ Per (sequence, KV head) and layer, following ../shared/references/hardkv.md §3.
 4. one temperature T per head, solved by bisection on log T in [1e-3, 10] (24 steps, jit-friendly), so the
    top-n* tokens of softmax(g / T) hold mass p on average over the window rows (the mass function sums
    the n* *largest* entries, fixing the reference code's index-order bug);
-5. score = the window mean of softmax(g / T): a probability per slot, comparable across heads;
+5. score = the window mean of softmax(g / T): a probability per slot, comparable across heads (returned as
+   its log, so slots whose probability underflows fp32 under a sharp temperature still rank);
 6. count = |TopP_p(score)| + forced (sinks + recent window), clamped to [lower, upper]; upper = the
    request's budget, lower = `lower_fraction` of it, or the head class `budget(lower, upper)` when the map
    has one. Counts really differ per head, and pages past each head's count are freed.
@@ -118,6 +119,9 @@ class HardKV(CompressPolicy):
         return solve_temperature(-jnp.sort(-self._g(z), axis=-1), n_star, row_ok, self.p)
 
     def score(self, obs: Observation):
+        """[S, H, N] log of the window-mean calibrated probability (NEG where no window row sees the slot).
+        Logs, not probabilities: a sharp head (T ~ 0.01) underflows most slots' probability to 0 in fp32,
+        and the keep rule then ranks them by position (the earliest kept); their logs still rank them."""
         z = self._z(obs)  # [S, H, W, N]
         ok = z > NEG / 2
         row_ok = jnp.any(ok, axis=-1)  # [S, H, W]
@@ -126,13 +130,16 @@ class HardKV(CompressPolicy):
             t = jnp.asarray(self.calibration, jnp.float32)[obs.layer][None, :]  # [1, H]
         else:
             t = self.temperatures(obs)  # [S, H]
-        pr = jax.nn.softmax(jnp.where(ok, g / t[..., None, None], -jnp.inf), axis=-1)
-        pr = jnp.where(ok & row_ok[..., None], pr, 0.0)
-        return jnp.sum(pr, axis=2) / jnp.maximum(jnp.sum(row_ok, axis=-1), 1)[..., None]  # [S, H, N]
+        logp = jax.nn.log_softmax(jnp.where(ok, g / t[..., None, None], -jnp.inf), axis=-1)
+        logp = jnp.where(ok & row_ok[..., None], logp, -jnp.inf)
+        rows = jnp.maximum(jnp.sum(row_ok, axis=-1), 1)[..., None]  # [S, H, 1]
+        out = jax.nn.logsumexp(logp, axis=2) - jnp.log(rows.astype(jnp.float32))
+        return jnp.where(jnp.isfinite(out), out, NEG)
 
     def counts(self, scores, ctx: SelectContext):
         forced = forced_mask(ctx.positions, self.sink, ctx.recent_from)
-        free = jnp.where(forced | (ctx.positions < 0), 0.0, scores)
+        probs = jnp.where(scores > NEG / 2, jnp.exp(scores), 0.0)  # `score` gives log-probabilities
+        free = jnp.where(forced | (ctx.positions < 0), 0.0, probs)
         n = topp_count(free, self.p) + jnp.sum(forced, axis=-1)
         upper = jnp.where(ctx.upper[None] > 0, ctx.upper[None], ctx.target[:, None, None])
         lower = jnp.where(ctx.upper[None] > 0, ctx.lower[None],
