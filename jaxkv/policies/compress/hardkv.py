@@ -2,7 +2,8 @@
 
 Per (sequence, KV head) and layer, following ../shared/references/hardkv.md §3.3-3.4 with its §9 decisions:
 
-1. raw logits z = max over the GQA group of q.k / sqrt(D) for each window query (NEG where not visible);
+1. raw logits z = max over the GQA group of q.k / sqrt(D) for each window query (NEG where not visible;
+   `gqa="mean"` averages the group instead);
 2. the method transform g(z): `snapkv` = max-pool (kernel 7) along the sequence, `vanilla` = identity;
 3. the oracle count n* per query row = |TopP_p(softmax(z))|, the tokens true attention needs for mass p;
 4. one temperature T per head, solved by bisection on log T in [1e-3, 10] (24 steps, jit-friendly), so the
@@ -158,15 +159,10 @@ class HardKV(CompressPolicy):
         path = os.path.join(model.path, CALIBRATION_FILE)
         if not os.path.exists(path):
             return self
-        with open(path) as f:
-            try:
-                obj = json.load(f)
-                fitted = (obj.get("window"), obj.get("gqa", "max"))
-            except (json.JSONDecodeError, AttributeError):
-                fitted = (self.window, self.gqa)  # load_calibration names the problem
-        if fitted != (self.window, self.gqa):
+        obj = read_calibration(path)
+        if (obj.get("window"), obj.get("gqa", "max")) != (self.window, self.gqa):
             return self
-        return load_calibration(path, model, self)
+        return _calibrated(obj, path, model, self)
 
 
 CALIBRATION_FILE = "hardkv_calibration.json"
@@ -186,10 +182,8 @@ def save_calibration(path, model, policy: HardKV, temperatures) -> None:
         f.write("\n")
 
 
-def load_calibration(path, model, policy: HardKV | None = None) -> HardKV:
-    """A HARD-KV policy with the file's temperatures; a clear error for a file made for another model or
-    another transform."""
-    policy = policy or HardKV()
+def read_calibration(path) -> dict:
+    """The file's JSON object; a clear error when it is not a calibration file."""
     with open(path) as f:
         try:
             obj = json.load(f)
@@ -197,6 +191,16 @@ def load_calibration(path, model, policy: HardKV | None = None) -> HardKV:
             raise ValueError(f"hardkv calibration {path}: not valid JSON ({e})") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"hardkv calibration {path}: format must be {FORMAT!r}")
+    return obj
+
+
+def load_calibration(path, model, policy: HardKV | None = None) -> HardKV:
+    """A HARD-KV policy with the file's temperatures; a clear error for a file made for another model,
+    transform, window or GQA reduction."""
+    return _calibrated(read_calibration(path), path, model, policy or HardKV())
+
+
+def _calibrated(obj: dict, path, model, policy: HardKV) -> HardKV:
     cfg = model.config
     if (obj.get("num_layers"), obj.get("num_kv_heads")) != (cfg.num_layers, cfg.num_kv_heads):
         raise ValueError(f"hardkv calibration {path} is for {obj.get('num_layers')} layers x "
