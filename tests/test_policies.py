@@ -328,3 +328,77 @@ def test_pipelined_decode_under_a_compression_policy(model):
     (serial, n_serial, none), (piped, n_piped, some) = runs
     assert piped == serial and n_piped == n_serial >= 2  # at prefill end, then every 40 tokens
     assert none == 0 and some >= 5
+
+
+def test_merge_keeps_the_observed_sum_of_exponentials_and_output():
+    """One observation query: folding every evicted token into a kept one with bias log(total / own mass)
+    leaves that query's softmax denominator and attention output exactly as with the full cache."""
+    from jaxkv.policies.apply import merge_evicted
+
+    rng = np.random.default_rng(0)
+    n, d, kk = 24, 8, 6
+    k = rng.standard_normal((n, d)).astype(np.float32)
+    v = rng.standard_normal((n, d)).astype(np.float32)
+    q = rng.standard_normal(d).astype(np.float32)
+    s = k @ q
+    keep = np.sort(np.argsort(-s)[:kk])  # the heaviest tokens: a merged token never outweighs its target
+    mass = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+    v_new, bias_add, merged = merge_evicted(
+        jnp.asarray(k)[None, None], jnp.asarray(v)[None, None], jnp.ones((1, 1, n), bool),
+        jnp.asarray(mass)[None, None], jnp.asarray(keep, jnp.int32)[None, None], jnp.asarray([[kk]]),
+        jnp.asarray([[True]]), min_sim=-1.0)
+    v_new, bias_add, merged = np.asarray(v_new[0, 0]), np.asarray(bias_add[0, 0]), np.asarray(merged[0, 0])
+    assert merged.sum() == n - kk and (bias_add > 0).sum() == (merged > 0).sum()
+    w = np.exp(s[keep] + bias_add)
+    np.testing.assert_allclose(w.sum(), np.exp(s).sum(), rtol=1e-5)
+    full = (np.exp(s) @ v) / np.exp(s).sum()
+    np.testing.assert_allclose(w @ v_new / w.sum(), full, atol=1e-5)
+    evicted_only = (np.exp(s[keep]) @ v[keep]) / np.exp(s[keep]).sum()
+    assert np.abs(evicted_only - full).max() > 1e-3  # plain eviction would not have matched
+
+
+def test_merge_joins_only_similar_keys_and_caps_the_bias():
+    from jaxkv.policies.apply import merge_evicted
+
+    k = jnp.asarray([[1.0, 0.0], [0.0, 1.0], [0.99, 0.14], [-1.0, 0.05]])[None, None]  # 2 ~ 0, 3 ~ nothing
+    v = jnp.asarray([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [5.0, 5.0]])[None, None]
+    mass = jnp.asarray([0.1, 0.2, 0.6, 0.1])[None, None]  # the evicted token 2 outweighs its target
+    v_new, bias_add, merged = merge_evicted(k, v, jnp.ones((1, 1, 4), bool), mass,
+                                            jnp.asarray([[[0, 1]]], jnp.int32), jnp.asarray([[2]]),
+                                            jnp.asarray([[True]]), min_sim=0.5)
+    assert np.asarray(merged[0, 0]).tolist() == [1, 0]  # token 3 (cosine < 0.5 with both) is just evicted
+    np.testing.assert_allclose(np.asarray(bias_add[0, 0]), [np.log(2.0), 0.0], atol=1e-6)  # capped at log 2
+    np.testing.assert_allclose(np.asarray(v_new[0, 0, 0]), [0.1 / 0.7, 0.0], atol=1e-6)
+
+
+def test_merging_policy_through_the_engine_leaves_no_stale_bias(model):
+    """A merging request writes biases; the pages it frees and later requests reuse start from zero, so a
+    plain request afterwards decodes exactly as on an engine without a bias."""
+    prompts = prompts_for(model, [150, 120], seed=9)
+    eng = Engine(model, page_size=8, max_step_tokens=64, max_num_seqs=2, attn_impl="reference", kv_merge=True,
+                 enable_prefix_caching=False)
+    pol = get_policy("snapkv", budget=40, window=16, merge=True, merge_sim=-1.0)
+    rid = eng.add_request(prompts[0], GREEDY, kv_policy=pol)
+    seen_bias = 0
+    while eng.has_unfinished():
+        eng.step()
+        if rid in eng.tables:
+            seen_bias = max(seen_bias, int((np.asarray(eng.runner.pool.bias) > 0).sum()))
+    assert eng.compressor.pages_freed > 0 and seen_bias > 0
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    plain = Engine(model, page_size=8, max_step_tokens=64, max_num_seqs=2, attn_impl="reference",
+                   enable_prefix_caching=False)
+    outs = []
+    for e in (eng, plain):
+        r = e.add_request(prompts[1], GREEDY)
+        toks = []
+        while e.has_unfinished():
+            toks += [t for o in e.step() if o.request_id == r for t in o.new_token_ids]
+        outs.append(toks)
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="kv_merge"):
+        plain.add_request(prompts[1], GREEDY, kv_policy=pol)
+    merged = Engine(model, page_size=8, kv_policy=pol, attn_impl="reference")  # on by itself for the policy
+    assert merged.kv_merge and merged.runner.pool.bias is not None
+    with pytest.raises(ValueError, match="merge_sim"):
+        get_policy("snapkv", merge=True, merge_sim=2.0)

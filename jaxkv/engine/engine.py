@@ -83,7 +83,7 @@ class Engine:
                  retrieval_host_tier: bool = False, retrieval_resident: float | None = None,
                  retrieval_inplace: bool | None = None, retrieval_host_pages: int = 0,
                  pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
-                 segment_ffn_cache_bytes: int | None = None):
+                 segment_ffn_cache_bytes: int | None = None, kv_merge: bool | None = None):
         cfg = model.config
         for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
@@ -104,9 +104,17 @@ class Engine:
         sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
         self._kinds = self.head_classes.kinds()
         self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
+        self.kv_policy = _resolve_policy(kv_policy, kv_budget, model)
+        # `kv_merge`: the pool holds a logit bias per slot, which compression policies with merge=True need
+        # (docs/policies.md, "LSE-preserving merge"); default: on iff the engine-wide policy merges.
+        self.kv_merge = bool(getattr(self.kv_policy, "merge", False)) if kv_merge is None else bool(kv_merge)
+        if getattr(self.kv_policy, "merge", False) and not self.kv_merge:
+            raise ValueError(f"kv_policy {self.kv_policy.name!r} merges evicted tokens; it needs "
+                             "kv_merge=True")
         if num_pages is None:
             itemsize = np.dtype(kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype).itemsize
-            per_page = page_size * (2 * cfg.head_dim * itemsize + 4)  # K + V + int32 slot position
+            # K + V + int32 slot position (+ float32 logit bias with kv_merge)
+            per_page = page_size * (2 * cfg.head_dim * itemsize + 4 + 4 * self.kv_merge)
             want = max_num_seqs * cfg.num_layers * cfg.num_kv_heads * self.max_pages_per_head
             num_pages = max(cfg.num_layers * cfg.num_kv_heads * 2, min(want, tp * kv_cache_bytes // per_page))
         if mesh is not None:
@@ -120,13 +128,12 @@ class Engine:
         # Page tables and per-head counters live on the device, updated from the host tables' journal;
         # steps compute their slots and lengths there (jaxkv/engine/device_tables.py).
         self.device_tables = DeviceTables(self.tables, self.max_pages_per_head, max_num_seqs)
-        self.kv_policy = _resolve_policy(kv_policy, kv_budget, model)
         # Sharing a prefix's pages is exact only when every head keeps its full history (docs/cache.md), and
         # a compression policy rewrites pages in place, so it turns sharing off too.
         sharable = enable_prefix_caching and bool((window == 0).all()) and self.kv_policy is None
         self.prefix = PrefixCache(self.allocator, page_size) if sharable else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
-                                  kv_dtype=kv_dtype, attn_impl=attn_impl, mesh=mesh)
+                                  kv_dtype=kv_dtype, attn_impl=attn_impl, mesh=mesh, kv_merge=self.kv_merge)
         # A fresh prompt longer than a step prefills alone through head_class_prefill (with the Pallas
         # kernels); its local heads keep only what their ring holds, so rings stay sized by max_step_tokens.
         fresh = (max_prefill_tokens or self.max_model_len) if self.runner.use_plan else 0
@@ -201,6 +208,9 @@ class Engine:
         stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if self.tokenizer else None
         policy = self.kv_policy if kv_policy is None and kv_budget is None else _resolve_policy(
             kv_policy if kv_policy is not None else self.kv_policy, kv_budget, self.model)
+        if getattr(policy, "merge", False) and not self.kv_merge:
+            raise ValueError(f"KV policy {policy.name!r} merges evicted tokens; this engine was built "
+                             "without a per-slot logit bias (Engine(kv_merge=True))")
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
                       stream=stream, kv_policy=policy)
         self._requests[request_id] = req

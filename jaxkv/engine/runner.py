@@ -128,12 +128,12 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             out = tp_shard.per_shard(branches, q[0], k[0], v[0])
         elif plan is not None:
             out, _ = paged_attention_with_plan(plan, q[0], pool.k, pool.v, pool.pos, pt_layers, scale=scale,
-                                               layer=layer)
+                                               layer=layer, slot_bias=pool.bias)
         else:
             out, _ = paged_attention(
                 q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
                 b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
-                implementation=attn_impl)
+                implementation=attn_impl, slot_bias=pool.bias)
         return out[None], pool
 
     hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool,
@@ -181,7 +181,7 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     def attend(layer, q, k, v, state):
         pool, ks, vs = state
         out, lse = paged_attention_with_plan(plan, q[0], pool.k, pool.v, pool.pos, pt_layers, scale=scale,
-                                             layer=layer)
+                                             layer=layer, slot_bias=pool.bias)
         return _merge_own(out, lse, q[0], k[0], v[0], scale)[None], (pool, ks + (k[0],), vs + (v[0],))
 
     hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,
@@ -273,13 +273,16 @@ def num_compilations() -> int:
 
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
-                 kv_dtype=None, attn_impl: str | None = None, mesh=None):
+                 kv_dtype=None, attn_impl: str | None = None, mesh=None, kv_merge: bool = False):
         self.cfg = model.config
         self.params = model.params
         self.mesh = mesh  # tensor parallel over KV heads (jaxkv.parallel): params + pool sharded on "tp"
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
         if mesh is None:
-            self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype)
+            self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype, bias=kv_merge)
+        elif kv_merge:
+            raise ValueError("kv_merge (a per-slot logit bias for merged tokens) is not supported with "
+                             "tensor parallelism")
         self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
         # Static per-layer head classes for head_class_prefill of fresh prompts.
         self.fresh_heads = tuple((tuple(int(x) for x in sk), tuple(int(x) for x in wd))

@@ -186,7 +186,9 @@ class EngineMethod(Method):
         ids = pieces.ids
         eng = self._engine_for(len(ids) + max_new_tokens + 1)
         itemsize = eng.runner.pool.k.dtype.itemsize
-        page_bytes = eng.page_size * 2 * cfg.head_dim * itemsize
+        # K + V per slot, plus the float32 logit bias of a merging policy's pool
+        bias_bytes = 4 if eng.runner.pool.bias is not None else 0
+        page_bytes = eng.page_size * (2 * cfg.head_dim * itemsize + bias_bytes)
         sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids),
                             ignore_eos=True)
         free0 = eng.allocator.num_free

@@ -85,6 +85,9 @@ class CompressPolicy:
     adaptive methods). window: observation-window queries, also kept unconditionally as the recent tokens.
     sink: first positions always kept. decode_interval: 0 = compress once at the end of prefill; N > 0 =
     also every N generated tokens (then the budget is a number of tokens, or a fraction of the prompt).
+    merge: fold each evicted token into its most similar kept token (key cosine >= merge_sim) with a logit
+    bias that keeps its attention mass (`jaxkv.policies.apply.merge_evicted`; the engine then holds a bias
+    per slot, `Engine(kv_merge=True)`, on automatically for an engine-wide merging policy).
     """
 
     name: ClassVar[str] = "base"
@@ -92,6 +95,8 @@ class CompressPolicy:
     window: int = 32
     sink: int = 4
     decode_interval: int = 0
+    merge: bool = False
+    merge_sim: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.budget, int | float) and math.isfinite(self.budget) and self.budget > 0):
@@ -103,6 +108,11 @@ class CompressPolicy:
                 raise ValueError(f"{self.name}: {field} must be a non-negative integer (got {v!r})")
         if self.window < 1:
             raise ValueError(f"{self.name}: window must be >= 1 (got {self.window})")
+        if not isinstance(self.merge, bool):
+            raise ValueError(f"{self.name}: merge must be true or false (got {self.merge!r})")
+        if isinstance(self.merge_sim, bool) or not isinstance(self.merge_sim, int | float) or not (
+                -1 <= self.merge_sim <= 1):
+            raise ValueError(f"{self.name}: merge_sim must be a cosine in [-1, 1] (got {self.merge_sim!r})")
 
     # ---- host side --------------------------------------------------------------------------------
     def target_tokens(self, prompt_len: int) -> int:

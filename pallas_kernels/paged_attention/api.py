@@ -295,11 +295,12 @@ def _plan_arrays(slot_pos, page_table, lengths, *, q_seq, q_pos, sink, window, g
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "layer"))
 def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slot_pos, page_table, *, scale,
-                              interpret: bool | None = None, layer: int | None = None):
+                              interpret: bool | None = None, layer: int | None = None, slot_bias=None):
     """Run the kernel on a one-layer plan: q [T, Hq, D], this layer's page_table [S, Hkv, MP] and the pool.
     Or on layer `layer` (a static int) of a multi-layer plan with the whole layer-major page_table
     [L, S, Hkv, MP]: the grid schedule then reads that layer's metadata and page-table rows in place (no
     per-layer slice copies: ~1.6 us each, two or three per layer, on an H200 decode step).
+    `slot_bias` [N, P] float32 (optional): a logit added to each slot (`KVPool.bias`, merged tokens).
 
     -> (out [T, Hq, D] in q.dtype, lse [T, Hq] float32), the same as `paged_attention` with the plan's
     arguments.
@@ -313,7 +314,8 @@ def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slo
                              f"got {page_table.shape}")
         if plan.schedule != "grid":
             return paged_attention_with_plan(plan.layer(layer), q, k_pages, v_pages, slot_pos,
-                                             page_table[layer], scale=scale, interpret=interpret)
+                                             page_table[layer], scale=scale, interpret=interpret,
+                                             slot_bias=slot_bias)
         nb = plan.meta.shape[1]
         block_offset = layer * nb
         sliced = jax.tree.map(lambda x: x[layer], plan)   # what XLA ops read (fused), not kernel operands
@@ -346,14 +348,14 @@ def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slo
             k_pages, v_pages, slot_pos, scale=float(scale), num_splits=plan.num_splits,
             pages_per_block=plan.pages_per_block, max_pages=mp, num_programs=plan.num_programs,
             merge_programs=COMPACT_MERGE_PROGRAMS, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            interpret=resolve_interpret(interpret), out_dtype=q.dtype)
+            interpret=resolve_interpret(interpret), out_dtype=q.dtype, slot_bias=slot_bias)
         o_blk, lse_blk = out.reshape(nb, hkv, rows, d), lse.reshape(nb, hkv, rows)
     else:
         o_blk, lse_blk = _run(plan.meta, plan.qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos,
                               scale=scale, num_splits=plan.num_splits, ppb=plan.pages_per_block,
                               num_warps=plan.num_warps, num_stages=plan.num_stages,
                               interpret=resolve_interpret(interpret), out_dtype=q.dtype,
-                              block_offset=block_offset)
+                              block_offset=block_offset, slot_bias=slot_bias)
     pad = plan.pad
     if plan.block_q == 1:
         out = o_blk[:, :, :g].reshape(t, hq, d)
@@ -371,21 +373,22 @@ def paged_attention_with_plan(plan: PagedAttentionPlan, q, k_pages, v_pages, slo
                                              "interpret", "num_warps", "num_stages", "schedule"))
 def paged_attention_pallas(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
                            scale, ordered=False, block_q=None, num_splits=None, pages_per_block=None,
-                           interpret=False, num_warps=None, num_stages=None, schedule=None):
+                           interpret=False, num_warps=None, num_stages=None, schedule=None, slot_bias=None):
     plan = paged_attention_plan(slot_pos, page_table, lengths, q_seq, q_pos, sink, window,
                                 num_q_heads=q.shape[1], ordered=ordered, block_q=block_q,
                                 num_splits=num_splits, pages_per_block=pages_per_block, num_warps=num_warps,
                                 num_stages=num_stages, schedule=schedule)
     return paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos, page_table, scale=scale,
-                                     interpret=interpret)
+                                     interpret=interpret, slot_bias=slot_bias)
 
 
 def _run(meta, qpos_rows, q_rows, page_table, k_pages, v_pages, slot_pos, *, scale, num_splits, ppb,
-         num_warps, num_stages, interpret, out_dtype, block_offset: int = 0):
+         num_warps, num_stages, interpret, out_dtype, block_offset: int = 0, slot_bias=None):
     """Attention kernel + per-unit merge of the written splits -> (out [NB, Hkv, R, D], lse [NB, Hkv, R])."""
     mp = page_table.shape[-1]
     kw = dict(scale=float(scale), num_splits=num_splits, pages_per_block=ppb, max_pages=mp,
-              num_warps=num_warps, num_stages=num_stages, interpret=interpret, block_offset=block_offset)
+              num_warps=num_warps, num_stages=num_stages, interpret=interpret, block_offset=block_offset,
+              slot_bias=slot_bias)
     pt_flat = page_table.reshape(-1).astype(jnp.int32)
     if num_splits == 1:
         o, l_ = paged_attention_blocks(meta, qpos_rows, q_rows, pt_flat, k_pages, v_pages, slot_pos,
@@ -407,11 +410,13 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
                     scale, implementation: str | None = None, interpret: bool | None = None,
                     ordered: bool = False, block_q: int | None = None, num_splits: int | None = None,
                     pages_per_block: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None):
+                    num_stages: int | None = None, slot_bias=None):
     """Ragged per-(sequence, KV head) paged attention -> (out [T, Hq, D], lse [T, Hq] float32).
 
-    Arguments as in docs/architecture.md. `ordered=True` promises that each head's slots are stored in
-    non-decreasing position order (no ring), letting local heads read only their sink and window pages;
+    Arguments as in docs/architecture.md; `slot_bias` [N, P] float32 (optional) is added to every slot's
+    logit (`KVPool.bias`: a merged slot stands for several tokens). `ordered=True` promises that each
+    head's slots are stored in non-decreasing position order (no ring), letting local heads read only their
+    sink and window pages;
     with `ordered=False` every page up to the head's length is scanned (masking stays exact).
     Fallback order: Pallas on GPU, then the jnp twin.
     """
@@ -420,7 +425,7 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
         "pallas": lambda: paged_attention_pallas(
             *args, scale=scale, ordered=ordered, block_q=block_q, num_splits=num_splits,
             pages_per_block=pages_per_block, interpret=resolve_interpret(interpret), num_warps=num_warps,
-            num_stages=num_stages),
-        "reference": lambda: _reference(*args, scale=scale),
+            num_stages=num_stages, slot_bias=slot_bias),
+        "reference": lambda: _reference(*args, scale=scale, slot_bias=slot_bias),
     }
     return dispatch("paged_attention", implementation, impls)

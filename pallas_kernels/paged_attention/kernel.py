@@ -41,8 +41,9 @@ _NEG = -1e30  # finite mask value: keeps m - m_new free of inf - inf when a bloc
 
 
 def _attend(q, qpos, pt_ref, k_ref, v_ref, pos_ref, *, unit, length, nsc, w0, sink, window, v_lo, v_hi,
-            scale: float, page_size: int, ppb: int, max_pages: int):
+            scale: float, page_size: int, ppb: int, max_pages: int, bias_ref=None):
     """Attention of rows q [R, D] (positions qpos [R]) over virtual pages [v_lo, v_hi) of `unit`.
+    `bias_ref` (optional, flat [N * P] float32): a logit added to every slot (a merged slot's log mass).
 
     Returns (out [R, D] float32 normalised, lse [R] float32); rows that see nothing give 0 / -inf."""
     rows, head_dim = q.shape
@@ -69,6 +70,8 @@ def _attend(q, qpos, pt_ref, k_ref, v_ref, pos_ref, *, unit, length, nsc, w0, si
         local = (kpos[None, :] > qpos[:, None] - window) | (kpos[None, :] < sink)
         vis = vis & ((window == 0) | local)
         s = plt.dot(q, k, trans_b=True, allow_tf32=tf32).astype(jnp.float32) * scale   # [R, bk]
+        if bias_ref is not None:
+            s = s + bias_ref[sid][None, :]
         s = jnp.where(vis, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
@@ -92,8 +95,9 @@ def _meta_scalars(meta_ref, *idx):
     return [meta_ref[(*idx, i)] for i in range(META_WIDTH)]
 
 
-def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse_ref, *,
-            scale: float, page_size: int, ppb: int, max_pages: int, num_splits: int):
+def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, *refs,
+            scale: float, page_size: int, ppb: int, max_pages: int, num_splits: int, has_bias: bool):
+    bias_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if has_bias else (None, refs)
     split = pl.program_id(2)
     unit, length, nsc, w0, nv, sink, window, pps = _meta_scalars(meta_ref)
     v_lo = split * pps
@@ -102,7 +106,7 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
     def attend():
         o, lse = _attend(q_ref[...], qpos_ref[...], pt_ref, k_ref, v_ref, pos_ref, unit=unit, length=length,
                          nsc=nsc, w0=w0, sink=sink, window=window, v_lo=v_lo, v_hi=v_hi, scale=scale,
-                         page_size=page_size, ppb=ppb, max_pages=max_pages)
+                         page_size=page_size, ppb=ppb, max_pages=max_pages, bias_ref=bias_ref)
         o_ref[...] = o.astype(o_ref.dtype)
         lse_ref[...] = lse
 
@@ -115,11 +119,11 @@ def _kernel(meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, o_ref, lse
 def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_pages, slot_pos, *,
                            scale: float, num_splits: int, pages_per_block: int, max_pages: int,
                            num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
-                           out_dtype=jnp.float32, block_offset: int = 0):
+                           out_dtype=jnp.float32, block_offset: int = 0, slot_bias=None):
     """Run the kernel over prepared blocks.
 
     meta [NB, Hkv, 8] int32, qpos_rows [NB, R] int32, q_rows [NB, Hkv, R, D],
-    page_table_flat [S * Hkv * max_pages] int32, pools as in the contract.
+    page_table_flat [S * Hkv * max_pages] int32, pools as in the contract (slot_bias [N, P] float32 or None).
     `block_offset` (static): meta and qpos_rows hold several layers' blocks ([L * NB, ...]) and this call
     reads rows block_offset + b; meta's unit column then indexes page_table_flat across layers too, so a
     layer of a multi-layer plan runs without slicing (a sliced custom-call operand is a copy per layer).
@@ -131,10 +135,11 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
     n, page_size = slot_pos.shape
     ppb = pages_per_block
     kernel = functools.partial(_kernel, scale=scale, page_size=page_size, ppb=ppb, max_pages=max_pages,
-                               num_splits=num_splits)
+                               num_splits=num_splits, has_bias=slot_bias is not None)
     k_flat = k_pages.reshape(n * page_size, d)
     v_flat = v_pages.reshape(n * page_size, d)
     pos_flat = slot_pos.reshape(n * page_size)
+    extra = () if slot_bias is None else (slot_bias.reshape(n * page_size).astype(jnp.float32),)
     full = lambda x: pl.BlockSpec(x.shape, lambda b, h, k: (0,) * x.ndim)
     return pl.pallas_call(
         kernel,
@@ -143,7 +148,7 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
             pl.BlockSpec((None, None, META_WIDTH), lambda b, h, k: (b + block_offset, h, 0)),
             pl.BlockSpec((None, rows), lambda b, h, k: (b + block_offset, 0)),
             pl.BlockSpec((None, None, rows, d), lambda b, h, k: (b, h, 0, 0)),
-            full(page_table_flat), full(k_flat), full(v_flat), full(pos_flat),
+            full(page_table_flat), full(k_flat), full(v_flat), full(pos_flat), *map(full, extra),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, d), lambda b, h, k: (k, b, h, 0, 0)),
@@ -154,7 +159,7 @@ def paged_attention_blocks(meta, qpos_rows, q_rows, page_table_flat, k_pages, v_
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxkv_ragged_paged_attention",
-    )(meta, qpos_rows, q_rows, page_table_flat, k_flat, v_flat, pos_flat)
+    )(meta, qpos_rows, q_rows, page_table_flat, k_flat, v_flat, pos_flat, *extra)
 
 
 def unit_split_pages(nv, num_splits: int, ppb: int, programs: int):
@@ -273,7 +278,8 @@ def work_list(meta, active, *, num_splits: int):
 
 def _compact_kernel(work_ref, nwork_ref, meta_ref, qpos_ref, q_ref, pt_ref, k_ref, v_ref, pos_ref, *out_refs,
                     scale: float, page_size: int, ppb: int, max_pages: int, num_splits: int,
-                    num_programs: int, hkv: int):
+                    num_programs: int, hkv: int, has_bias: bool):
+    bias_ref, out_refs = (out_refs[0], out_refs[1:]) if has_bias else (None, out_refs)
     out_ref, lse_ref = out_refs[:2]
     p = pl.program_id(0)
     count = pl.cdiv(jnp.maximum(nwork_ref[0] - p, 0), num_programs)
@@ -287,7 +293,7 @@ def _compact_kernel(work_ref, nwork_ref, meta_ref, qpos_ref, q_ref, pt_ref, k_re
         o, lse = _attend(q_ref[u], qpos_ref[u // hkv], pt_ref, k_ref, v_ref, pos_ref, unit=unit,
                          length=length, nsc=nsc, w0=w0, sink=sink, window=window, v_lo=v_lo,
                          v_hi=jnp.minimum(v_lo + pps, nv), scale=scale, page_size=page_size, ppb=ppb,
-                         max_pages=max_pages)
+                         max_pages=max_pages, bias_ref=bias_ref)
 
         def final():
             out_ref[u] = o.astype(out_ref.dtype)
@@ -334,7 +340,7 @@ def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_r
                             k_pages, v_pages, slot_pos, *, scale: float, num_splits: int,
                             pages_per_block: int, max_pages: int, num_programs: int, merge_programs: int,
                             num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
-                            out_dtype=jnp.float32):
+                            out_dtype=jnp.float32, slot_bias=None):
     """Compact schedule: meta [U, 8], qpos_rows [NB, R], q_rows [U, R, D] (U = NB * Hkv, unit-major) and the
     work list of `work_list` -> (out [U, R, D] out_dtype, lse [U, R] float32). Inactive units (no queries)
     are not computed (their rows are left as they are: the caller masks padding tokens)."""
@@ -349,13 +355,16 @@ def paged_attention_compact(work, num_work, merge_units, num_merge, meta, qpos_r
     pos_flat = slot_pos.reshape(n * page_size)
     full = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))
     ins = (work, num_work, meta, qpos_rows, q_rows, page_table_flat, k_flat, v_flat, pos_flat)
+    if slot_bias is not None:
+        ins += (slot_bias.reshape(n * page_size).astype(jnp.float32),)
     out_shape = [jax.ShapeDtypeStruct((u_n, rows, d), out_dtype),
                  jax.ShapeDtypeStruct((u_n, rows), jnp.float32)]
     if num_splits > 1:
         out_shape += [jax.ShapeDtypeStruct((num_splits, u_n, rows, d), jnp.float32),
                       jax.ShapeDtypeStruct((num_splits, u_n, rows), jnp.float32)]
     kernel = functools.partial(_compact_kernel, scale=scale, page_size=page_size, ppb=ppb,
-                               max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv)
+                               max_pages=max_pages, num_splits=num_splits, num_programs=num_programs, hkv=hkv,
+                               has_bias=slot_bias is not None)
     res = pl.pallas_call(
         kernel,
         grid=(num_programs,),

@@ -35,7 +35,7 @@ def visible_mask(slot_pos_seq, valid, q_pos, sink, window):
 
 
 def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
-                    scale):
+                    scale, slot_bias=None):
     """Ragged per-head paged attention for one layer.
 
     Args:
@@ -48,6 +48,7 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
       q_pos:      [T] int32 absolute position of each query.
       sink, window: [Hkv] int32 effective per-head sink and window (0 = no window).
       scale:      softmax scale (python float or scalar).
+      slot_bias:  [N, P] float32 or None: added to the scaled logit of every slot (a merged slot's log mass).
 
     Returns:
       out [T, Hq, D] in q.dtype and lse [T, Hq] float32 (natural log); out = 0, lse = -inf where a query
@@ -66,6 +67,8 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
     k_seq = k_pages[pt].reshape(S, Hkv, J, D)
     v_seq = v_pages[pt].reshape(S, Hkv, J, D)
     pos_seq = slot_pos[pt].reshape(S, Hkv, J)
+    bias_seq = (jnp.zeros((S, Hkv, J), jnp.float32) if slot_bias is None
+                else slot_bias[pt].reshape(S, Hkv, J).astype(jnp.float32))
     j = jnp.arange(J, dtype=jnp.int32)
     valid_seq = (j[None, None, :] < lengths[:, :, None]) & jnp.repeat(page_table >= 0, P, axis=-1)
 
@@ -81,6 +84,7 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
         vv = jnp.where(vis[..., None], vv, 0.0)  # masked slots may hold another request's NaN
         qg = qt.astype(jnp.float32).reshape(Hkv, G, D)
         logits = jnp.einsum("hgd,hjd->hgj", qg, kk, precision=jax.lax.Precision.HIGHEST) * scale
+        logits = logits + bias_seq[s_c][:, None, :]
         vis = vis[:, None, :]
         logits = jnp.where(vis, logits, -jnp.inf)
         m = jnp.max(logits, axis=-1, keepdims=True)

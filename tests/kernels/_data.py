@@ -65,7 +65,8 @@ def visible(kpos, qpos, sink, window):
 
 
 def oracle_attention(c, sink, window, scale):
-    """Independent float64 numpy oracle of the contract (docs/architecture.md)."""
+    """Independent float64 numpy oracle of the contract (docs/architecture.md); `c["slot_bias"]` (optional)
+    is added to each slot's logit."""
     q = c["q"].astype(np.float64)
     t, hq, d = q.shape
     s, hkv, _ = c["page_table"].shape
@@ -89,6 +90,8 @@ def oracle_attention(c, sink, window, scale):
             k = c["k_pages"][pages, idx % p].astype(np.float64)[ok]
             v = c["v_pages"][pages, idx % p].astype(np.float64)[ok]
             logits = k @ q[ti, qh] * scale
+            if c.get("slot_bias") is not None:
+                logits = logits + c["slot_bias"][pages, idx % p].astype(np.float64)[ok]
             mx = logits.max()
             w = np.exp(logits - mx)
             out[ti, qh] = w @ v / w.sum()

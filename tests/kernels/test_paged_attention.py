@@ -68,3 +68,60 @@ def test_local_heads_read_only_sink_and_window_pages():
     out, _ = paged_attention(*args, jnp.asarray(sink), jnp.asarray(window), scale=0.25,
                              implementation="pallas", ordered=True)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-4)
+
+
+@pytest.mark.parametrize("implementation,splits,schedule", [
+    ("reference", None, None), ("pallas", 1, "grid"), ("pallas", 3, "grid"), ("pallas", 3, "compact")])
+def test_slot_bias_is_added_to_every_logit(implementation, splits, schedule):
+    """`slot_bias` (KVPool.bias, merged tokens) against the oracle, in every schedule and split layout."""
+    from pallas_kernels.paged_attention.api import paged_attention_plan, paged_attention_with_plan
+
+    c = random_paged_case(np.random.default_rng(11), q_lens=(1, 3, 2))
+    c["slot_bias"] = np.random.default_rng(12).normal(0, 2, c["slot_pos"].shape).astype(np.float32)
+    sink, window = np.array([0, 2], np.int32), np.array([0, 5], np.int32)
+    ref_out, ref_lse = oracle_attention(c, sink, window, 0.25)
+    args = [jnp.asarray(c[k]) for k in ARGS]
+    bias = jnp.asarray(c["slot_bias"])
+    if implementation == "reference":
+        out, lse = paged_attention(*args, jnp.asarray(sink), jnp.asarray(window), scale=0.25,
+                                   implementation="reference", slot_bias=bias)
+    else:
+        plan = paged_attention_plan(args[3], args[4], args[5], args[6], args[7], jnp.asarray(sink),
+                                    jnp.asarray(window), num_q_heads=c["q"].shape[1], ordered=False,
+                                    num_splits=splits, block_q=1, schedule=schedule)
+        out, lse = paged_attention_with_plan(plan, args[0], args[1], args[2], args[3], args[4], scale=0.25,
+                                             slot_bias=bias)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+def test_bias_log_m_equals_m_copies_of_the_slot(implementation):
+    """The meaning of a merged slot: one slot with bias log(m) attends exactly like m identical slots."""
+    rng = np.random.default_rng(3)
+    d, p, hq = 8, 4, 2
+    k = rng.standard_normal((6, d)).astype(np.float32)
+    v = rng.standard_normal((6, d)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((1, hq, d)).astype(np.float32))
+
+    def run(keys, vals, bias):
+        n = len(keys)
+        pages = -(-n // p)
+        kp = np.zeros((pages, p, d), np.float32)
+        vp = np.zeros((pages, p, d), np.float32)
+        pos = np.full((pages, p), -1, np.int32)
+        kp.reshape(-1, d)[:n], vp.reshape(-1, d)[:n] = keys, vals
+        pos.reshape(-1)[:n] = np.arange(n)
+        b = np.zeros((pages, p), np.float32)
+        b.reshape(-1)[:n] = bias
+        return paged_attention(q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(pos),
+                               jnp.asarray(np.arange(pages, dtype=np.int32)[None, None]),
+                               jnp.asarray([[n]], np.int32), jnp.asarray([0], np.int32),
+                               jnp.asarray([100], np.int32), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                               scale=0.5, implementation=implementation, slot_bias=jnp.asarray(b))
+
+    copies = run(np.concatenate([k, k[2:3], k[2:3]]), np.concatenate([v, v[2:3], v[2:3]]), np.zeros(8))
+    merged = run(k, v, np.array([0, 0, np.log(3), 0, 0, 0]))
+    np.testing.assert_allclose(np.asarray(merged[0]), np.asarray(copies[0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(merged[1]), np.asarray(copies[1]), atol=1e-5)

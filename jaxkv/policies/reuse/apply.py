@@ -120,7 +120,11 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     pos = pool.pos.at[jnp.where(clear >= 0, clear, n_pages)].set(-1, mode="drop")
     k, v, pos = rope_shift(pool.k, pool.v, pos, b["src"], b["dst"], b["delta"], jnp.asarray(freqs),
                            style="neox", implementation=impl)
-    pool = KVPool(k=k, v=v, pos=pos, page_size=ps)
+    bias = pool.bias  # a merging engine's bias: the request's fresh and copied pages start with none
+    if bias is not None:
+        for pages in (clear, b["dst"]):
+            bias = bias.at[jnp.where(pages >= 0, pages, n_pages)].set(0.0, mode="drop")
+    pool = KVPool(k=k, v=v, pos=pos, page_size=ps, bias=bias)
 
     def cached_kv(pool, slots):  # K/V the cache holds at `slots` [R, H] (zeros where -1)
         flat = jnp.maximum(slots, 0).reshape(-1)
