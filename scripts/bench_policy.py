@@ -41,15 +41,18 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
     from jaxkv.engine.runner import num_compilations
+    from jaxkv.eval.__main__ import _parse_opts
     from jaxkv.policies import POLICIES, CompressPolicy, get_policy
     from jaxkv.sampling import SamplingParams
 
     cfg = model.config
     pol = None
-    if policy != "full":
-        name, _, budget = policy.partition("@")
+    if policy != "full":  # name@budget[:field=value...]
+        spec, *extra = policy.split(":")
+        name, _, budget = spec.partition("@")
         cls = POLICIES[name]
         fields = {"decode_interval": decode_interval} if "decode_interval" in cls.__dataclass_fields__ else {}
+        fields |= _parse_opts(",".join(extra))
         budget = float(budget) if issubclass(cls, CompressPolicy) else int(float(budget))  # retrieval: tokens
         pol = get_policy(name, budget=budget, **fields)
     eng = Engine(model, page_size=page_size, max_num_seqs=batch, max_model_len=max_len or prompt + new + 1,
@@ -69,7 +72,8 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
         generated += sum(len(o.new_token_ids) for o in eng.step())
         peak = max(peak, free0 - eng.allocator.num_free)
     secs = time.perf_counter() - t0
-    return secs, generated, peak, eng.compressor.num_compressions, num_compilations() - compiled0
+    return (secs, generated, peak, eng.compressor.num_compressions, num_compilations() - compiled0,
+            eng.runner.pool.bias is not None)
 
 
 def main(argv=None) -> list[dict]:
@@ -111,8 +115,8 @@ def main(argv=None) -> list[dict]:
                       engine_kwargs=json.loads(args.engine), max_len=args.prompt + args.new + 1)
             warm = kw if method == "full" else dict(kw, new=min(args.new, args.policy_warm_new))
             run(model, method, **warm)  # compiles
-            secs, gen, peak, ncomp, ncompiled = run(model, method, **kw)
-            page_bytes = page_size * 2 * cfg.head_dim * (4 if args.small else 2)
+            secs, gen, peak, ncomp, ncompiled, bias = run(model, method, **kw)
+            page_bytes = page_size * (2 * cfg.head_dim * (4 if args.small else 2) + 4 * bias)  # + merge bias
             row = {"method": method, "seconds": secs, "tokens": gen, "tok_s": gen / secs,
                    "peak_kv_gb": peak * page_bytes / 1e9, "compressions": ncomp,
                    "compiled_in_timed_run": ncompiled}

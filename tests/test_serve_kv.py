@@ -94,6 +94,7 @@ def test_per_request_policy_compresses_and_a_large_budget_equals_full(server):
     small = complete(server, kv_policy={"name": "snapkv", "budget": 0.25, "window": 8})
     assert small != full  # a quarter of the prompt's K/V: a different (random) model output
     assert complete(server, kv_policy="streaming_llm")  # a bare name: the policy's default budget
+    assert complete(server, kv_policy={"name": "hardkv", "merge": False})  # no bias here: without merging
     assert server.metric("jaxkv_kv_compressions_total") >= before[0] + 2
     assert server.metric("jaxkv_kv_pages_freed_by_compression_total") > before[1]
     assert server.metric("jaxkv_kv_pages_in_use") == 0  # compressed requests gave every page back
@@ -129,6 +130,7 @@ BAD_POLICY = [
     ({"kv_policy": {"name": "pyramidkv", "beta": [1]}}, "beta must be an integer"),  # unhashable
     ({"kv_policy": {"name": "rkv", "kernel": 2.5}}, "kernel must be an integer"),
     ({"kv_policy": {"name": "hardkv", "calibration": "x"}}, "cannot be set"),
+    ({"kv_policy": "hardkv"}, "--kv-merge"),  # HARD-KV merges; this server holds no per-slot bias
     ({"kv_policy": {"name": "snapkv", "window": 10**6}}, "at most max_model_len"),  # sizes a buffer
 ]
 

@@ -96,7 +96,7 @@ class CompressPolicy:
     sink: int = 4
     decode_interval: int = 0
     merge: bool = False
-    merge_sim: float = 0.0
+    merge_sim: float = 0.8
 
     def __post_init__(self):
         if not (isinstance(self.budget, int | float) and math.isfinite(self.budget) and self.budget > 0):

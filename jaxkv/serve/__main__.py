@@ -68,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="another field of the policy, e.g. --kv-policy-arg window=32 (repeatable; values "
                         "are JSON, else strings)")
+    p.add_argument("--kv-merge", action=argparse.BooleanOptionalAction, default=None,
+                   help="hold a logit bias per cache slot (4 bytes), so compression policies may merge "
+                        "evicted tokens into kept ones (HARD-KV does by default; docs/policies.md); on when "
+                        "--kv-policy merges, else off (a per-request merging policy is then refused)")
     p.add_argument("--retrieval-host-tier", action="store_true",
                    help="SpeContext (--kv-policy specontext, or per request): keep a pinned host-memory "
                         "mirror of the KV and load only each step's selection difference from it "
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
+                        kv_merge=args.kv_merge,
                         retrieval_host_tier=args.retrieval_host_tier,
                         retrieval_resident=args.retrieval_resident,
                         retrieval_host_pages=args.retrieval_host_pages, segment_anchor=args.segment_anchor,

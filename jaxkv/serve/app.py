@@ -68,6 +68,7 @@ class ServerState:
     created: int = field(default_factory=P.now)
     kv_policy: object | None = None  # the engine's compression policy (a request may override it)
     reuse_enabled: bool = False  # segment reuse needs every head global (docs/serving.md)
+    kv_merge: bool = False  # the pool holds a logit bias per slot: policies may merge (--kv-merge)
     info: dict = field(default_factory=dict)  # more for GET /info (page size, precompiled variants, ...)
 
 
@@ -180,7 +181,7 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_common(req)
         P.check_completion_extras(req)
         _check_choices(state, _num_prompts(req.prompt) * (req.n or 1))
-        policy = K.request_policy(req, state.max_model_len)
+        policy = K.request_policy(req, state.max_model_len, merge_ok=state.kv_merge)
         key = _extra_key(tenant, req.cache_salt)
         reuse = None
         if req.reuse is not None:
@@ -201,7 +202,7 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_common(req)
         P.check_chat_extras(req)
         _check_choices(state, req.n or 1)
-        policy = K.request_policy(req, state.max_model_len)
+        policy = K.request_policy(req, state.max_model_len, merge_ok=state.kv_merge)
         key = _extra_key(tenant, req.cache_salt)
         segments: list[str] = []
         marker = f"\x00{uuid.uuid4().hex}\x00"  # stands for a segment part in the rendered template

@@ -103,10 +103,11 @@ def _bounded(obj, limit: int, param: str):
     return obj
 
 
-def request_policy(req, limit: int):
+def request_policy(req, limit: int, merge_ok: bool = True):
     """The request's `kv_policy`: DEFAULT (left out), None (`null`: the full cache) or a policy object.
 
     Accepted: ``"snapkv"`` (its default budget) or ``{"name": "snapkv", "budget": 0.25, ...fields}``.
+    `merge_ok`: the engine's pool has the per-slot bias that a merging policy (HARD-KV's default) needs.
     """
     if "kv_policy" not in req.model_fields_set:
         return DEFAULT
@@ -129,6 +130,10 @@ def request_policy(req, limit: int):
         policy = build_policy(name, fields)
     except ValueError as e:
         raise RequestError(f"Invalid kv_policy: {e}.", "kv_policy") from None
+    if getattr(policy, "merge", False) and not merge_ok:
+        raise RequestError(f"kv_policy {name!r} merges evicted tokens (merge=true), which needs a server "
+                           "started with --kv-merge; send \"merge\": false to run it without merging.",
+                           "kv_policy")
     return _bounded(policy, limit, "kv_policy")
 
 
