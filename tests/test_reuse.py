@@ -500,3 +500,31 @@ def test_segment_ffn_cache_stays_within_its_budget(model, pieces):
     assert out == first and zero.reuser.store.find(s1).ffn is None and zero.reuser.ffn_bytes == 0
     with pytest.raises(ValueError, match="segment_ffn_cache_bytes"):
         make_engine(model, segment_ffn_cache_bytes=-1)
+
+
+def test_segments_cached_with_their_prompt_context_make_naive_reuse_exact(model, pieces):
+    """SparseX's protocol: a segment registered with the text before it in an earlier prompt carries that
+    text's context. Cached from this very prompt (context = prefix + the segments before), naive reuse
+    equals the full prefill; cached from another order it does not, and the context is part of the id."""
+    pre, s1, s2, suf = pieces
+    dense = dense_last_logits(model, pre + s1 + s2 + suf)
+    eng = make_engine(model, segment_anchor=None)
+    free = eng.allocator.num_free
+    a = eng.register_segment(s1, context=pre)
+    b = eng.register_segment(s2, context=pre + s1)
+    _, st = run(eng, pre, [a, b], suf, "naive")
+    np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
+    assert st.reused_tokens == len(s1) + len(s2) and st.recompute_fraction == 0.0
+    entry = eng.reuser.store.get(b)
+    assert entry.start == len(pre) + len(s1) and entry.context == tuple(pre + s1)
+    # Another earlier prompt (s2 first): other ids, approximate reuse.
+    b2 = eng.register_segment(s2, context=pre)
+    a2 = eng.register_segment(s1, context=pre + s2)
+    assert {a2, b2}.isdisjoint({a, b}) and eng.register_segment(s1, context=pre) == a  # found, not re-made
+    _, st2 = run(eng, pre, [a2, b2], suf, "naive")
+    assert np.abs(st2.first_logits - dense).max() > 1e-3
+    # The context's scratch pages are not kept: the store holds only the segments' own pages.
+    held = sum(e.pages.size for e in eng.reuser.store.entries())
+    assert eng.allocator.num_free == free - held
+    with pytest.raises(SegmentError, match="of context"):
+        eng.register_segment(s1, context=list(range(3, 130)))

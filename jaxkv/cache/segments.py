@@ -9,9 +9,11 @@ reuses it copies those pages into its own,
 rotating K by the position delta (`pallas_kernels.rope_shift`), or references them in place when nothing
 moves and nothing is recomputed (`jaxkv.engine.reuse`).
 
-Identity: ``segment_id(model_id, tokens, extra_key)`` (blake2b over all three). ``extra_key`` is a namespace:
-the same text under two namespaces gets two ids and two sets of pages, and a lookup with the wrong namespace
-fails (it never falls back to another namespace's pages).
+Identity: ``segment_id(model_id, tokens, extra_key, context)`` (blake2b over all four). ``extra_key`` is a
+namespace: the same text under two namespaces gets two ids and two sets of pages, and a lookup with the wrong
+namespace fails (it never falls back to another namespace's pages). ``context`` (default none) is text the
+segment was prefilled after, as in the prompt it was first seen in (SparseX's protocol: a document cached
+together with the ones before it); its K/V carry that context, so it is part of the identity.
 
 Lifetime: the store holds one allocator reference per page. ``acquire`` / ``release`` count the requests
 using an entry. Entries nobody uses are evicted least recently used first when the engine needs pages;
@@ -36,13 +38,17 @@ class SegmentError(ValueError):
     """A request named a segment it may not use (unknown, other namespace, deleted, too long)."""
 
 
-def segment_id(model_id: str, tokens: Sequence[int], extra_key: str | None = None) -> str:
+def segment_id(model_id: str, tokens: Sequence[int], extra_key: str | None = None,
+               context: Sequence[int] = ()) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(str(model_id)).encode())
     h.update(b"|")
     h.update(repr(extra_key).encode())
     h.update(b"|")
     h.update(np.asarray(tokens, np.int64).tobytes())
+    if len(context):  # ids of segments without a context stay what they were
+        h.update(b"|context|")
+        h.update(np.asarray(context, np.int64).tobytes())
     return "seg-" + h.hexdigest()
 
 
@@ -56,7 +62,8 @@ class SegmentEntry:
     refcount: int = 0  # requests currently using the entry
     deleted: bool = False  # a frozen entry deleted while in use (pages freed at refcount zero)
     hits: int = 0
-    start: int = 0  # original position of the first token (the anchor's length; 0 without one)
+    start: int = 0  # original position of the first token (anchor + context length; 0 without either)
+    context: tuple[int, ...] = ()  # tokens the segment was prefilled after (its K/V dropped)
     ffn: object = None  # device [L, n, hidden]: each layer's FFN output per token (RedKnot ffn_reuse; lazy)
 
     @property
@@ -83,8 +90,8 @@ class SegmentStore:
         """`e` is this store's live entry for its id (not dropped, evicted or deleted)."""
         return self._entries.get(e.segment_id) is e and not e.deleted
 
-    def id_for(self, tokens: Sequence[int], extra_key: str | None = None) -> str:
-        return segment_id(self.model_id, tokens, extra_key)
+    def id_for(self, tokens: Sequence[int], extra_key: str | None = None, context: Sequence[int] = ()) -> str:
+        return segment_id(self.model_id, tokens, extra_key, context)
 
     def entries(self, extra_key: str | None = None, *, all_namespaces: bool = False) -> list[SegmentEntry]:
         return [e for e in self._entries.values()
@@ -108,26 +115,29 @@ class SegmentStore:
             raise SegmentError(f"segment {seg_id!r} does not exist in namespace {extra_key!r}")
         return e
 
-    def find(self, tokens: Sequence[int], extra_key: str | None = None) -> SegmentEntry | None:
-        e = self._entries.get(self.id_for(tokens, extra_key))
-        if e is None or e.deleted or e.tokens != tuple(int(t) for t in tokens):
+    def find(self, tokens: Sequence[int], extra_key: str | None = None,
+             context: Sequence[int] = ()) -> SegmentEntry | None:
+        e = self._entries.get(self.id_for(tokens, extra_key, context))
+        if (e is None or e.deleted or e.tokens != tuple(int(t) for t in tokens)
+                or e.context != tuple(int(t) for t in context)):
             return None
         return e
 
     # ---- mutation ---------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], extra_key: str | None, pages: np.ndarray, *,
-               frozen: bool = False, start: int = 0) -> SegmentEntry:
+               frozen: bool = False, start: int = 0, context: Sequence[int] = ()) -> SegmentEntry:
         """Adds an entry that takes over the caller's one reference to each of `pages` [L, H, n]."""
         tokens = tuple(int(t) for t in tokens)
         pages = np.asarray(pages, np.int32)
         need = -(-len(tokens) // self.page_size)
         if pages.ndim != 3 or pages.shape[2] != need:
             raise ValueError(f"insert: {len(tokens)} tokens need [L, H, {need}] pages (got {pages.shape})")
-        seg_id = self.id_for(tokens, extra_key)
+        context = tuple(int(t) for t in context)
+        seg_id = self.id_for(tokens, extra_key, context)
         if seg_id in self:
             raise ValueError(f"insert: segment {seg_id!r} already exists")
         self._deleted.discard(seg_id)
-        e = SegmentEntry(seg_id, tokens, extra_key, pages, frozen=frozen, start=int(start))
+        e = SegmentEntry(seg_id, tokens, extra_key, pages, frozen=frozen, start=int(start), context=context)
         self._entries[seg_id] = e
         return e
 

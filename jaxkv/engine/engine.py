@@ -239,9 +239,11 @@ class Engine:
         self.reuser.add(self._requests[request_id], prefix_ids, segments, suffix_ids, policy)
         return request_id
 
-    def register_segment(self, token_ids, extra_key: str | None = None, frozen: bool = False) -> str:
-        """Prefills `token_ids` once (positions 0..) into the segment store; returns the segment id."""
-        return self.reuser.register(token_ids, extra_key, frozen).segment_id
+    def register_segment(self, token_ids, extra_key: str | None = None, frozen: bool = False,
+                         context=None) -> str:
+        """Prefills `token_ids` once into the segment store (after the anchor, and after `context` tokens
+        when given, whose K/V are dropped: the segment as it was in an earlier prompt); returns its id."""
+        return self.reuser.register(token_ids, extra_key, frozen, context=context).segment_id
 
     def delete_segment(self, segment_id: str, extra_key: str | None = None) -> None:
         self.reuser.store.delete(segment_id, extra_key)

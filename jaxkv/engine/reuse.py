@@ -145,14 +145,20 @@ class Reuser:
         self._ffn_lru: OrderedDict[str, SegmentEntry] = OrderedDict()  # entries holding `ffn`, LRU first
 
     # ---- segments -----------------------------------------------------------------------------
-    def register(self, tokens, extra_key: str | None = None, frozen: bool = False) -> SegmentEntry:
-        """The entry for `tokens` in namespace `extra_key`, prefilled by the engine if new (positions 0..)."""
+    def register(self, tokens, extra_key: str | None = None, frozen: bool = False,
+                 context=None) -> SegmentEntry:
+        """The entry for `tokens` in namespace `extra_key`, prefilled by the engine if new (after the anchor
+        and `context`, if given: the segment's K/V then carry that text, whose own K/V are dropped)."""
         tokens = [int(t) for t in tokens]
+        context = [int(t) for t in (context or ())]
         self._check_tokens(tokens, "segment")
-        if self.start + len(tokens) >= self.engine.max_model_len:
-            raise SegmentError(f"segment has {len(tokens)} tokens; "
-                               f"the context holds {self.engine.max_model_len}")
-        e = self.store.find(tokens, extra_key)
+        if context:
+            self._check_tokens(context, "segment context")
+        if self.start + len(context) + len(tokens) >= self.engine.max_model_len:
+            what = f"segment has {len(tokens)} tokens"
+            what += f" after {len(context)} of context" if context else ""
+            raise SegmentError(f"{what}; the context holds {self.engine.max_model_len}")
+        e = self.store.find(tokens, extra_key, context)
         if e is not None:
             if frozen:
                 self.store.freeze(e)
@@ -160,35 +166,38 @@ class Reuser:
         L, H, ps = self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
         n = len(tokens)
         npg = -(-n // ps)
-        a = len(self.anchor)
+        lead = len(self.anchor) + len(context)
         ids = self._allocate(L * H * npg).reshape(L, H, npg)
-        scratch = self._allocate(L * H * -(-a // ps)).reshape(L, H, -1) if a else None
+        scratch = self._allocate(L * H * -(-lead // ps)).reshape(L, H, -1) if lead else None
         try:
-            self._prefill_segment(tokens, ids, scratch)
+            self._prefill_segment(tokens, ids, scratch, context)
         except Exception:
             self.engine.allocator.decref(ids)
             raise
         finally:
             if scratch is not None:
                 self.engine.allocator.decref(scratch)
-        return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start)
+        return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start + len(context),
+                                 context=context)
 
-    def _prefill_segment(self, tokens, pages, scratch=None) -> None:
-        """The engine's own prefill of `self.anchor + tokens`: the anchor into `scratch` pages (freed after),
-        the segment into `pages` [L, H, n] at positions a.. (chunks of max_step_tokens). Storage slot j of
-        the table is the anchor's pages, then the segment's; the anchor's last page is blanked past the
-        anchor, so the positions run on without a gap while each segment page starts with its token."""
+    def _prefill_segment(self, tokens, pages, scratch=None, context=()) -> None:
+        """The engine's own prefill of `self.anchor + context + tokens`: the anchor and the context into
+        `scratch` pages (freed after), the segment into `pages` [L, H, n] (chunks of max_step_tokens). The
+        anchor sits at 0..; the context and then the segment from `self.start`. Storage slot j of the table
+        is the scratch pages, then the segment's; the last scratch page is blanked past the lead, so the
+        positions run on without a gap while each segment page starts with its token."""
         eng, ps = self.engine, self.page_size
         L, H = self.cfg.num_layers, self.cfg.num_kv_heads
-        a, n = len(self.anchor), len(tokens)
+        c = len(context)
+        a, n = len(self.anchor) + c, len(tokens)
         sp = 0 if scratch is None else scratch.shape[2]
         allp = pages if not sp else np.concatenate([scratch, pages], axis=2)
         step = eng.scheduler.max_step_tokens
         P = bucket_for(allp.shape[2], powers_of_two(max(allp.shape[2], 1), start=4))
         table = np.full((1, L, H, P), -1, np.int32)
         table[0, :, :, :allp.shape[2]] = allp
-        seq = list(self.anchor) + list(tokens)
-        positions = np.concatenate([np.arange(a), self.start + np.arange(n)]).astype(np.int32)
+        seq = list(self.anchor) + list(context) + list(tokens)
+        positions = np.concatenate([np.arange(a - c), self.start + np.arange(c + n)]).astype(np.int32)
         # storage index of every token of `seq`: the anchor from slot 0, the segment from its first page
         store_at = np.concatenate([np.arange(a), sp * ps + np.arange(n)]).astype(np.int64)
         if sp and a % ps:  # the anchor's page past the anchor: position -1 before anything attends
@@ -235,18 +244,20 @@ class Reuser:
         self._ffn_lru[e.segment_id] = e
 
     def segment_ffn(self, e: SegmentEntry):
-        """[L, n, hidden] FFN outputs of the segment's own prefill (after its anchor, at its positions),
-        computed on first use by a dense forward and kept with the entry while the budget allows."""
+        """[L, n, hidden] FFN outputs of the segment's own prefill (after its anchor and context, at its
+        positions), computed on first use by a dense forward and kept with the entry while the budget
+        allows."""
         if e.ffn is not None:
             self._ffn_lru.move_to_end(e.segment_id)
             return e.ffn
-        seq = list(self.anchor) + list(e.tokens)
-        a, n = len(self.anchor), e.length
+        seq = list(self.anchor) + list(e.context) + list(e.tokens)
+        c = len(e.context)
+        a, n = len(self.anchor) + c, e.length
         T = row_bucket(len(seq), floor=128)
         tokens = np.zeros(T, np.int32)
         positions = np.full(T, -1, np.int32)
         tokens[:len(seq)] = seq
-        positions[:len(seq)] = np.concatenate([np.arange(a), e.start + np.arange(n)])
+        positions[:len(seq)] = np.concatenate([np.arange(a - c), e.start - c + np.arange(c + n)])
         ffn = _segment_ffn(self.engine.runner.params, tokens, positions, cfg=self.cfg)[:, a:a + n]
         self._keep_ffn(e, ffn)
         return ffn

@@ -7,10 +7,21 @@ so compilations are shared. A prompt's segments are registered on first sight by
 the request decodes greedily in the ordinary step loop. `reuse_full` is the same path with the `full` policy
 (every token recomputed, no segment looked up): it must match the dense `full` oracle. Options reach the
 reuse policy as fields (`--method-opts ratio=0.3,full_layers=2`), except `anchor` (`anchor=none`: segments
-prefilled alone, without the BOS anchor; `Engine(segment_anchor=...)`).
+prefilled alone, without the BOS anchor; `Engine(segment_anchor=...)`) and `context`, how the segments were
+cached (docs/eval.md, "Segment caching protocols"):
+
+- `none` (default): each segment prefilled on its own after the anchor (CacheBlend / EPIC / RedKnot's
+  protocol: independently precomputed chunks);
+- `shuffled`: the segments as they were in an earlier prompt holding the same prefix and the same documents
+  in another order (a seeded permutation, never the identity): each is cached after the prefix and the
+  documents before it there (SparseX's protocol, Appendix B: segments cached from a complete prompt);
+- `prompt`: cached from this very prompt (prefix and the segments before it): naive reuse is then exact, a
+  check of the protocol.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 
@@ -31,6 +42,9 @@ class EngineReuse(Method):
         from jaxkv.policies.reuse import get_reuse_policy
 
         anchor = opts.pop("anchor", "bos")
+        self.context = str(opts.pop("context", "none")).lower()
+        if self.context not in CONTEXTS:
+            raise ValueError(f"context must be one of {CONTEXTS} (got {self.context!r})")
         at = opts.pop("anchor_at", None)
         self.segment_start = None if at is None else int(at)
         self.anchor = None if str(anchor).lower() in ("none", "false", "0", "") else anchor
@@ -57,8 +71,8 @@ class EngineReuse(Method):
         eng = self._engine_for(len(pieces.ids) + max_new_tokens)
         sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
                             ignore_eos=True)
-        rid = eng.add_reuse_request(pieces.prefix, pieces.segments, pieces.suffix, reuse=self.policy,
-                                    sampling=sp)
+        segments = self._cached_segments(eng, pieces)
+        rid = eng.add_reuse_request(pieces.prefix, segments, pieces.suffix, reuse=self.policy, sampling=sp)
         out: list[int] = []
         while eng.has_unfinished():
             for o in eng.step():
@@ -73,6 +87,30 @@ class EngineReuse(Method):
         loaded += sum(metrics.kv_bytes(cfg, n + i + 1, itemsize) for i in range(len(out)))
         self.last_stats = st
         return MethodOutput(out, st.first_logits, st.prefill_s, held, loaded, flops(cfg, st))
+
+
+    def _cached_segments(self, eng, pieces: PromptPieces) -> list:
+        """The request's segments: token lists (`none`: registered alone on first sight) or the ids of
+        segments registered with their earlier prompt's text before them (`shuffled`, `prompt`)."""
+        if self.context == "none":
+            return pieces.segments
+        n = len(pieces.segments)
+        order = list(range(n))
+        if self.context == "shuffled" and n > 1:
+            rng = np.random.default_rng(zlib.crc32(np.asarray(pieces.ids, np.int32).tobytes()))
+            while order == list(range(n)):
+                order = rng.permutation(n).tolist()
+        anchor = list(eng.reuser.anchor)
+        prefix = list(pieces.prefix)
+        ctx = prefix[len(anchor):] if prefix[:len(anchor)] == anchor else prefix  # the anchor is BOS already
+        ids: list = [None] * n
+        for j in order:
+            ids[j] = eng.register_segment(pieces.segments[j], context=ctx)
+            ctx = ctx + list(pieces.segments[j])
+        return ids
+
+
+CONTEXTS = ("none", "shuffled", "prompt")
 
 
 def flops(cfg, st) -> dict[str, float]:
