@@ -232,6 +232,25 @@ def test_segment_register_reuse_delete(server, tok, ckpt):
     assert server.metric("jaxkv_kv_pages_in_use") == 0
 
 
+def test_segment_registered_with_its_prompt_context(server, tok):
+    """`context`: the segment as it was in an earlier prompt; reused right after that same text, naive reuse
+    decodes exactly like the plain prompt. The context is part of the id; bad context ids are a 400."""
+    plain_id = register(server, text=DOC)
+    ctx = "notes for the meeting:"
+    seg = register(server, text=DOC, context=ctx)
+    assert seg != plain_id
+    ctx_ids = tok.encode(ctx, add_special_tokens=False)
+    assert http(server, "GET", f"segments/{seg}").json()["context_tokens"] == len(ctx_ids)
+    bos = tok.encode("", add_special_tokens=True)
+    doc_ids = tok.encode(DOC, add_special_tokens=False)
+    q_ids = tok.encode(" what is the answer", add_special_tokens=False)
+    plain = complete(server, prompt=bos + ctx_ids + doc_ids + q_ids)
+    reuse = {"segments": [seg], "method": "naive", "prefix": bos + ctx_ids}
+    assert complete(server, prompt=q_ids, reuse=reuse) == plain
+    r = http(server, "POST", "segments", json={"text": DOC, "context": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "context"
+
+
 def test_segments_are_invisible_to_other_tenants(server):
     text = "tenant secret " + DOC
     seg = register(server, "key-a", text=text, frozen=True)

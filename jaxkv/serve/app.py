@@ -247,6 +247,19 @@ def build_app(state: ServerState) -> FastAPI:
         if len(tokens) >= state.max_model_len:
             raise P.RequestError(f"The segment has {len(tokens)} tokens; a prompt holds at most "
                                  f"{state.max_model_len - 1}.", param, "context_length_exceeded")
+        context = []
+        if isinstance(req.context, str):
+            context = await asyncio.to_thread(_encode_within, state, req.context, False, "context")
+        elif req.context is not None:
+            context = list(req.context)
+            bad = [t for t in context if not 0 <= t < state.vocab_size]
+            if bad:
+                raise P.RequestError(f"context tokens must lie in [0, {state.vocab_size}) (got {bad[0]}).",
+                                     "context")
+        if len(context) + len(tokens) >= state.max_model_len:
+            raise P.RequestError(f"The segment and its context have {len(context) + len(tokens)} tokens; a "
+                                 f"prompt holds at most {state.max_model_len - 1}.", "context",
+                                 "context_length_exceeded")
         key = _extra_key(tenant, req.cache_salt)
         frozen = req.frozen
 
@@ -254,7 +267,7 @@ def build_app(state: ServerState) -> FastAPI:
             from jaxkv.cache.allocator import OutOfPages
 
             try:
-                return _segment_card(eng.reuser.register(tokens, key, frozen))
+                return _segment_card(eng.reuser.register(tokens, key, frozen, context=context))
             except OutOfPages as e:
                 raise P.RequestError(f"The KV pool has no room for this segment now ({e}); retry later or "
                                      "delete segments.", None, "kv_pool_full", 503) from None
@@ -317,7 +330,7 @@ def _lookup(eng, seg_id: str, key: str | None, param: str | None, status: int = 
 def _segment_card(e) -> dict:
     ffn = 0 if e.ffn is None else int(e.ffn.size * e.ffn.dtype.itemsize)
     return {"id": e.segment_id, "object": "segment", "num_tokens": e.length, "frozen": e.frozen,
-            "in_use": e.refcount, "hits": e.hits, "ffn_cache_bytes": ffn}
+            "in_use": e.refcount, "hits": e.hits, "ffn_cache_bytes": ffn, "context_tokens": len(e.context)}
 
 
 async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | None,
