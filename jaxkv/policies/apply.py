@@ -181,8 +181,13 @@ def _merge_into_pool(pool: KVPool, page_table, lengths, keep, shrink, mass, min_
         n = kpos.shape[-1]
         valid = (kpos >= 0) & (jnp.arange(n) < lengths[:, layer][..., None])
         idx, count = keep.idx[:, layer], keep.count[:, layer]
-        v_new, bias_add, merged = merge_evicted(kc, vc, valid, mass[:, layer], idx, count, shrink[:, layer],
-                                                min_sim)
+
+        def one(args):  # one sequence at a time: the [H, N, K] cosines of a long batch stay small
+            out = merge_evicted(*(a[None] for a in args), min_sim)
+            return tuple(o[0] for o in out)
+
+        rows = (kc, vc, valid, mass[:, layer], idx, count, shrink[:, layer])
+        v_new, bias_add, merged = jax.lax.map(one, rows)
         idx_c = jnp.clip(idx, 0, n - 1)
         page = jnp.take_along_axis(page_table[:, layer], idx_c // ps, axis=-1)  # [S, H, K]
         slot = jnp.where((merged > 0) & (page >= 0), page * ps + idx_c % ps, n_pages * ps).reshape(-1)
