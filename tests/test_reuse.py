@@ -528,3 +528,23 @@ def test_segments_cached_with_their_prompt_context_make_naive_reuse_exact(model,
     assert eng.allocator.num_free == free - held
     with pytest.raises(SegmentError, match="of context"):
         eng.register_segment(s1, context=list(range(3, 130)))
+
+
+def test_reuse_on_a_merging_engine_leaves_no_stale_bias(model, pieces):
+    """Every page of a merging engine may hold another request's biases (decode adds them to the logits). A
+    reuse request's copied segment pages start from bias 0 and its new text is reset by write_kv: with the
+    whole pool's bias set to garbage first, every visible slot the request holds has bias 0."""
+    import dataclasses as dc
+
+    pre, s1, s2, suf = pieces
+    eng = make_engine(model, segment_anchor=None, kv_merge=True)
+    for s in (s1, s2):
+        eng.register_segment(s)
+    pool = eng.runner.pool
+    stale = np.random.default_rng(5).normal(0, 3, pool.bias.shape).astype(np.float32)
+    eng.runner.pool = dc.replace(pool, bias=jnp.asarray(stale))
+    rid = eng.add_reuse_request(pre, [s1, s2], suf, reuse="naive", sampling=GREEDY)
+    eng.step()  # the reuse prefill
+    pages = np.concatenate([np.asarray(p, np.int64) for row in eng.tables.page_lists(rid) for p in row])
+    pos, bias = np.asarray(eng.runner.pool.pos)[pages], np.asarray(eng.runner.pool.bias)[pages]
+    assert (pos >= 0).sum() >= len(pre + s1 + s2 + suf) and np.all(bias[pos >= 0] == 0)

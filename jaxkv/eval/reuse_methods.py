@@ -88,7 +88,6 @@ class EngineReuse(Method):
         self.last_stats = st
         return MethodOutput(out, st.first_logits, st.prefill_s, held, loaded, flops(cfg, st))
 
-
     def _cached_segments(self, eng, pieces: PromptPieces) -> list:
         """The request's segments: token lists (`none`: registered alone on first sight) or the ids of
         segments registered with their earlier prompt's text before them (`shuffled`, `prompt`)."""

@@ -237,10 +237,7 @@ def build_app(state: ServerState) -> FastAPI:
         if req.text is not None:
             tokens = await asyncio.to_thread(_encode_within, state, req.text, req.add_special_tokens, "text")
         else:
-            tokens = list(req.tokens)
-            bad = [t for t in tokens if not 0 <= t < state.vocab_size]
-            if bad:
-                raise P.RequestError(f"tokens must lie in [0, {state.vocab_size}) (got {bad[0]}).", "tokens")
+            tokens = _token_ids(state, req.tokens, "tokens")
         param = "text" if req.text is not None else "tokens"
         if not tokens:
             raise P.RequestError("The segment is empty (after tokenization).", param)
@@ -251,11 +248,7 @@ def build_app(state: ServerState) -> FastAPI:
         if isinstance(req.context, str):
             context = await asyncio.to_thread(_encode_within, state, req.context, False, "context")
         elif req.context is not None:
-            context = list(req.context)
-            bad = [t for t in context if not 0 <= t < state.vocab_size]
-            if bad:
-                raise P.RequestError(f"context tokens must lie in [0, {state.vocab_size}) (got {bad[0]}).",
-                                     "context")
+            context = _token_ids(state, req.context, "context")
         if len(context) + len(tokens) >= state.max_model_len:
             raise P.RequestError(f"The segment and its context have {len(context) + len(tokens)} tokens; a "
                                  f"prompt holds at most {state.max_model_len - 1}.", "context",
@@ -325,6 +318,15 @@ def _lookup(eng, seg_id: str, key: str | None, param: str | None, status: int = 
         return eng.reuser.store.get(seg_id, key)
     except SegmentError:
         raise K.segment_not_found(seg_id, param, status) from None
+
+
+def _token_ids(state: ServerState, ids, param: str) -> list[int]:
+    """`ids` as a list, or a 400 naming `param` when one lies outside the vocabulary."""
+    ids = list(ids)
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise P.RequestError(f"{param} must lie in [0, {state.vocab_size}) (got {bad[0]}).", param)
+    return ids
 
 
 def _segment_card(e) -> dict:

@@ -120,10 +120,9 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     pos = pool.pos.at[jnp.where(clear >= 0, clear, n_pages)].set(-1, mode="drop")
     k, v, pos = rope_shift(pool.k, pool.v, pos, b["src"], b["dst"], b["delta"], jnp.asarray(freqs),
                            style="neox", implementation=impl)
-    bias = pool.bias  # a merging engine's bias: the request's fresh and copied pages start with none
+    bias = pool.bias  # a merging engine's bias: copied pages start with none (written slots: write_kv)
     if bias is not None:
-        for pages in (clear, b["dst"]):
-            bias = bias.at[jnp.where(pages >= 0, pages, n_pages)].set(0.0, mode="drop")
+        bias = bias.at[jnp.where(b["dst"] >= 0, b["dst"], n_pages)].set(0.0, mode="drop")
     pool = KVPool(k=k, v=v, pos=pos, page_size=ps, bias=bias)
 
     def cached_kv(pool, slots):  # K/V the cache holds at `slots` [R, H] (zeros where -1)
