@@ -76,8 +76,8 @@ def load_windowed(buf, src, page_table, buf_rows, idx, dest, load, *, page_size,
         return r + 1, k_buf, v_buf
 
     _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < (n + chunk - 1) // chunk, one,
-                                         (jnp.int32(0), buf.k, buf.v))
-    return dataclasses.replace(buf, k=k_buf, v=v_buf)
+                                         (jnp.int32(0), jnp.stack(buf.k), jnp.stack(buf.v)))
+    return dataclasses.replace(buf, k=tuple(k_buf), v=tuple(v_buf))
 
 
 def load_rows_table(args, iters: int) -> list[tuple[str, float]]:

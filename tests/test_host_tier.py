@@ -61,7 +61,8 @@ def test_diff_loads_keep_the_buffer_equal_to_the_selection():
     sels = _selections(rng, s, hkv, b)
     needed = {}
     for resident in (1, 2):
-        for src, chunk in ((pool, 5), (pool, None), (host, 5)):  # None: one round of every entry, no loop
+        # chunk None: one round of every entry, no loop; first > 0: `start_loads`, the first rows per layer
+        for src, chunk, first in ((pool, 5, 0), (pool, None, 0), (host, 5, 0), (host, 5, 10)):
             buf = ht.init_buffer(lsel, 2, hkv, resident * b, d, jnp.float32)
             moved = total_need = 0
             for step, sel in enumerate(sels):
@@ -69,16 +70,28 @@ def test_diff_loads_keep_the_buffer_equal_to_the_selection():
                 pos, held, seen, need, dest = ht.plan_resident(buf.held[rows], buf.seen[rows], idx,
                                                                jnp.full((s, hkv), b, jnp.int32),
                                                                jnp.full((s,), step, jnp.int32))
-                buf, n = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps,
-                                      chunk=chunk)
+                need_n = int(np.asarray(need).sum())
+                if first:
+                    before = np.stack(buf.k)
+                    buf, n, pending = ht.start_loads(buf, src, jnp.asarray(perm), rows, idx, dest, need,
+                                                     page_size=ps, chunk=chunk, first=first)
+                    later = max(0, -(-(need_n - first) // chunk))   # serial rounds past the first rows
+                    assert len(pending) == lsel and int(n) == first + later * chunk
+                    if need_n <= first:  # nothing written yet: every row waits for its layer's finish_load
+                        np.testing.assert_array_equal(np.stack(buf.k), before)
+                    for j, p in enumerate(pending):
+                        buf = ht.finish_load(buf, j, p)
+                else:
+                    buf, n = ht.load_rows(buf, src, jnp.asarray(perm), rows, idx, dest, need, page_size=ps,
+                                          chunk=chunk)
                 buf = dataclasses.replace(buf, pos=buf.pos.at[rows].set(pos),
                                           held=buf.held.at[rows].set(held), seen=buf.seen.at[rows].set(seen))
-                need_n = int(np.asarray(need).sum())
-                # one round of every entry, or whole rounds of `chunk`
-                assert int(n) == need_n if chunk is None else need_n <= int(n) < need_n + chunk
+                # one round of every entry, or whole rounds of `chunk` (overlapped: at least `first`)
+                assert int(n) == need_n if chunk is None else need_n <= int(n) < max(need_n, first) + chunk
                 moved += int(n)
                 total_need += need_n if step else 0
-                bp, bh, bk, bv = (np.asarray(x) for x in (buf.pos, buf.held, buf.k, buf.v))
+                bp, bh = np.asarray(buf.pos), np.asarray(buf.held)
+                bk, bv = np.stack(buf.k), np.stack(buf.v)
                 for r in range(s):
                     br = int(rows[r])
                     for h in range(hkv):
@@ -178,3 +191,12 @@ def test_resident_hits_replay_counts_the_adjacent_diff_at_width_b_and_less_when_
     steps = [one(1, 2, 3), one(1, 2, 4), one(1, 2, 3), one(1, 5, 3)]   # 3 leaves and comes back
     assert mod.replay(steps, 3) == (3, 9)     # W = B: every returning position is loaded again
     assert mod.replay(steps, 6) == (2, 9)     # W = 2B: 3 is still held at step 2; 4 and 5 load
+
+
+def test_layer_groups_cover_every_layer_once_in_doubling_groups():
+    for n in (1, 2, 5, 15, 31):
+        groups = ht.layer_groups(n)
+        assert [j for g in groups for j in g] == list(range(n))
+        sizes = [len(g) for g in groups]
+        assert sizes[:2] == [1, 1][:n] and all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))
+    assert len(ht.layer_groups(31)) == 6   # log2-many host gathers a step, not one per layer

@@ -155,6 +155,7 @@ def test_cli_rejects_bad_policies(capsys):
                         [["--retrieval-resident", "2"], "needs --retrieval-host-tier"],
                         [["--retrieval-host-pages", "8"], "needs --retrieval-host-tier"],
                         [["--retrieval-host-pages", "-1", "--retrieval-host-tier"], "must be >= 0"],
+                        [["--retrieval-host-overlap"], "needs --retrieval-host-tier"],
                         [["--segment-anchor", "system"], "--segment-anchor must be"],
                         [["--segment-ffn-cache-mb", "-1"], "--segment-ffn-cache-mb must be"]):
         with pytest.raises(SystemExit) as e:
@@ -166,9 +167,11 @@ def test_cli_rejects_bad_policies(capsys):
     p = args.kv_policy_obj
     assert (p.name, p.budget, p.window, p.pooling) == ("snapkv", 0.125, 32, "max")
     args = parse_args(["--kv-policy", "specontext", "--kv-budget", "64", "--retrieval-host-tier",
-                       "--retrieval-resident", "2", "--retrieval-host-pages", "4096"])
+                       "--retrieval-resident", "2", "--retrieval-host-pages", "4096",
+                       "--retrieval-host-overlap"])
     assert (args.kv_policy_obj.name, args.kv_policy_obj.budget) == ("specontext", 64)   # an int budget
     assert (args.retrieval_host_tier, args.retrieval_resident, args.retrieval_host_pages) == (True, 2.0, 4096)
+    assert args.retrieval_host_overlap and not parse_args([]).retrieval_host_overlap
     assert parse_args(["--kv-policy", "snapkv", "--kv-budget", "128"]).kv_policy_obj.budget == 128
     assert parse_args([]).segment_anchor == "bos"
     assert parse_args(["--segment-anchor", "none"]).segment_anchor is None

@@ -695,12 +695,14 @@ def test_buffer_diff_held_count_equals_overlap():
     np.testing.assert_array_equal(held, np.asarray(overlap(prev, now)))
 
 
-@pytest.mark.parametrize("host", [False, True, "keyword"])
+@pytest.mark.parametrize("host", [False, True, "keyword", "overlap"])
 def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch):
     """Two SpeContext requests at budget 6 through the persistent selection buffer (diff loads from the
     device pool, or from the pool's host mirror) give the library decode's tokens; with the host tier the
     diff moves fewer bytes than re-fetching the selection. "keyword": the host gathers built with the
-    keyword form of compute_on that jax 0.11 has."""
+    keyword form of compute_on that jax 0.11 has. "overlap": `retrieval_host_overlap=True`, the host rows
+    gathered in layer groups and written right before each layer reads them (the default loads every
+    layer's rows before the first selected layer)."""
     from jaxkv.engine import host_tier as ht
     from jaxkv.policies.retrieve import decode
 
@@ -708,12 +710,16 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
         monkeypatch.setattr(ht, "_host_gather", ht._on_host(ht._gather_host_rows, 2, form="keyword"))
         jax.clear_caches()  # the decode and mirror programs traced with the other form must not be reused
         host = True
+    overlap = {"overlap": True}.get(host)
+    host = bool(host)
     model, head = toy
     pol = sc.SpeContext(budget=6, sink=1, recent=1)
     a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
     got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4,
-                           retrieval_host_tier=host, retrieval_inplace=False)   # the buffer path
+                           retrieval_host_tier=host, retrieval_inplace=False,   # the buffer path
+                           retrieval_host_overlap=overlap)
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
+    assert eng.retriever.overlap == bool(overlap)
     t = eng.retriever.transfer()
     assert eng.retriever.resident == (2.0 if host else 1.0)  # the host tier defaults to 2
     if host:
@@ -739,7 +745,7 @@ def test_resident_buffer_gives_the_same_tokens_and_moves_fewer_rows(toy):
                                retrieval_host_tier=True, retrieval_resident=resident)
         assert got == want
         (buf,) = eng.retriever._buf.values()
-        assert buf.k.shape[3] == {1.0: 8, 3.0: 20}[resident]   # whole pages of 4
+        assert buf.shape[3] == {1.0: 8, 3.0: 20}[resident]   # whole pages of 4
         needed[resident] = eng.retriever.transfer()["h2d_bytes_needed_per_step"]
     assert needed[3.0] < needed[1.0]
     with pytest.raises(ValueError, match="retrieval_resident"):
@@ -761,10 +767,12 @@ def test_inplace_selection_reads_give_the_buffer_paths_tokens(toy, attn_impl):
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
     (buf,) = eng.retriever._buf.values()
     r = eng.retriever
-    assert buf.k.size == 0 and r.steps > 0 and 0 < r.slots_new < r.slots_selected
+    assert all(k.size == 0 for k in buf.k) and r.steps > 0 and 0 < r.slots_new < r.slots_selected
     assert _inplace_is_the_default_without_a_host_tier(model)
     with pytest.raises(ValueError, match="retrieval_inplace"):
         _engine_run(model, [(a, pol, None)], retrieval_inplace=True, retrieval_host_tier=True)
+    with pytest.raises(ValueError, match="retrieval_host_overlap"):
+        _engine_run(model, [(a, pol, None)], retrieval_host_overlap=True)  # nothing to overlap without one
     with pytest.raises(ValueError, match="retrieval_resident"):
         _engine_run(model, [(a, pol, None)], retrieval_resident=2)      # in place by default: no buffer K/V
 

@@ -2,8 +2,9 @@
 
 A shared retrieval policy (SpeContext) reads, in every layer from its tap on, the same per-(sequence, KV
 head) selection of B positions. The engine keeps those positions' K/V in a persistent device buffer per
-state row, `SelBuffer` (``k, v [Lsel, R, Hkv, W, D]``, ``pos [R, Hkv, W]``, W = B rounded up to the page
-size, -1 = empty slot), and each step moves only what the selection gained (the paper's elastic loading):
+state row, `SelBuffer` (``k, v``: one ``[R, Hkv, W, D]`` per layer, ``pos [R, Hkv, W]``, W = B rounded up
+to the page size, -1 = empty slot), and each step moves only what the selection gained (the paper's
+elastic loading):
 
 * `plan_diff`: which selected positions the buffer lacks, which buffer slots they go to (slots whose
   position left the selection, or empty ones), the buffer's positions after the step. Slots that stay
@@ -36,30 +37,53 @@ from jax.sharding import SingleDeviceSharding
 # while-loop on a GPU reads its predicate back to the host every round, a stall that cost more than the
 # copies (docs/specontext.md, "The load").
 HOST_SPLIT = 16
+# Overlapped loads (`start_loads`): rounds gathered beside the layers before theirs; a step whose diff is
+# larger loads the rest in serial rounds. 1 round = 1/16 of the batch's selection, above the ~2.6 % a step
+# of the embedded model's head needs with a resident buffer (docs/specontext.md, "Overlapped host loads").
+OVERLAP_ROUNDS = 1
+
+
+def layer_groups(layers: int) -> list[range]:
+    """Buffered layers in groups of doubling size (1, 1, 2, 4, ...): one host gather per group, so a step
+    has ~log2(layers) host computations, and group g's runs beside the layers of the groups before it."""
+    groups, start, size = [], 0, 1
+    while start < layers:
+        groups.append(range(start, min(layers, start + size)))
+        start += size
+        size = size if len(groups) == 1 else 2 * size
+    return groups
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SelBuffer:
-    """Selected K/V of the layers from the tap on: k, v [Lsel, R, Hkv, W, D] (pool dtype). Per slot
+    """Selected K/V of the layers from the tap on: k, v, one [R, Hkv, W, D] array per buffered layer (pool
+    dtype; separate arrays, so a layer's load never writes an array an earlier layer's attention read:
+    with one stacked array XLA copied the whole buffer for every layer's overlapped write). Per slot
     [R, Hkv, W]: `pos` the position attention reads (-1 = not in this step's selection), `held` the position
     whose K/V the slot holds (-1 = empty; a slot keeps it after its position leaves the selection, so a
     position selected again later needs no load while its slot was not reused), `seen` the query position
     of the step that last selected it (the eviction order when W exceeds the budget)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple
+    v: tuple
     pos: jax.Array
     held: jax.Array
     seen: jax.Array
 
+    @property
+    def shape(self) -> tuple:
+        """(layers, rows, KV heads, width, head dim)."""
+        return (len(self.k), *self.k[0].shape)
+
 
 def init_buffer(layers: int, rows: int, num_kv_heads: int, width: int, head_dim: int, dtype) -> SelBuffer:
-    shape = (layers, rows, num_kv_heads, width, head_dim)
-    def empty():   # three arrays, not one: the decode donates the buffer's leaves
+    shape = (rows, num_kv_heads, width, head_dim)
+    def empty():   # separate arrays, not one: the decode donates the buffer's leaves
         return jnp.full((rows, num_kv_heads, width), -1, jnp.int32)
 
-    return SelBuffer(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), empty(), empty(), empty())
+    return SelBuffer(tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+                     tuple(jnp.zeros(shape, dtype) for _ in range(layers)), empty(), empty(), empty())
 
 
 def forget_rows(buf: SelBuffer, rows) -> SelBuffer:
@@ -203,6 +227,63 @@ def _gather(src, rows):
     return src.k.reshape(-1, d)[rows], src.v.reshape(-1, d)[rows]
 
 
+def _compact(load, chunk: int | None):
+    """Entries to load, compacted: (order [rounds_max x chunk] flat entry ids (padding past n), n, chunk)."""
+    flat = load.reshape(-1)
+    n = jnp.sum(flat).astype(jnp.int32)
+    chunk = flat.shape[0] if chunk is None else chunk
+    rank = jnp.where(flat, jnp.cumsum(flat) - 1, flat.shape[0] + chunk)
+    size = -(-flat.shape[0] // chunk) * chunk
+    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32),
+                                                       mode="drop")
+    return order, n, chunk
+
+
+def _round(buf_shape, order, n, start, size: int, page_table, buf_rows, idx, dest, page_size: int):
+    """Entries order[start:start + size]: (pool rows [Lsel, size] of every buffered layer, flat destinations
+    [size] in each layer's buffer (the same in every layer; padding: distinct, out of bounds, so the copy is
+    a plain row copy))."""
+    _, nrows, hkv, w, _ = buf_shape
+    b = idx.shape[-1]
+    e = jax.lax.dynamic_slice(order, (start,), (size,))
+    real = start + jnp.arange(size) < n
+    si, hi, ji = e // (hkv * b), (e // b) % hkv, e % b
+    rows = _pool_slots(page_table, (si, hi, idx[si, hi, ji]), page_size)
+    slot, row = dest[si, hi, ji], buf_rows[si]
+    dst = (row * hkv + hi) * w + slot
+    pad = nrows * hkv * w + jnp.arange(size, dtype=jnp.int32)
+    return rows, jnp.where(real & (slot < w) & (row >= 0), dst, pad)
+
+
+def _put(buf_k, buf_v, dst, k, v):
+    """Rows k, v [C, D] into one layer's buffers [R, Hkv, W, D] at flat destinations dst [C] (unique;
+    padding dropped)."""
+    shape, d = buf_k.shape, buf_k.shape[-1]
+    k_new = buf_k.reshape(-1, d).at[dst].set(k.astype(buf_k.dtype), mode="drop", unique_indices=True)
+    v_new = buf_v.reshape(-1, d).at[dst].set(v.astype(buf_v.dtype), mode="drop", unique_indices=True)
+    return k_new.reshape(shape), v_new.reshape(shape)
+
+
+def _put_all(ks, vs, dst, k, v):
+    """Rows k, v [Lsel, C, D] into every layer's buffers (tuples) at dst [C]."""
+    out = [_put(ks[j], vs[j], dst, k[j], v[j]) for j in range(len(ks))]
+    return tuple(o[0] for o in out), tuple(o[1] for o in out)
+
+
+def _rounds(buf: SelBuffer, src, order, n, chunk: int, first: int, gather_args):
+    """Round r of `chunk` entries for r >= 1 while entries remain past the first `first` (a while loop)."""
+    def one(state):
+        r, ks, vs = state
+        rows, dst = _round(buf.shape, order, n, first + (r - 1) * chunk, chunk, *gather_args)
+        k, v = _gather(src, rows)  # [Lsel, C, D]
+        ks, vs = _put_all(ks, vs, dst, k, v)
+        return r + 1, ks, vs
+
+    rounds = 1 + (jnp.maximum(n - first, 0) + chunk - 1) // chunk
+    _, ks, vs = jax.lax.while_loop(lambda st: st[0] < rounds, one, (jnp.int32(1), buf.k, buf.v))
+    return dataclasses.replace(buf, k=ks, v=vs), rounds - 1
+
+
 def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, page_size: int,
               chunk: int | None):
     """Moves the selected entries `load` [S, Hkv, B] (positions idx, buffer slots dest) of every buffered
@@ -210,45 +291,42 @@ def load_rows(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, pag
     (None: one round of every entry, no loop). page_table [S, Lsel, Hkv, P] of the buffered layers,
     buf_rows [S] the buffer row of each sequence. Returns (buf, rows moved: rounds x chunk, or the rows
     loaded for one round)."""
-    s, hkv, b = idx.shape
-    flat = load.reshape(-1)
-    n = jnp.sum(flat).astype(jnp.int32)
-    single = chunk is None
-    chunk = flat.shape[0] if single else chunk
-    rank = jnp.where(flat, jnp.cumsum(flat) - 1, flat.shape[0] + chunk)
-    size = -(-flat.shape[0] // chunk) * chunk
-    order = jnp.zeros((size,), jnp.int32).at[rank].set(jnp.arange(flat.shape[0], dtype=jnp.int32),
-                                                       mode="drop")
-    rounds = (n + chunk - 1) // chunk
+    order, n, size = _compact(load, chunk)
+    gather_args = (page_table, buf_rows, idx, dest, page_size)
+    if chunk is None:
+        rows, dst = _round(buf.shape, order, n, 0, size, *gather_args)
+        ks, vs = _put_all(buf.k, buf.v, dst, *_gather(src, rows))
+        return dataclasses.replace(buf, k=ks, v=vs), n
+    buf, rounds = _rounds(buf, src, order, n, size, 0, gather_args)
+    return buf, rounds * size
 
-    lsel, nrows, _, w, d = buf.k.shape
-    flat_size = lsel * nrows * hkv * w
-    layer = jnp.arange(lsel, dtype=jnp.int32)[:, None]
 
-    def one(state):
-        r, k_buf, v_buf = state
-        e = jax.lax.dynamic_slice(order, (r * chunk,), (chunk,))
-        real = r * chunk + jnp.arange(chunk) < n
-        si, hi, ji = e // (hkv * b), (e // b) % hkv, e % b
-        rows = _pool_slots(page_table, (si, hi, idx[si, hi, ji]), page_size)
-        k, v = _gather(src, rows)  # [Lsel, C, D]
-        # One flat row index per (layer, entry) and unique indices (padding: distinct, out of bounds): XLA
-        # lowers this to a plain row copy instead of a windowed scatter (docs/specontext.md, "load").
-        slot, row = dest[si, hi, ji], buf_rows[si]
-        dst = ((layer * nrows + row[None]) * hkv + hi[None]) * w + slot[None]
-        pad = flat_size + layer * chunk + jnp.arange(chunk, dtype=jnp.int32)[None]
-        dst = jnp.where((real & (slot < w) & (row >= 0))[None], dst, pad).reshape(-1)
-        k_buf = k_buf.at[dst].set(k.reshape(-1, d).astype(k_buf.dtype), mode="drop", unique_indices=True)
-        v_buf = v_buf.at[dst].set(v.reshape(-1, d).astype(v_buf.dtype), mode="drop", unique_indices=True)
-        return r + 1, k_buf, v_buf
+def start_loads(buf: SelBuffer, src, page_table, buf_rows, idx, dest, load, *, page_size: int, chunk: int,
+                first: int):
+    """`load_rows` split for overlap: the first `first` entries are gathered in `layer_groups`, each group
+    its own host computation with nothing on the device waiting for it but its layers' `finish_load`, so
+    XLA's latency-hiding scheduler runs a group's gather beside the layers before it (docs/specontext.md,
+    "Overlapped host loads"); entries past `first` (a step whose diff outgrew it) load now, `chunk` per
+    round, as `load_rows` does. Returns (buf, rows moved: first + later rounds x chunk, pending: per
+    buffered layer (k, v [first, D], flat destinations [first]))."""
+    order, n, _ = _compact(load, chunk)
+    order = jnp.pad(order, (0, max(0, first - order.shape[0])))
+    gather_args = (page_table, buf_rows, idx, dest, page_size)
+    rows, dst = _round(buf.shape, order, n, 0, first, *gather_args)
+    pending = []
+    for g in layer_groups(rows.shape[0]):
+        k, v = _gather(src, rows[g.start:g.stop])
+        pending += [(k[i], v[i], dst) for i in range(len(g))]
+    buf, rounds = _rounds(buf, src, order, n, chunk, first, gather_args)
+    return buf, first + rounds * chunk, tuple(pending)
 
-    init = (jnp.int32(0), buf.k.reshape(-1, d), buf.v.reshape(-1, d))
-    if single:
-        _, k_buf, v_buf = one(init)
-    else:
-        _, k_buf, v_buf = jax.lax.while_loop(lambda st: st[0] < rounds, one, init)
-    k_buf, v_buf = k_buf.reshape(buf.k.shape), v_buf.reshape(buf.v.shape)
-    return dataclasses.replace(buf, k=k_buf, v=v_buf), n if single else rounds * chunk
+
+def finish_load(buf: SelBuffer, layer: int, pending) -> SelBuffer:
+    """Writes buffered layer `layer`'s pending rows (`start_loads`) into its buffer, right before the layer
+    reads it."""
+    k, v = _put(buf.k[layer], buf.v[layer], pending[2], pending[0], pending[1])
+    return dataclasses.replace(buf, k=buf.k[:layer] + (k,) + buf.k[layer + 1:],
+                               v=buf.v[:layer] + (v,) + buf.v[layer + 1:])
 
 
 @functools.cache

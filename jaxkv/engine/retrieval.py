@@ -119,8 +119,8 @@ def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
 def _buffer_view(buf, buf_rows, page_size):
     """The selection buffer as a page pool: page (row, KV head, j) holds slots j * page_size.. of that
     head's W slots (unordered; masked by stored position) -> (page_table [S, Hkv, W / page_size], slot
-    positions [pages, page_size], lengths [S, Hkv])."""
-    _, r, hkv, w, _ = buf.k.shape
+    positions [pages, page_size], lengths [S, Hkv]); the same for every buffered layer."""
+    _, r, hkv, w, _ = buf.shape
     npg = w // page_size
     pid = (buf_rows[:, None, None] * hkv + jnp.arange(hkv)[None, :, None]) * npg + jnp.arange(npg)
     pt = jnp.where(buf_rows[:, None, None] >= 0, pid, -1).astype(jnp.int32)
@@ -128,30 +128,21 @@ def _buffer_view(buf, buf_rows, page_size):
 
 
 def _buffer_attention(q, buf, layer, buf_rows, q_seq, positions, *, page_size, window, scale, attn_impl,
-                      slot_pos_all, plan=None):
+                      plan=None):
     """One decode query per row over the selection buffer of buffered layer `layer` -> (out, lse), read in
-    place (`_buffer_view`). The paged kernel reads bf16 K/V with fp32 accumulation (the jnp twin elsewhere,
-    fp32). With `plan` (the step's `paged_attention_plan` of the buffer, shared by every buffered layer of
-    this window) the kernel runs without re-planning per layer.
-
-    The kernel gets the whole buffer as one page pool (layer l's pages offset by l x pages per layer, the
-    slot positions tiled per layer: `slot_pos_all`, built once per step), not the slice ``buf.k[layer]``:
-    XLA copies a slice operand of a custom call, 2 x 15 copies of the layer per step on the 1B shape."""
-    d = buf.k.shape[-1]
+    place (`_buffer_view`; the layer's own arrays, so no slice operand for XLA to copy). The paged kernel
+    reads bf16 K/V with fp32 accumulation (the jnp twin elsewhere, fp32). With `plan` (the step's
+    `paged_attention_plan` of the buffer, shared by every buffered layer of this window) the kernel runs
+    without re-planning per layer."""
+    d = buf.shape[-1]
     pt, slot_pos, lengths = _buffer_view(buf, buf_rows, page_size)
-    pt = jnp.where(pt >= 0, pt + layer * slot_pos.shape[0], -1)
-    k_pages, v_pages = buf.k.reshape(-1, page_size, d), buf.v.reshape(-1, page_size, d)
+    k_pages, v_pages = buf.k[layer].reshape(-1, page_size, d), buf.v[layer].reshape(-1, page_size, d)
     if plan is not None:
-        return paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos_all, pt, scale=scale)
+        return paged_attention_with_plan(plan, q, k_pages, v_pages, slot_pos, pt, scale=scale)
     hkv = pt.shape[1]
-    return paged_attention(q, k_pages, v_pages, slot_pos_all, pt, lengths, q_seq, positions,
+    return paged_attention(q, k_pages, v_pages, slot_pos, pt, lengths, q_seq, positions,
                            jnp.zeros((hkv,), jnp.int32), jnp.full((hkv,), window, jnp.int32), scale=scale,
                            implementation=attn_impl)
-
-
-def _tile_layers(slot_pos, layers: int):
-    """The buffer's slot positions [pages, page_size] repeated for every buffered layer's pages."""
-    return jnp.tile(slot_pos, (layers, 1))
 
 
 def _buffer_plan(buf, buf_rows, q_seq, positions, *, page_size, window, num_q_heads):
@@ -162,18 +153,20 @@ def _buffer_plan(buf, buf_rows, q_seq, positions, *, page_size, window, num_q_he
 
 
 def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start, *, page_size, chunk,
-             load_kv: bool = True):
+             load_kv: bool = True, overlap: int = 0):
     """Brings the buffer rows of the step's sequences to the selection `now` less the current token (always
     its last entry; each layer adds it by the log-sum-exp): plans the diff and loads the lacking rows of
     every buffered layer, from the host mirror for positions written before the dispatch when `host` is
     given, else (and for positions written inside the dispatch) from the device pool. Returns (buf, per-row
     stats [S, 3]: slots selected, of them selected the step before, rows the host loads; rows moved [2]:
-    host (padded to whole rounds of `chunk`), device (one round of every entry))."""
+    host (padded to whole rounds of `chunk`), device (one round of every entry); pending: with `overlap`
+    (> 0 rows, a host tier), the host rows of each buffered layer still to be written
+    (`host_tier.start_loads`), else ())."""
     r = buf.pos.shape[0]
     br = jnp.maximum(buf_rows, 0)
     if not load_kv:  # in place (never with a host tier: Retriever refuses the pair)
-        return _track_inplace(buf, br, at=jnp.where(live, buf_rows, r), now=now, live=live,
-                              positions=positions)
+        return *_track_inplace(buf, br, at=jnp.where(live, buf_rows, r), now=now, live=live,
+                              positions=positions), ()
     pos, held, seen, need, dest = host_tier.plan_resident(buf.held[br], buf.seen[br], now.idx, now.count - 1,
                                                           positions)
     load = need & live[:, None, None]
@@ -182,7 +175,14 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
                                   dest=dest, page_size=page_size, chunk=chunk)
     moved_host = moved_dev = jnp.int32(0)
     from_host = jnp.zeros_like(live, jnp.int32)
-    if host is not None:
+    pending = ()
+    if host is not None and overlap:
+        buf, moved_host, pending = host_tier.start_loads(
+            buf, host, page_table, buf_rows, now.idx, dest, load & old, page_size=page_size, chunk=chunk,
+            first=overlap)
+        from_host = jnp.sum(load & old, axis=(-2, -1))
+        load = load & ~old
+    elif host is not None:
         buf, moved_host = load_rows(buf, host, load=load & old)
         from_host = jnp.sum(load & old, axis=(-2, -1))
         load = load & ~old
@@ -196,7 +196,7 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     prev_tok = (now.count >= 2) & (last == positions[:, None] - 1)
     held = now.count - 1 - jnp.sum(need, -1) + prev_tok
     stats = jnp.stack([jnp.sum(now.count, -1), jnp.sum(held, -1), from_host], -1)
-    return buf, stats.astype(jnp.int32), jnp.stack([moved_host, moved_dev])
+    return buf, stats.astype(jnp.int32), jnp.stack([moved_host, moved_dev]), pending
 
 
 def _track_inplace(buf, br, at, now, live, positions):
@@ -290,11 +290,8 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     return tokens, logprobs, pool, rstate, summary
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk",
-                                             "inplace"),
-                   donate_argnames=("pool", "rstate", "summary", "sbuf"))
-def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None,
-                      greedy=False, local_layers=(), chunk=1, inplace=False):
+def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None,
+                         greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
     (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
@@ -304,7 +301,10 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     whose ``d["known"]`` is False starts empty) and load only its difference each step, `chunk` rows per
     round, from `host` (the pool's host mirror (k, v), for positions before the dispatch) or the pool.
     `inplace` (no host tier): no K/V is copied; every layer's attention reads the selected slots in the pool
-    itself, viewed as pages of one slot (the buffer keeps only its position bookkeeping, for the stats)."""
+    itself, viewed as pages of one slot (the buffer keeps only its position bookkeeping, for the stats).
+    `overlap` (rows, with `host`): the first `overlap` host rows of a step are gathered per layer and written
+    right before that layer's attention (`host_tier.start_loads`), so the gathers run beside the layers
+    before theirs in the variant compiled with the latency-hiding scheduler (`_decode_retrieval_overlap`)."""
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
     scale = cfg.head_dim ** -0.5
@@ -335,8 +335,8 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
         slots = jnp.where(live[:, None, None], slots, -1)
         pos2 = positions[:, None]
         brows = jnp.where(live, d["head_rows"], -1)
-        # Built once per step after the refresh: window -> the buffer's attention plan, and "slot_pos" -> the
-        # buffer's slot positions tiled over its layers (`_tile_layers`).
+        # Built once per step after the refresh: window -> the buffer's attention plan (every buffered layer
+        # reads the same slot positions), "pending" -> the overlapped host rows still to be written.
         plans = {}
 
         def attend(layer, q, kk, vv, state):
@@ -380,15 +380,14 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
                 out = _merge_own(out, lse, qq, own_k, own_v, scale)
             elif shared:  # attention over the buffer (the selection less the current token), then the token
                 window = cfg.layer_windows[layer]
+                if plans.get("pending"):  # this layer's overlapped host rows land now, right before its read
+                    sbuf = host_tier.finish_load(sbuf, layer - first, plans["pending"][layer - first])
                 if use_plan and window not in plans:
                     plans[window] = _buffer_plan(sbuf, brows, q_seq, positions, page_size=pool.page_size,
                                                  window=window, num_q_heads=cfg.num_heads)
-                if "slot_pos" not in plans:
-                    plans["slot_pos"] = _tile_layers(sbuf.pos.reshape(-1, pool.page_size), sbuf.k.shape[0])
                 out, lse = _buffer_attention(qq, sbuf, layer - first, brows, q_seq, positions,
                                              page_size=pool.page_size, window=window, scale=scale,
-                                             attn_impl=attn_impl, plan=plans.get(window),
-                                             slot_pos_all=plans["slot_pos"])
+                                             attn_impl=attn_impl, plan=plans.get(window))
                 out = _merge_own(out, lse, qq, own_k, own_v, scale)
             else:
                 kq, vq, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
@@ -413,9 +412,9 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
             if shared and i == first:
                 scores = policy.score_rows(head, rstate, x, pos2, jnp.maximum(d["head_rows"], 0), n_slots)
                 now = policy.select(scores, positions)
-                sbuf, stats, moved = _refresh(
+                sbuf, stats, moved, plans["pending"] = _refresh(
                     sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
-                    page_size=pool.page_size, chunk=chunk, load_kv=not inplace)
+                    page_size=pool.page_size, chunk=chunk, load_kv=not inplace, overlap=overlap)
                 if inplace:
                     plans["selected"] = _selected_slots(pt_all[:, first:], now.idx, now.count, live,
                                                         pool.page_size)
@@ -443,6 +442,18 @@ def _decode_retrieval(params, pool, d, rstate, head, summary, sbuf, host, cfg, p
     return tokens, logprobs, ran, last, stats, moved, pool, rstate, summary, sbuf
 
 
+_DECODE_STATIC = ("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk", "inplace", "overlap")
+_DECODE_DONATE = ("pool", "rstate", "summary", "sbuf")
+_decode_retrieval = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
+                            donate_argnames=_DECODE_DONATE)
+# The overlapped host tier's variant: XLA's default GPU schedule runs a host computation in stream order
+# with the device's, never beside it; the latency-hiding scheduler runs it beside independent device work
+# (H100, jax 0.11.2: a 67 MB host gather beside 30 ms of matmuls, 51 -> 32 ms; scripts/probe_host_overlap.py).
+_decode_retrieval_overlap = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
+                                    donate_argnames=_DECODE_DONATE,
+                                    compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})
+
+
 def _on_device(batch: dict) -> dict:
     """Every step input as a device array: the engine hands some fields over as device-resident metadata
     and some as numpy, and jit caches the two kinds as separate variants, so precompile and serving must
@@ -451,7 +462,7 @@ def _on_device(batch: dict) -> dict:
 
 
 def num_compilations() -> int:
-    return _step_tap._cache_size() + _decode_retrieval._cache_size()
+    return _step_tap._cache_size() + _decode_retrieval._cache_size() + _decode_retrieval_overlap._cache_size()
 
 
 # Buffer slots per selected slot with a host tier unless told otherwise: what left the selection stays until
@@ -464,7 +475,7 @@ class Retriever:
     """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
 
     def __init__(self, engine, host_tier: bool = False, resident: float | None = None,
-                 inplace: bool | None = None):
+                 inplace: bool | None = None, overlap: bool | None = None):
         inplace = not host_tier if inplace is None else inplace
         if resident is None:  # the host tier's default: 2 (11-15x fewer host bytes than 1's 2.6x, and faster)
             resident = DEFAULT_HOST_RESIDENT if host_tier and not inplace else 1.0
@@ -477,6 +488,11 @@ class Retriever:
         if inplace and resident != 1.0:
             raise ValueError("retrieval_resident sizes the selection buffer's K/V, which in-place reads do "
                              "not keep: use it with retrieval_host_tier=True (or retrieval_inplace=False)")
+        overlap = False if overlap is None else overlap  # measured: slower where the diff is small (docs)
+        if overlap and not host_tier:
+            raise ValueError("retrieval_host_overlap overlaps the host tier's loads with the layers: it "
+                             "needs retrieval_host_tier=True")
+        self.overlap = bool(overlap)
         self.engine = engine
         self.resident = float(resident)
         self.inplace = bool(inplace)
@@ -564,11 +580,12 @@ class Retriever:
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
                          stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
-                *_, runner.pool, state_out, summary_out, sbuf = _decode_retrieval(
+                *_, runner.pool, state_out, summary_out, sbuf = self._decode_fn()(
                     runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
                     self._summary if summary is not None else None, self._buffer_for(policy),
                     self._host_for(policy), cfg=cfg, policy=policy, attn_impl=runner.attn_impl, greedy=greedy,
-                    local_layers=self.local_layers, chunk=self._chunk(policy, s), inplace=self.inplace)
+                    local_layers=self.local_layers, chunk=self._chunk(policy, s), inplace=self.inplace,
+                    overlap=self._overlap_rows(policy, s))
                 if sbuf is not None:
                     self._buf[policy] = sbuf
             if state_out is not None:
@@ -696,6 +713,16 @@ class Retriever:
         """Rows per host load round of the buffer's diff (static): a fraction of the batch's selection."""
         return max(1, num_seqs * self.engine.runner.cfg.num_kv_heads * policy.budget // host_tier.HOST_SPLIT)
 
+    def _overlap_rows(self, policy: RetrievalPolicy, num_seqs: int) -> int:
+        """Host rows per step gathered per layer beside the layers before it (0: no overlap): the first
+        `host_tier.OVERLAP_ROUNDS` rounds; a step whose diff is larger loads the rest as before."""
+        if not (self.overlap and self.host_tier) or policy.layer_wise:
+            return 0
+        return host_tier.OVERLAP_ROUNDS * self._chunk(policy, num_seqs)
+
+    def _decode_fn(self):
+        return _decode_retrieval_overlap if self.overlap else _decode_retrieval
+
     def transfer(self) -> dict:
         """Host tier bytes per decode step and sequence: moved by the diff loads (padding included), the
         rows the buffer lacked, and re-fetching the selection every step (the no-diff baseline)."""
@@ -818,11 +845,12 @@ class Retriever:
             (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
         arrays.update(head_rows=rows, known=known)
-        tokens, logprobs, ran, last, stats, moved, runner.pool, state, summary, sbuf = _decode_retrieval(
+        tokens, logprobs, ran, last, stats, moved, runner.pool, state, summary, sbuf = self._decode_fn()(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
             self._summary_for(policy), self._buffer_for(policy), self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
-            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=self.inplace)
+            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=self.inplace,
+            overlap=self._overlap_rows(policy, len(rows)))
         self._mirror(b.slots)
         if state is not None:
             self._state[type(policy)] = state

@@ -84,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --retrieval-host-tier: pages of host memory that SpeContext requests' older "
                         "KV moves to when the device pool runs short (progressive offload, instead of "
                         "preempting a request; docs/specontext.md); 0: no offload")
+    p.add_argument("--retrieval-host-overlap", action="store_true",
+                   help="with --retrieval-host-tier: gather later layers' host rows beside the earlier "
+                        "layers (compiled with XLA's latency-hiding scheduler) instead of all before the "
+                        "first selected layer; pays off when each step's difference is large "
+                        "(docs/specontext.md)")
     p.add_argument("--segment-anchor", default="bos", metavar="bos|none|IDS",
                    help="tokens every reusable segment is prefilled after (their K/V are dropped): 'bos' "
                         "(default: the model's BOS, the attention sink its prompts open with), 'none' "
@@ -119,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.retrieval_host_pages and not args.retrieval_host_tier:
         p.error("--retrieval-host-pages is host memory of the SpeContext host tier: it needs "
                 "--retrieval-host-tier")
+    if args.retrieval_host_overlap and not args.retrieval_host_tier:
+        p.error("--retrieval-host-overlap overlaps the host tier's loads: it needs --retrieval-host-tier")
     anchor = args.segment_anchor.strip().lower()
     if anchor in ("bos", "none"):
         args.segment_anchor = None if anchor == "none" else "bos"
@@ -189,7 +196,9 @@ def main(argv=None) -> int:
                         kv_merge=args.kv_merge,
                         retrieval_host_tier=args.retrieval_host_tier,
                         retrieval_resident=args.retrieval_resident,
-                        retrieval_host_pages=args.retrieval_host_pages, segment_anchor=args.segment_anchor,
+                        retrieval_host_pages=args.retrieval_host_pages,
+                        retrieval_host_overlap=args.retrieval_host_overlap,
+                        segment_anchor=args.segment_anchor,
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
                         else int(args.segment_ffn_cache_mb * 2**20))
         name = args.served_model_name or Path(args.model).resolve().name
