@@ -603,7 +603,7 @@ class Retriever:
         return self._state[key]
 
     def _buffer_for(self, policy: RetrievalPolicy):
-        """The selection buffer of a shared policy (None for layer-wise ones): [Lsel, rows, Hkv, W, D] with
+        """The selection buffer of a shared policy (None for layer-wise ones): Lsel x [rows, Hkv, W, D] with
         W = `resident` x the budget rounded up to whole pages (the buffer is read as a page pool)."""
         if policy.layer_wise:
             return None
