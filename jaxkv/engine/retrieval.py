@@ -176,14 +176,13 @@ def _refresh(buf, pool, host, page_table, buf_rows, now, live, positions, start,
     moved_host = moved_dev = jnp.int32(0)
     from_host = jnp.zeros_like(live, jnp.int32)
     pending = ()
-    if host is not None and overlap:
-        buf, moved_host, pending = host_tier.start_loads(
-            buf, host, page_table, buf_rows, now.idx, dest, load & old, page_size=page_size, chunk=chunk,
-            first=overlap)
-        from_host = jnp.sum(load & old, axis=(-2, -1))
-        load = load & ~old
-    elif host is not None:
-        buf, moved_host = load_rows(buf, host, load=load & old)
+    if host is not None:
+        if overlap:
+            buf, moved_host, pending = host_tier.start_loads(
+                buf, host, page_table, buf_rows, now.idx, dest, load & old, page_size=page_size, chunk=chunk,
+                first=overlap)
+        else:
+            buf, moved_host = load_rows(buf, host, load=load & old)
         from_host = jnp.sum(load & old, axis=(-2, -1))
         load = load & ~old
     buf, moved_dev = load_rows(buf, pool, load=load, chunk=None)
