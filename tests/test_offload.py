@@ -41,6 +41,10 @@ def test_offload_replaces_preemption_and_keeps_the_tokens(toy, host_pages):  # n
     if host_pages:
         assert eng.retriever.pages_offloaded > 0 and eng.scheduler.num_preemptions == 0
         assert got == want  # offloaded pages are read from host memory: the same selection, same tokens
+        # The lazy host tier reads in place until the offload, then loads from host memory. `steps` counts
+        # every step but each request's first; eager loads would count those two among `host_steps` too.
+        r = eng.retriever
+        assert 0 < r.host_steps <= r.steps and r.host_rows_moved > 0
     else:  # the same load without host pages preempts a request (its recompute samples one token with
         # full attention, docs/specontext.md, so its tokens may differ from the library decode's)
         assert eng.retriever.pages_offloaded == 0 and eng.scheduler.num_preemptions > 0

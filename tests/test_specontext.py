@@ -695,14 +695,16 @@ def test_buffer_diff_held_count_equals_overlap():
     np.testing.assert_array_equal(held, np.asarray(overlap(prev, now)))
 
 
-@pytest.mark.parametrize("host", [False, True, "keyword", "overlap"])
+@pytest.mark.parametrize("host", [False, True, "keyword", "overlap", "lazy"])
 def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch):
     """Two SpeContext requests at budget 6 through the persistent selection buffer (diff loads from the
     device pool, or from the pool's host mirror) give the library decode's tokens; with the host tier the
     diff moves fewer bytes than re-fetching the selection. "keyword": the host gathers built with the
     keyword form of compute_on that jax 0.11 has. "overlap": `retrieval_host_overlap=True`, the host rows
     gathered in layer groups and written right before each layer reads them (the default loads every
-    layer's rows before the first selected layer)."""
+    layer's rows before the first selected layer). The host-tier cases run `retrieval_host_eager=True` (every
+    dispatch loads from the mirror); "lazy" is the default host tier, which with nothing offloaded reads the
+    selection in place, makes no mirror and moves nothing."""
     from jaxkv.engine import host_tier as ht
     from jaxkv.policies.retrieve import decode
 
@@ -711,18 +713,21 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
         jax.clear_caches()  # the decode and mirror programs traced with the other form must not be reused
         host = True
     overlap = {"overlap": True}.get(host)
+    lazy = host == "lazy"
     host = bool(host)
     model, head = toy
     pol = sc.SpeContext(budget=6, sink=1, recent=1)
     a, b = _prompt(model, 50, 0), _prompt(model, 37, 1)
     got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4,
                            retrieval_host_tier=host, retrieval_inplace=False,   # the buffer path
-                           retrieval_host_overlap=overlap)
+                           retrieval_host_overlap=overlap, retrieval_host_eager=host and not lazy)
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
     assert eng.retriever.overlap == bool(overlap)
     t = eng.retriever.transfer()
     assert eng.retriever.resident == (2.0 if host else 1.0)  # the host tier defaults to 2
-    if host:
+    if lazy:
+        assert eng.retriever._host is None and t == {} and eng.retriever.steps > 0
+    elif host:
         assert eng.retriever._host[0].sharding.memory_kind in ("pinned_host", "unpinned_host")
         assert 0 < t["h2d_bytes_needed_per_step"] <= t["h2d_bytes_per_step"] < t["h2d_bytes_refetch_per_step"]
     else:
@@ -742,7 +747,8 @@ def test_resident_buffer_gives_the_same_tokens_and_moves_fewer_rows(toy):
     needed = {}
     for resident in (1.0, 3.0):
         got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4,
-                               retrieval_host_tier=True, retrieval_resident=resident)
+                               retrieval_host_tier=True, retrieval_resident=resident,
+                               retrieval_host_eager=True)
         assert got == want
         (buf,) = eng.retriever._buf.values()
         assert buf.shape[3] == {1.0: 8, 3.0: 20}[resident]   # whole pages of 4
@@ -773,6 +779,8 @@ def test_inplace_selection_reads_give_the_buffer_paths_tokens(toy, attn_impl):
         _engine_run(model, [(a, pol, None)], retrieval_inplace=True, retrieval_host_tier=True)
     with pytest.raises(ValueError, match="retrieval_host_overlap"):
         _engine_run(model, [(a, pol, None)], retrieval_host_overlap=True)  # nothing to overlap without one
+    with pytest.raises(ValueError, match="retrieval_host_eager"):
+        _engine_run(model, [(a, pol, None)], retrieval_host_eager=True)
     with pytest.raises(ValueError, match="retrieval_resident"):
         _engine_run(model, [(a, pol, None)], retrieval_resident=2)      # in place by default: no buffer K/V
 

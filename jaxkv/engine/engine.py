@@ -82,7 +82,7 @@ class Engine:
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
                  retrieval_host_tier: bool = False, retrieval_resident: float | None = None,
                  retrieval_inplace: bool | None = None, retrieval_host_pages: int = 0,
-                 retrieval_host_overlap: bool | None = None,
+                 retrieval_host_overlap: bool | None = None, retrieval_host_eager: bool = False,
                  pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
                  segment_ffn_cache_bytes: int | None = None, kv_merge: bool | None = None):
         cfg = model.config
@@ -161,8 +161,12 @@ class Engine:
         # `retrieval_host_overlap` (host tier only, default off): the host rows of later layers are gathered
         # beside the earlier layers instead of all before the first selected layer (docs/specontext.md,
         # "Overlapped host loads": 1.09x on the 1B shape's large diffs, 0.89x on the embedded model's).
+        # The host tier is lazy: a dispatch loads from host memory only once one of its requests has pages
+        # there (the offload's); before, the selection is read in place. `retrieval_host_eager`: every
+        # dispatch loads from the host mirror (how stops 17-30 measured the host tier's bytes).
         self.retriever = Retriever(self, host_tier=retrieval_host_tier, resident=retrieval_resident,
-                                   inplace=retrieval_inplace, overlap=retrieval_host_overlap)
+                                   inplace=retrieval_inplace, overlap=retrieval_host_overlap,
+                                   eager=retrieval_host_eager)
         # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:

@@ -474,7 +474,7 @@ class Retriever:
     """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
 
     def __init__(self, engine, host_tier: bool = False, resident: float | None = None,
-                 inplace: bool | None = None, overlap: bool | None = None):
+                 inplace: bool | None = None, overlap: bool | None = None, eager: bool = False):
         inplace = not host_tier if inplace is None else inplace
         if resident is None:  # the host tier's default: 2 (11-15x fewer host bytes than 1's 2.6x, and faster)
             resident = DEFAULT_HOST_RESIDENT if host_tier and not inplace else 1.0
@@ -492,6 +492,14 @@ class Retriever:
             raise ValueError("retrieval_host_overlap overlaps the host tier's loads with the layers: it "
                              "needs retrieval_host_tier=True")
         self.overlap = bool(overlap)
+        if eager and not host_tier:
+            raise ValueError("retrieval_host_eager loads every step from the host tier: it needs "
+                             "retrieval_host_tier=True")
+        # The host tier loads from host memory only for dispatches with a request that has pages there
+        # (the progressive offload's); until then the selection is read in place, as without a host tier.
+        # `eager`: every dispatch loads its rows from the host mirror (the measurement mode of stops 17-30).
+        self.eager = bool(eager)
+        self._offloaded: set = set()  # request ids with pages moved to host memory (`offload`)
         self.engine = engine
         self.resident = float(resident)
         self.inplace = bool(inplace)
@@ -579,12 +587,14 @@ class Retriever:
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
                          stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
-                *_, runner.pool, state_out, summary_out, sbuf = self._decode_fn()(
+                inplace = self._reads_in_place(policy, [])   # what every dispatch takes until an offload
+                *_, runner.pool, state_out, summary_out, sbuf = self._decode_fn(inplace)(
                     runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
                     self._summary if summary is not None else None, self._buffer_for(policy),
-                    self._host_for(policy), cfg=cfg, policy=policy, attn_impl=runner.attn_impl, greedy=greedy,
-                    local_layers=self.local_layers, chunk=self._chunk(policy, s), inplace=self.inplace,
-                    overlap=self._overlap_rows(policy, s))
+                    None if inplace else self._host_for(policy), cfg=cfg, policy=policy,
+                    attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers,
+                    chunk=self._chunk(policy, s), inplace=inplace, overlap=0 if inplace else
+                    self._overlap_rows(policy, s))
                 if sbuf is not None:
                     self._buf[policy] = sbuf
             if state_out is not None:
@@ -685,6 +695,7 @@ class Retriever:
                     continue
                 new = alloc.allocate_host(old.size)
                 moves.append((old, new))
+                self._offloaded.add(rid)
                 tables.replace_pages(rid, lh, j, new)
                 alloc.decref(old)   # reused only by later dispatches, which the copy below precedes
                 freed += int(old.size)
@@ -719,8 +730,16 @@ class Retriever:
             return 0
         return host_tier.OVERLAP_ROUNDS * self._chunk(policy, num_seqs)
 
-    def _decode_fn(self):
-        return _decode_retrieval_overlap if self.overlap else _decode_retrieval
+    def _reads_in_place(self, policy: RetrievalPolicy, chunks) -> bool:
+        """Whether a shared decode of `chunks` reads the selection in the pool: always with
+        `retrieval_inplace`; with a lazy host tier while none of them has pages in host memory. The buffer
+        stays valid meanwhile: a slot's K/V never change, and a request's row is emptied when it starts."""
+        if policy.layer_wise or not self.host_tier:
+            return self.inplace
+        return not self.eager and not any(c.request.request_id in self._offloaded for c in chunks)
+
+    def _decode_fn(self, inplace: bool):
+        return _decode_retrieval_overlap if self.overlap and not inplace else _decode_retrieval
 
     def transfer(self) -> dict:
         """Host tier bytes per decode step and sequence: moved by the diff loads (padding included), the
@@ -743,6 +762,7 @@ class Retriever:
             running = {r.request_id for r in self.engine.scheduler.running}
             for other in [o for o in self._rows if o not in running]:
                 del self._rows[other]
+            self._offloaded &= running
             used = set(self._rows.values())
             self._rows[rid] = next(i for i in range(self.engine.scheduler.max_num_seqs) if i not in used)
         return self._rows[rid]
@@ -844,12 +864,14 @@ class Retriever:
             (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
         arrays.update(head_rows=rows, known=known)
-        tokens, logprobs, ran, last, stats, moved, runner.pool, state, summary, sbuf = self._decode_fn()(
+        inplace = self._reads_in_place(policy, chunks)
+        decode = self._decode_fn(inplace)
+        tokens, logprobs, ran, last, stats, moved, runner.pool, state, summary, sbuf = decode(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
-            self._summary_for(policy), self._buffer_for(policy), self._host_for(policy),
+            self._summary_for(policy), self._buffer_for(policy), None if inplace else self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
-            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=self.inplace,
-            overlap=self._overlap_rows(policy, len(rows)))
+            local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=inplace,
+            overlap=0 if inplace else self._overlap_rows(policy, len(rows)))
         self._mirror(b.slots)
         if state is not None:
             self._state[type(policy)] = state
@@ -862,11 +884,12 @@ class Retriever:
             self._owner[(policy, int(rows[row]))] = c.request.request_id
 
         def count(ran_host):
-            self._count(chunks, known, ran_host, np.asarray(stats), np.asarray(moved))
+            self._count(chunks, known, ran_host, np.asarray(stats), np.asarray(moved),
+                        host=self.host_tier and not inplace)
 
         return PendingDecode(tokens, logprobs, ran, last, on_result=count)
 
-    def _count(self, chunks, known, ran, stats, moved) -> None:
+    def _count(self, chunks, known, ran, stats, moved, host: bool) -> None:
         """Records the selection / transfer statistics of a shared decode."""
         n = len(chunks)
         later = ran.copy()
@@ -876,7 +899,7 @@ class Retriever:
         self.steps += int(later.sum())
         self.slots_selected += int(stats[..., 0][later].sum())
         self.slots_new += int((stats[..., 0] - stats[..., 1])[later].sum())
-        if self.host_tier:
+        if host:
             self.host_steps += int(ran.sum())
             self.host_rows_moved += int(moved[:, 0].sum())
             self.host_rows_needed += int(stats[..., 2].sum())
