@@ -587,16 +587,20 @@ class Retriever:
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
                          stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
-                inplace = self._reads_in_place(policy, [])   # what every dispatch takes until an offload
-                *_, runner.pool, state_out, summary_out, sbuf = self._decode_fn(inplace)(
-                    runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
-                    self._summary if summary is not None else None, self._buffer_for(policy),
-                    None if inplace else self._host_for(policy), cfg=cfg, policy=policy,
-                    attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers,
-                    chunk=self._chunk(policy, s), inplace=inplace, overlap=0 if inplace else
-                    self._overlap_rows(policy, s))
-                if sbuf is not None:
-                    self._buf[policy] = sbuf
+                for inplace in self._decode_variants(policy):
+                    *_, runner.pool, state_out, summary_out, sbuf = self._decode_fn(inplace)(
+                        runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
+                        self._summary if summary is not None else None, self._buffer_for(policy),
+                        None if inplace else self._host_for(policy), cfg=cfg, policy=policy,
+                        attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers,
+                        chunk=self._chunk(policy, s), inplace=inplace, overlap=0 if inplace else
+                        self._overlap_rows(policy, s))
+                    if sbuf is not None:
+                        self._buf[policy] = sbuf
+                    if state_out is not None:
+                        self._state[type(policy)] = state_out
+                    if summary_out is not None:
+                        self._summary = summary_out
             if state_out is not None:
                 self._state[type(policy)] = state_out
             if summary_out is not None:
@@ -737,6 +741,16 @@ class Retriever:
         if policy.layer_wise or not self.host_tier:
             return self.inplace
         return not self.eager and not any(c.request.request_id in self._offloaded for c in chunks)
+
+    def _decode_variants(self, policy: RetrievalPolicy) -> list[bool]:
+        """The decode variants (in place or not) `policy`'s dispatches can take: a lazy host tier takes the
+        host-loading one only after an offload, so only where host pages exist (precompiling it makes the
+        mirror, which is then kept up to date on every call)."""
+        if policy.layer_wise or not self.host_tier:
+            return [self.inplace]
+        if self.eager:
+            return [False]
+        return [True, False] if getattr(self.engine.allocator, "host_pages", 0) else [True]
 
     def _decode_fn(self, inplace: bool):
         return _decode_retrieval_overlap if self.overlap and not inplace else _decode_retrieval
