@@ -712,7 +712,7 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
         monkeypatch.setattr(ht, "_host_gather", ht._on_host(ht._gather_host_rows, 2, form="keyword"))
         jax.clear_caches()  # the decode and mirror programs traced with the other form must not be reused
         host = True
-    overlap = {"overlap": True}.get(host)
+    overlap = host == "overlap"
     lazy = host == "lazy"
     host = bool(host)
     model, head = toy

@@ -82,7 +82,7 @@ class Engine:
                  kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
                  retrieval_host_tier: bool = False, retrieval_resident: float | None = None,
                  retrieval_inplace: bool | None = None, retrieval_host_pages: int = 0,
-                 retrieval_host_overlap: bool | None = None, retrieval_host_eager: bool = False,
+                 retrieval_host_overlap: bool = False, retrieval_host_eager: bool = False,
                  pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
                  segment_ffn_cache_bytes: int | None = None, kv_merge: bool | None = None):
         cfg = model.config

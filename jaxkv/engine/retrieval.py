@@ -474,7 +474,7 @@ class Retriever:
     """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
 
     def __init__(self, engine, host_tier: bool = False, resident: float | None = None,
-                 inplace: bool | None = None, overlap: bool | None = None, eager: bool = False):
+                 inplace: bool | None = None, overlap: bool = False, eager: bool = False):
         inplace = not host_tier if inplace is None else inplace
         if resident is None:  # the host tier's default: 2 (11-15x fewer host bytes than 1's 2.6x, and faster)
             resident = DEFAULT_HOST_RESIDENT if host_tier and not inplace else 1.0
@@ -487,7 +487,6 @@ class Retriever:
         if inplace and resident != 1.0:
             raise ValueError("retrieval_resident sizes the selection buffer's K/V, which in-place reads do "
                              "not keep: use it with retrieval_host_tier=True (or retrieval_inplace=False)")
-        overlap = False if overlap is None else overlap  # measured: slower where the diff is small (docs)
         if overlap and not host_tier:
             raise ValueError("retrieval_host_overlap overlaps the host tier's loads with the layers: it "
                              "needs retrieval_host_tier=True")
@@ -582,6 +581,10 @@ class Retriever:
                     policy=stateful,
                     attn_impl=runner.attn_impl, greedy=greedy,
                     fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None)
+                if state_out is not None:
+                    self._state[type(policy)] = state_out
+                if summary_out is not None:
+                    self._summary = summary_out
             else:
                 d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
@@ -601,10 +604,6 @@ class Retriever:
                         self._state[type(policy)] = state_out
                     if summary_out is not None:
                         self._summary = summary_out
-            if state_out is not None:
-                self._state[type(policy)] = state_out
-            if summary_out is not None:
-                self._summary = summary_out
         return done
 
     def _state_for(self, policy: RetrievalPolicy):
