@@ -1,4 +1,4 @@
-"""The server under hostile input, limits and faults (issue 14).
+"""The server under hostile input, limits and faults.
 
 Two kinds of fixtures, both over a real engine on a tiny random checkpoint, no mocks:
 - `server`: a `python -m jaxkv.serve` subprocess with a small body limit and API keys (tenants), driven

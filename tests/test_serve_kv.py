@@ -1,4 +1,4 @@
-"""KV compression policies and segment reuse over HTTP (issues 10, 11): a real `python -m jaxkv.serve`
+"""KV compression policies and segment reuse over HTTP: a real `python -m jaxkv.serve`
 subprocess on a tiny random checkpoint with every head global, driven with the official `openai` client
 (extensions through `extra_body`) and raw httpx. No mocks.
 

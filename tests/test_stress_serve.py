@@ -1,4 +1,4 @@
-"""`scripts/stress_serve.py --short`: the load / fuzz / fault suite of issue 14 at test-suite size.
+"""`scripts/stress_serve.py --short`: the load / fuzz / fault suite at test-suite size.
 
 It starts real servers (embedded default model) and reports what it saw; this test asserts the
 properties that must hold whatever the machine's speed: nothing hangs, no malformed request gets a 5xx,

@@ -1,4 +1,4 @@
-"""SpeContext's selection buffer and host tier (issue 12 item 2): the elastic diff of adjacent selections.
+"""SpeContext's selection buffer and host tier: the elastic diff of adjacent selections.
 
 A shared retrieval policy (SpeContext) reads, in every layer from its tap on, the same per-(sequence, KV
 head) selection of B positions. The engine keeps those positions' K/V in a persistent device buffer per
@@ -333,7 +333,7 @@ def finish_load(buf: SelBuffer, layer: int, pending) -> SelBuffer:
 def _host_writer(f):
     """`f(host_k, host_v, ...) -> (host_k, host_v)` jitted with the mirror donated and its results placed in
     host memory. XLA then runs the scatter on the host *in place*: on an H100 (jax 0.11.2) a write of 8K rows
-    into an 8M-row mirror takes ~1.5 ms this way, where a `compute_on("device_host")` scatter (stop 27)
+    into an 8M-row mirror takes ~1.5 ms this way, where a `compute_on("device_host")` scatter
     returned a new mirror and cost 340-430 ms, a copy of the whole mirror per write (docs/specontext.md,
     "In-place mirror writes"). The CPU backend still copies (harmless at test sizes)."""
     host = host_sharding()

@@ -1,17 +1,18 @@
-"""Methods the eval harness can run, behind one registry.
+"""Methods the eval harness can run, assembled into one registry.
 
 A method turns one prompt (given as its pieces: prefix ids, segment ids, suffix ids, so reuse methods can
 cache segments) into a greedy completion plus the numbers the harness reports. ``full`` is the reference:
 full recompute of the whole prompt, then greedy decoding over a dense KV cache, all jitted (prefill per
-power-of-two prompt bucket, one compiled decode step). Later methods register with `register_method`.
+power-of-two prompt bucket, one compiled decode step). The interface and the registry itself live in
+`jaxkv.eval.registry`; this module defines the dense and engine methods and imports the segment-reuse
+methods (`jaxkv.eval.reuse_methods`), so importing it gives the whole registry. Later methods register
+with `register_method`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import zlib
-from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -19,64 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.engine.buckets import pow2_bucket
-from jaxkv.eval import metrics
+from jaxkv.eval import metrics, reuse_methods  # noqa: F401  (reuse_methods: registers its methods)
+from jaxkv.eval.registry import METHODS, Method, MethodOutput, PromptPieces, get_method, register_method
 from jaxkv.models import llama
 from jaxkv.models.attention import dense_attention
 
-
-@dataclasses.dataclass
-class PromptPieces:
-    prefix: list[int]
-    segments: list[list[int]]
-    suffix: list[int]
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prefix + [t for s in self.segments for t in s] + self.suffix
-
-
-@dataclasses.dataclass
-class MethodOutput:
-    token_ids: list[int]            # generated ids (stop token excluded)
-    first_logits: np.ndarray        # float32 [vocab], logits of the first generated token
-    ttft_s: float                   # prefill + first token, wall clock (after compilation)
-    kv_bytes_held: int              # peak KV bytes resident for this request
-    kv_bytes_loaded: int            # KV bytes read by attention over prefill and decode
-    prefill_flops: dict[str, float]  # analytical, see metrics.prefill_flops
-
-
-METHODS: dict[str, Callable[..., Method]] = {}
-
-
-def register_method(name: str):
-    def deco(cls):
-        METHODS[name] = cls
-        return cls
-
-    return deco
-
-
-def get_method(name: str, model, **kwargs) -> Method:
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
-    return METHODS[name](model, **kwargs)
-
-
-class Method:
-    """Interface: `run(pieces, max_new_tokens, stop_ids) -> MethodOutput`."""
-
-    name = "base"
-    compare_to_full = True   # the harness also runs `full` for first-token logit agreement
-
-    def __init__(self, model):
-        self.model = model
-
-    def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
-        raise NotImplementedError
+__all__ = ["METHODS", "DuoHeadClasses", "EngineMethod", "FullRecompute", "Method", "MethodOutput",
+           "PromptPieces", "RandomCopy", "get_method", "register_method"]
 
 
 def _cache_attend(cfg, write_pos):
-    """AttendFn over a dense per-layer cache: write k, v at `write_pos`, attend with causal positions."""
+    """AttendFn over a dense per-layer cache: write k, v at `write_pos`, attend with causal positions.
+    `layer` may be traced (layers under a scan): the windows are an [L] array it indexes."""
+    windows = tuple(cfg.layer_windows)
+    per_layer = jnp.asarray(windows, jnp.int32) if any(windows) else None
 
     def attend(layer, q, k, v, state):
         kc, vc, kpos = state  # [L, 1, S, Hkv, D] x2, [1, S] (-1 = empty)
@@ -86,7 +43,8 @@ def _cache_attend(cfg, write_pos):
         t = q.shape[1]
         q_pos = write_pos + jnp.arange(t, dtype=jnp.int32)[None]
         kp = jnp.where(jnp.arange(kpos.shape[1])[None] < write_pos + t, jnp.arange(kpos.shape[1])[None], -1)
-        out = dense_attention(q, kc[layer], vc[layer], q_pos, kp, window=cfg.layer_windows[layer])
+        window = 0 if per_layer is None else per_layer[layer]
+        out = dense_attention(q, kc[layer], vc[layer], q_pos, kp, window=window)
         return out, (kc, vc, kpos)
 
     return attend
@@ -251,5 +209,3 @@ class RandomCopy(Method):
         first[ids] = np.log(counts / counts.sum())
         return MethodOutput(out, first, 0.0, 0, 0, {"attention": 0.0, "ffn": 0.0})
 
-
-from jaxkv.eval import reuse_methods as _reuse_methods  # noqa: E402,F401  (registers the engine methods)

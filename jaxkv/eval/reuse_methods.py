@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxkv.cache.head_classes import all_global
 from jaxkv.eval import metrics
-from jaxkv.eval.methods import Method, MethodOutput, PromptPieces, register_method
+from jaxkv.eval.registry import Method, MethodOutput, PromptPieces, register_method
 from jaxkv.sampling import SamplingParams
 
 

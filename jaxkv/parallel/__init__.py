@@ -1,4 +1,4 @@
-"""Tensor parallelism over KV heads (issue 13; docs/parallel.md).
+"""Tensor parallelism over KV heads (docs/parallel.md).
 
 * `mesh.py`       the `tp` mesh, the one logical-axis -> mesh-axis table for parameters, the page pool and
                   the step metadata, and `shard_params` / `shard_pool`.

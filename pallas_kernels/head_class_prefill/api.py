@@ -18,7 +18,9 @@ the full context.
 pallas, reference on a GPU (16-bit inputs; fp32 inputs skip mosaic and cudnn, which compute in 16 bits);
 local pallas, reference on a GPU; the twin elsewhere. The choice is made by compiling the candidate
 ahead of time on abstract shapes (cached per shape), so it also holds under an outer `jax.jit`, where a
-lowering failure could not be caught at trace time. Naming an implementation pins it (no fallback).
+lowering failure could not be caught at trace time. A candidate that does not compile is skipped with a
+WARNING on the "pallas_kernels" logger (once per class, candidate and error type). Naming an implementation
+pins it (no fallback).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._dispatch import resolve_interpret
+from pallas_kernels._dispatch import resolve_interpret, warn_once
 from pallas_kernels.head_class_prefill import dense
 from pallas_kernels.head_class_prefill.reference import head_class_prefill as _twin
 
@@ -159,13 +161,17 @@ def _choose(kind, impl, q, k, sink, window, scale, interpret) -> str:
     errors = []
     shapes = (q.shape, k.shape, k.shape)
     for cand in _order(kind, q.dtype):
-        if cand == "reference":
-            return cand
-        err = _compiles(kind, cand, shapes, jnp.dtype(q.dtype), sink, window, scale, interpret)
+        err = None if cand == "reference" else _compiles(kind, cand, shapes, jnp.dtype(q.dtype), sink,
+                                                          window, scale, interpret)
         if err is None:
+            for failed, failed_err in errors:
+                warn_once(("head_class_prefill", kind, failed, failed_err.split(":", 1)[0]),
+                          "head_class_prefill: %s-head implementation %r did not compile (%s); using %r",
+                          kind, failed, " ".join(failed_err.split())[:300], cand)
             return cand
-        errors.append(f"{cand}: {err[:300]}")
-    raise RuntimeError(f"head_class_prefill: no {kind} implementation compiled: {errors}")
+        errors.append((cand, err))
+    raise RuntimeError(f"head_class_prefill: no {kind} implementation compiled: "
+                       f"{[f'{c}: {e[:300]}' for c, e in errors]}")
 
 
 # --------------------------------------------------------------------------------------------- public API

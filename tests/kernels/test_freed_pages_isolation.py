@@ -1,4 +1,4 @@
-"""Freed pages are never read before they are rewritten (tenant isolation, issue 14).
+"""Freed pages are never read before they are rewritten (tenant isolation).
 
 The allocator hands a freed page to the next request as it is: its slots still hold another request's
 K/V and positions until they are overwritten. Paged attention must read only the slots below each head's
