@@ -12,6 +12,10 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _HFTokenizerType
 
 
 class ChatTemplateError(ValueError):
@@ -35,11 +39,14 @@ def _as_list(value) -> list[int]:
 
 
 class Tokenizer:
-    """Encode/decode text and render chat prompts for one checkpoint directory."""
+    """Encode/decode text and render chat prompts for one checkpoint directory.
+
+    `tokenizer_json` is a tokenizer.json path or an already built `tokenizers.Tokenizer`.
+    """
 
     def __init__(
         self,
-        tokenizer_json: str | Path,
+        tokenizer_json: str | Path | _HFTokenizerType,
         tokenizer_config: dict | None = None,
         generation_config: dict | None = None,
         model_config: dict | None = None,
@@ -47,7 +54,11 @@ class Tokenizer:
     ):
         from tokenizers import Tokenizer as _HFTokenizer
 
-        self._tok = _HFTokenizer.from_file(str(tokenizer_json))
+        # A built `tokenizers.Tokenizer` is taken as is: a GGUF file has a vocabulary, not a tokenizer.json.
+        if isinstance(tokenizer_json, _HFTokenizer):
+            self._tok = tokenizer_json
+        else:
+            self._tok = _HFTokenizer.from_file(str(tokenizer_json))
         self.config = dict(tokenizer_config or {})
         gen, mcfg = generation_config or {}, model_config or {}
         self.bos_token = _token_str(self.config.get("bos_token"))

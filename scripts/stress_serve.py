@@ -1,6 +1,6 @@
 """Load, fuzz and fault suite for `python -m jaxkv.serve` (issue 14); writes one table.
 
-Starts the server itself (embedded default model unless --model) on loopback and runs, bounded in count
+Starts the server itself (the synthetic test model unless --model) on loopback and runs, bounded in count
 and time:
   (a) N concurrent mixed requests (completions / chat, streamed or not, n 1-2, prompts up to ~400
       tokens) over a KV pool far too small to hold them: completed / explicit errors / hung / 5xx, the
@@ -378,7 +378,8 @@ def table(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--short", action="store_true", help="small counts, for the test suite")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--model", default="synthetic",
+                    help="checkpoint directory, .gguf file or model name (default: the synthetic test model)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--write-docs", action="store_true", help="replace the table in docs/benchmarks.md")
     ap.add_argument("--precompile", action="store_true",

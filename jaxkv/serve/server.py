@@ -18,7 +18,6 @@ from jaxkv.serve.metrics import ServeMetrics
 
 log = logging.getLogger("jaxkv.serve")
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default_model"
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
 
 
@@ -30,6 +29,8 @@ def sampling_defaults(generation_config: dict | None) -> dict:
     from jaxkv.serve.protocol import INT32_MAX
 
     gc = generation_config or {}
+    if gc.get("do_sample") is False:  # Hugging Face semantics: the checkpoint decodes greedily
+        return {"temperature": 0.0}
     out = {k: gc[k] for k in _SAMPLING_DEFAULT_KEYS if gc.get(k) is not None}
     ok = {"temperature": lambda v: isinstance(v, (int, float)) and 0 <= v <= 2,
           "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
