@@ -14,12 +14,9 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
-from jaxkv.config import ModelConfig
-from jaxkv.loading import CONVERT_META, CheckpointError, load, read_json, resolve_dtype
-from jaxkv.models import llama
+from jaxkv.loading import CONVERT_FORMAT, CONVERT_META, load, resolve_dtype
 
 METADATA_FILES = (
     "config.json",
@@ -48,31 +45,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype="bfloat16") -> Path:
     for name in METADATA_FILES:
         if (hf_dir / name).exists():
             shutil.copy2(hf_dir / name, out_dir / name)
-    meta = {"format": "jaxkv.convert/v1", "dtype": jnp.dtype(dt).name, "source": str(hf_dir.resolve())}
+    meta = {"format": CONVERT_FORMAT, "dtype": jnp.dtype(dt).name, "source": str(hf_dir.resolve())}
     (out_dir / CONVERT_META).write_text(json.dumps(meta, indent=2))
     return out_dir
-
-
-def restore_params(path: Path, cfg: ModelConfig, dtype) -> dict:
-    """Restore the orbax params of a converted directory, cast to `dtype`."""
-    import orbax.checkpoint as ocp
-
-    meta = read_json(path / CONVERT_META)
-    saved = resolve_dtype(meta.get("dtype", "float32"))
-    params_dir = path.resolve() / "params"
-    if not params_dir.exists():
-        raise CheckpointError(f"{params_dir} not found (converted checkpoint without params)")
-    target = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, saved),
-        llama.param_shapes(cfg),
-        is_leaf=lambda s: isinstance(s, tuple),
-    )
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            params = ckptr.restore(params_dir, target)
-    except Exception as e:  # orbax raises several error types for missing/mismatched trees
-        raise CheckpointError(f"cannot restore orbax params from {params_dir}: {e}") from e
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
 
 
 def main(argv=None) -> None:

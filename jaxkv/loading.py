@@ -25,6 +25,7 @@ from jaxkv.models import llama
 from jaxkv.tokenizer import Tokenizer
 
 CONVERT_META = "jaxkv_convert.json"
+CONVERT_FORMAT = "jaxkv.convert/v1"
 
 
 class CheckpointError(ValueError):
@@ -98,21 +99,24 @@ def load_config(path: Path) -> tuple[ModelConfig, dict]:
 
 def load(path: str | Path, dtype="float32", *, mesh=None, placement: str = "balanced",
          head_classes=None) -> Model:
-    """Load a Hugging Face checkpoint directory or a jaxkv.convert output directory.
+    """Load a Hugging Face checkpoint directory, a jaxkv.convert output directory, a llama.cpp GGUF file, or
+    a model by name (`jaxkv.models.catalog`: "smollm2", "synthetic").
 
     dtype: parameter dtype on device ("float32", "bfloat16", or a jnp dtype); norms/RoPE/softmax stay fp32.
     mesh: a `jaxkv.parallel.make_mesh(tp)` mesh: parameters are sharded over its "tp" axis after the KV
     heads are permuted by `placement` ("balanced" spreads the global heads of `head_classes` -- default
     the model's head_classes.json -- evenly over the shards; "contiguous" keeps checkpoint order).
     """
-    path = Path(path)
+    from jaxkv.models.catalog import resolve
+
+    path = resolve(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return load_gguf(path, dtype, mesh=mesh, placement=placement, head_classes=head_classes)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory")
+        raise CheckpointError(f"{path} is not a directory (nor a .gguf file)")
     dt = resolve_dtype(dtype)
     cfg, _ = load_config(path)
     if (path / CONVERT_META).exists():
-        from jaxkv.convert import restore_params
-
         params = restore_params(path, cfg, dt)
     elif mesh is None:
         params = jax.tree.map(lambda a: jnp.asarray(a, dt), read_hf_params(path, cfg))
@@ -142,6 +146,51 @@ def load(path: str | Path, dtype="float32", *, mesh=None, placement: str = "bala
     )
 
 
+def restore_params(path: Path, cfg: ModelConfig, dtype) -> dict:
+    """Restore the orbax params of a converted directory, cast to `dtype`."""
+    import orbax.checkpoint as ocp
+
+    meta = read_json(path / CONVERT_META)
+    if meta.get("format") != CONVERT_FORMAT:
+        raise CheckpointError(f"{path} was converted in format {meta.get('format')!r}; this jaxkv reads "
+                              f"{CONVERT_FORMAT!r}: convert the source checkpoint again")
+    saved = resolve_dtype(meta.get("dtype", "float32"))
+    params_dir = path.resolve() / "params"
+    if not params_dir.exists():
+        raise CheckpointError(f"{params_dir} not found (converted checkpoint without params)")
+    target = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, saved),
+        llama.param_shapes(cfg),
+        is_leaf=lambda s: isinstance(s, tuple),
+    )
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(params_dir, target)
+    except Exception as e:  # orbax raises several error types for missing/mismatched trees
+        raise CheckpointError(f"cannot restore orbax params from {params_dir}: {e}") from e
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def load_gguf(path: Path, dtype="float32", *, mesh=None, placement: str = "balanced",
+              head_classes=None) -> Model:
+    """A llama.cpp GGUF file (weights dequantized to `dtype`, tokenizer and chat template from the file)."""
+    from jaxkv.gguf import read_gguf
+
+    if mesh is not None:
+        raise CheckpointError("tensor parallelism from a GGUF file is not supported: convert it to a "
+                              "directory first")
+    dt = resolve_dtype(dtype)
+    ck = read_gguf(path)
+    try:
+        cfg = ModelConfig.from_hf(ck.hf_config)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{path}: {e}") from e
+    params = params_from_tensors(ck.tensors.__getitem__, cfg, source=str(path))
+    params = jax.tree.map(lambda a: jnp.asarray(a, dt), params)
+    digest = hashlib.sha256(json.dumps(ck.hf_config, sort_keys=True).encode()).hexdigest()[:12]
+    return Model(cfg, params, ck.tokenizer, ck.generation_config, f"{path.stem}-{digest}", path.parent)
+
+
 # ---------------------------------------------------------------- Hugging Face safetensors
 
 
@@ -159,10 +208,10 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, tuple]:
         "w_up": "mlp.up_proj",
         "w_down": "mlp.down_proj",
     }
-    shapes = llama.param_shapes(cfg)["layers"]
+    keys = llama.param_shapes(cfg)["layers"][0]
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
-        for key in shapes[i]:
+        for key in keys:
             if key in proj:
                 hf = proj[key] + ".weight"
             elif key in ("bq", "bk", "bv", "bo"):
@@ -236,10 +285,9 @@ def _read_tensor(file: Path, name: str, header: dict) -> np.ndarray:
 def read_hf_params(path: Path, cfg: ModelConfig) -> dict:
     """Read every tensor of `hf_name_map` into a numpy params tree (HF dtype, weights as [in, out])."""
     files = _weight_files(path)
-    shapes = llama.param_shapes(cfg)
-    params = {"layers": [{} for _ in range(cfg.num_layers)]}
     headers: dict[Path, dict] = {}
-    for name, (where, transpose) in hf_name_map(cfg).items():
+
+    def get(name: str) -> np.ndarray:
         if name not in files:
             raise CheckpointError(f"tensor {name!r} not found in the weights of {path}")
         file = files[name]
@@ -248,22 +296,33 @@ def read_hf_params(path: Path, cfg: ModelConfig) -> dict:
         if name not in headers[file]:
             raise CheckpointError(f"tensor {name!r} not found in {file}")
         try:
-            array = _read_tensor(file, name, headers[file])
+            return _read_tensor(file, name, headers[file])
         except Exception as e:  # safetensors raises its own error types for corrupt data
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+    return params_from_tensors(get, cfg, source=str(path))
+
+
+def params_from_tensors(get, cfg: ModelConfig, source: str = "the checkpoint") -> dict:
+    """Builds the params tree from tensors in Hugging Face naming and layout: `get(hf_name)` -> array
+    ([out, in] weights, as transformers stores them)."""
+    shapes = llama.param_shapes(cfg)
+    layers = [{} for _ in range(cfg.num_layers)]
+    params: dict = {}
+    for name, (where, transpose) in hf_name_map(cfg).items():
+        array = get(name)
         if transpose:
             array = array.T
-        node = params
-        for key in where[:-1]:
-            node = node[key]
-        expected = shapes
-        for key in where:
-            expected = expected[key]
+        expected = shapes["layers"][where[1]][where[2]] if where[0] == "layers" else shapes[where[0]]
         if tuple(array.shape) != tuple(expected):
             hf_shape = tuple(reversed(expected)) if transpose else tuple(expected)
             raise CheckpointError(
-                f"tensor {name!r} in {file} has shape {tuple(array.T.shape if transpose else array.shape)}"
+                f"tensor {name!r} in {source} has shape {tuple(array.T.shape if transpose else array.shape)}"
                 f", config.json implies {hf_shape}"
             )
-        node[where[-1]] = array
+        if where[0] == "layers":
+            layers[where[1]][where[2]] = array
+        else:
+            params[where[0]] = array
+    params["layers"] = layers
     return params

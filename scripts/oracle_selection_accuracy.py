@@ -97,7 +97,7 @@ def _step_fn(cfg, mode: str, budget: int, tap: int):
 
         x, state = x0, (kc, vc)
         positions = jnp.full((1, 1), pos, jnp.int32)
-        for i, p in enumerate(params["layers"]):
+        for i, p in enumerate(llama.layer_list(params)):
             x, state = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, state)
         return x, state[0], state[1], jnp.stack(recs)
 
@@ -140,7 +140,7 @@ def _prefill_fn(cfg):
         positions = jnp.arange(t, dtype=jnp.int32)[None]
         attend = dense_cache_attend(cfg, positions)
         x, state = params["embed"][tokens], (kc, vc)
-        for i, p in enumerate(params["layers"]):
+        for i, p in enumerate(llama.layer_list(params)):
             x, state = llama.decoder_layer(p, cfg, i, x, positions, rope.inv_freq(cfg), attend, state)
         last = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1, axis=1)
         hidden = llama.rms_norm(last, params["final_norm"], cfg.rms_norm_eps)

@@ -157,7 +157,8 @@ def test_forward_flattened_ragged_batch_matches_dense():
     def attend(layer, q, k, v, state):
         outs = [
             dense_attention(
-                q[:, s], k[:, s], v[:, s], positions[:, s], positions[:, s], window=cfg.layer_windows[layer]
+                q[:, s], k[:, s], v[:, s], positions[:, s], positions[:, s],
+                window=jnp.asarray(cfg.layer_windows)[layer]  # `layer` is traced under the layer scan
             )
             for s in (slice(0, 10), slice(10, 17))
         ]

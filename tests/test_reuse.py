@@ -59,7 +59,7 @@ def dense_last_logits(model, ids):
 
 def test_rope_shift_of_a_segment_equals_keys_computed_at_the_new_position(model):
     # Layer 0's keys depend only on the token and its position: K(p + d) = R(d) K(p) exactly (fp32).
-    cfg, p = model.config, model.params["layers"][0]
+    cfg, p = model.config, llama.layer_params(model.params, 0)
     rng = np.random.default_rng(1)
     toks = rng.integers(3, cfg.vocab_size, size=8)
     x = llama.rms_norm(model.params["embed"][toks][None], p["attn_norm"], cfg.rms_norm_eps)

@@ -1,7 +1,7 @@
-"""`python -m jaxkv.serve --precompile` (issue 9 item 4) with a server-wide KV policy (issue 11): every step
-variant is compiled before the ready line, so serving traces (compiles) no step function. A real server
-subprocess on a tiny random checkpoint, sized so the precompile stays a few variants on CPU (4 variants,
-~10 s cold on 2 cores; the persistent compilation cache makes a rerun faster).
+"""`python -m jaxkv.serve --precompile` with a server-wide KV policy: every step variant is compiled before
+the ready line, so serving traces (compiles) no step function and the compilation counter stays flat. A
+real server subprocess on a tiny random checkpoint, sized so the precompile stays a few variants on CPU (4
+variants, ~10 s cold on 2 cores; the persistent compilation cache makes a rerun faster).
 """
 
 from __future__ import annotations
@@ -46,10 +46,14 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         # A sampled request: the warm-up request is greedy, so without --precompile this one would trace
         # (compile) a sampled prefill step and a sampled decode step while serving.
         seen = len(s.log)
+        steps_before = s.metric("jaxkv_step_compilations_total")
+        assert steps_before >= 4  # the precompiled variants (and the warm-up's metadata programs)
         c.completions.create(model=s.name, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1,
                              extra_body={"ignore_eos": True, "kv_policy": None})
         traced = [line for line in s.log[seen:] if _TRACED_STEP.search(line)]
         assert traced == [], f"a step compiled while serving: {traced}"
+        assert s.metric("jaxkv_step_compilations_total") == steps_before
+        assert s.metric("jaxkv_xla_compilations_total") > 0
 
         full = text(kv_policy=None)  # the full cache despite the server's policy
 

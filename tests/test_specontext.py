@@ -236,17 +236,15 @@ def test_small_budget_decode_equals_masked_dense_oracle(toy):
     g = cfg.num_heads // cfg.num_kv_heads
     pos = jnp.arange(n + 1, dtype=jnp.int32)[None]
 
-    def attend(layer, q, k, v, st):
+    def attend(layer, q, k, v, st):  # `layer` is traced under the layer scan
         full = dense_attention(q, k, v, pos, pos)
-        if layer < head.config.tap_layer:
-            return full, st
         outs = []
         for qh in range(cfg.num_heads):
             h = qh // g
             kk, vv = k[0, allowed[h], h], v[0, allowed[h], h]  # [budget, D]
             w = jax.nn.softmax(q[0, -1, qh] @ kk.T / np.sqrt(cfg.head_dim))
             outs.append(w @ vv)
-        return full.at[0, -1].set(jnp.stack(outs)), st
+        return jnp.where(layer < head.config.tap_layer, full, full.at[0, -1].set(jnp.stack(outs))), st
 
     hidden, _ = llama.forward(params, cfg, ids, pos, attend, None)
     want = llama.lm_head(params, cfg, hidden)[0, -1]
@@ -304,7 +302,8 @@ def test_teacher_attention_matches_dense_forward(toy):
         return dense_attention(q, k, v, pos, pos), st
 
     x = params["embed"][tokens]
-    x, _ = llama.decoder_layer(params["layers"][0], cfg, 0, x, pos, llama.rope.inv_freq(cfg), attend, None)
+    p0 = llama.layer_params(params, 0)
+    x, _ = llama.decoder_layer(p0, cfg, 0, x, pos, llama.rope.inv_freq(cfg), attend, None)
     np.testing.assert_allclose(np.asarray(x_tap), np.asarray(x[0]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(x_q), np.asarray(x[0, qidx]), rtol=1e-5, atol=1e-5)
     x_key, x_q0, _ = teacher_attention(params, cfg, tokens, qidx, tap_layer=0, mean=True, key_layer=1)

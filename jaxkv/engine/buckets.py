@@ -1,14 +1,15 @@
-"""Static-shape buckets: every device step is compiled once per (seqs, tokens, pages) bucket."""
+"""Static-shape buckets: a ragged step compiles once per (tokens, page-table width) bucket, a multi-step
+decode once per (sequences, page-table width) bucket."""
 
 from __future__ import annotations
 
 
-def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
-    """start, 2*start, ... up to the first value >= limit (inclusive of limit itself)."""
+def powers_of_two(limit: int, start: int = 1, factor: int = 2) -> tuple[int, ...]:
+    """start, factor*start, ... up to the first value >= limit (inclusive of limit itself)."""
     out, b = [], max(1, start)
     while b < limit:
         out.append(b)
-        b *= 2
+        b *= factor
     out.append(max(limit, 1))
     return tuple(sorted(set(out)))
 

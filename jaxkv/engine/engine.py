@@ -19,6 +19,7 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.head_classes import HeadClassMap, all_global, load_or_default
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.cache.tables import HeadPageTables
+from jaxkv.engine import compilations
 from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.code_maps import MapGuard
 from jaxkv.engine.compression import Compressor
@@ -38,6 +39,7 @@ DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running reque
 # An offload pass frees this fraction of the pool beyond its need (Scheduler.offload_headroom).
 OFFLOAD_HEADROOM_DIV = 64
 FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
+PAGE_BUCKET_FACTOR = 4  # consecutive page-table width buckets differ by this factor
 
 
 @dataclasses.dataclass
@@ -91,6 +93,7 @@ class Engine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be a positive integer (got {value!r})")
         enable_compilation_cache()
+        compilations.install()
         self.model = model
         self.tokenizer = model.tokenizer
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -163,7 +166,7 @@ class Engine:
         # "Overlapped host loads": 1.09x on the 1B shape's large diffs, 0.89x on the embedded model's).
         # The host tier is lazy: a dispatch loads from host memory only once one of its requests has pages
         # there (the offload's); before, the selection is read in place. `retrieval_host_eager`: every
-        # dispatch loads from the host mirror (how stops 17-30 measured the host tier's bytes).
+        # dispatch loads from the host mirror (a measurement mode for the host tier's bytes).
         self.retriever = Retriever(self, host_tier=retrieval_host_tier, resident=retrieval_resident,
                                    inplace=retrieval_inplace, overlap=retrieval_host_overlap,
                                    eager=retrieval_host_eager)
@@ -176,9 +179,13 @@ class Engine:
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.
         self._seq_buckets = powers_of_two(max(max_num_seqs, 2), start=2)
-        # Few buckets: small steps and short page lists pad up rather than compile their own variant.
+        # Few buckets: small steps and short page lists pad up rather than compile their own variant. A
+        # ragged step's row count follows its token bucket (a step of T tokens has at most T rows), so its
+        # shapes depend on tokens and page-table width only; page-table widths grow by 4x (a few width
+        # classes: a wider table costs the kernels nothing but empty split programs).
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
-        self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head))
+        self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head),
+                                           factor=PAGE_BUCKET_FACTOR)
         top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()
@@ -446,11 +453,23 @@ class Engine:
             b.counters[:len(chunks)] += np.asarray(prev[1], np.int32)
         return b
 
+    def step_rows(self, T: int) -> int:
+        """Rows of a ragged step of T tokens: a function of T alone, so (T, P) names its variant."""
+        return bucket_for(min(T, self._seq_buckets[-1]), self._seq_buckets)
+
+    def fresh_pages(self, T: int) -> int:
+        """Page-table width of a fresh prompt's step of T tokens (the pages its T positions need)."""
+        return bucket_for(min(-(-T // self.page_size), self.max_pages_per_head), self._page_buckets)
+
     def _build_batch(self, chunks: list[Chunk]) -> StepBatch:
-        S = bucket_for(len(chunks), self._seq_buckets)
         T = bucket_for(sum(c.num_tokens for c in chunks), self._token_buckets + self._fresh_buckets)
+        S = self.step_rows(T)
         seq_ids = [c.request.request_id for c in chunks]
+        fresh = chunks[0].fresh or (self.runner.use_plan and len(chunks) == 1 and chunks[0].start == 0
+                                    and chunks[0].num_tokens >= FRESH_MIN_TOKENS)
         P = bucket_for(max(self.tables.max_pages(s) for s in seq_ids), self._page_buckets)
+        if fresh:
+            P = max(P, self.fresh_pages(T))
         b = StepBatch(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32), q_seq=np.full(T, -1, np.int32),
             slots=None, page_table=None, lengths=None, logits_index=np.zeros(S, np.int32),
@@ -471,8 +490,7 @@ class Engine:
             off += n
         b.page_table, b.lengths, b.slots = self.device_tables.step_meta(
             seq_ids, [c.num_tokens for c in chunks], S, P, b.q_seq, tok_idx)
-        b.fresh = chunks[0].fresh or (self.runner.use_plan and len(chunks) == 1 and chunks[0].start == 0
-                                      and chunks[0].num_tokens >= FRESH_MIN_TOKENS)
+        b.fresh = fresh
         return b
 
     # ---- stop logic ---------------------------------------------------------------------------

@@ -279,7 +279,7 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
 
     x = params["embed"][b["tokens"]][None]
     pos = b["positions"][None]
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(llama.layer_list(params)):
         if i == key_layer:
             rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
         x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, (pool, summary))
@@ -405,7 +405,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         ks, vs = (), ()
         stats = jnp.zeros((s, 3), jnp.int32)
         moved = jnp.zeros((2,), jnp.int32)
-        for i, p in enumerate(params["layers"]):
+        for i, p in enumerate(llama.layer_list(params)):
             if shared and i == key_layer:
                 rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
             if shared and i == first:
@@ -466,7 +466,7 @@ def num_compilations() -> int:
 
 # Buffer slots per selected slot with a host tier unless told otherwise: what left the selection stays until
 # its slot is needed (H100, embedded model, batch 16: 11.1x fewer host bytes than re-fetching the selection;
-# stop 24 on an H200: 15.1x at 2 against 2.6x at 1, and 1,476 against 816 tok/s).
+# on an H200: 15.1x at 2 against 2.6x at 1, and 1,476 against 816 tok/s).
 DEFAULT_HOST_RESIDENT = 2.0
 
 
@@ -496,7 +496,7 @@ class Retriever:
                              "retrieval_host_tier=True")
         # The host tier loads from host memory only for dispatches with a request that has pages there
         # (the progressive offload's); until then the selection is read in place, as without a host tier.
-        # `eager`: every dispatch loads its rows from the host mirror (the measurement mode of stops 17-30).
+        # `eager`: every dispatch loads its rows from the host mirror (to measure the tier's bytes).
         self.eager = bool(eager)
         self._offloaded: set = set()  # request ids with pages moved to host memory (`offload`)
         self.engine = engine

@@ -535,7 +535,7 @@ def _segment_ffn(params, tokens, positions, *, cfg):
     pos = jnp.where(positions >= 0, positions, jnp.max(positions) + 1 + jnp.arange(positions.shape[0]))[None]
     x = params["embed"][tokens][None]
     outs = []
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(llama.layer_list(params)):
         q, k, v = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), pos, freqs)
         a = dense_attention(q, k, v, pos, pos, window=cfg.layer_windows[i])
         a = a.reshape(*a.shape[:2], -1) @ p["wo"]

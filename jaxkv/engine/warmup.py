@@ -1,8 +1,8 @@
 """Compile every device-step variant an engine can hit before it serves (no compile stall mid-request).
 
-A variant is one bucket combination: (sequences, tokens, pages, greedy or sampled, fresh prompt) for a
-ragged step and (sequences, pages, greedy or sampled) for a multi-step decode. Each is run once on an
-all-padding batch (every slot -1: nothing is written, the pool comes back unchanged). With the JAX
+A variant is one bucket combination: (tokens, page-table width, greedy or sampled, fresh prompt) for a
+ragged step and (sequences, page-table width, greedy or sampled) for a multi-step decode. Each is run once
+on an all-padding batch (every slot -1: nothing is written, the pool comes back unchanged). With the JAX
 persistent compilation cache on (`jaxkv.engine.engine.enable_compilation_cache`), a restart loads them
 from disk instead of compiling again.
 """
@@ -24,31 +24,23 @@ STOP_BUCKET = 4  # stop-id bucket warmed (requests with more than 4 stop ids com
 
 
 def variants(engine) -> list[tuple]:
-    """Every (kind, S, T, P, greedy, fresh) the engine's buckets allow (kind "step" or "decode")."""
+    """Every (kind, S, T, P, greedy, fresh) the engine's buckets allow (kind "step" or "decode"). A ragged
+    step's rows follow its tokens (`Engine.step_rows`) and a fresh prompt's page-table width its length, so
+    steps are tokens x widths, decodes sequences x widths, each greedy and sampled."""
     from jaxkv.engine.engine import FRESH_MIN_TOKENS
 
-    out = []
-    seqs, toks, pages = engine._seq_buckets, engine._token_buckets, engine._page_buckets
-    for i, s in enumerate(seqs):
-        prev = seqs[i - 1] if i else 0
-        for t in toks:
-            if t <= prev:  # a step of more than `prev` sequences has more than `prev` tokens
-                continue
-            for p in pages:
-                for greedy in (True, False):
-                    out.append(("step", s, t, p, greedy, False))
-                    if s == 1 and t >= FRESH_MIN_TOKENS and engine.runner.use_plan:
-                        out.append(("step", s, t, p, greedy, True))
-        if s == 1:  # fresh prompts longer than a step prefill alone (head_class_prefill)
-            for t in engine._fresh_buckets:
-                for p in pages:
-                    for greedy in (True, False):
-                        out.append(("step", s, t, p, greedy, True))
-        if engine.decode_steps > 1:
-            for p in pages:
-                for greedy in (True, False):
-                    out.append(("decode", s, 0, p, greedy, False))
-    return out
+    shapes = []
+    fresh_ok = engine.runner.use_plan
+    for t in engine._token_buckets:
+        s = engine.step_rows(t)
+        shapes += [("step", s, t, p, False) for p in engine._page_buckets]
+        if fresh_ok and t >= FRESH_MIN_TOKENS:
+            shapes.append(("step", s, t, engine.fresh_pages(t), True))
+    for t in engine._fresh_buckets:  # fresh prompts longer than a step prefill alone (head_class_prefill)
+        shapes.append(("step", engine.step_rows(t), t, engine.fresh_pages(t), True))
+    if engine.decode_steps > 1:
+        shapes += [("decode", s, 0, p, False) for s in engine._seq_buckets for p in engine._page_buckets]
+    return [(kind, s, t, p, greedy, fresh) for kind, s, t, p, fresh in shapes for greedy in (True, False)]
 
 
 def precompile(engine, progress: bool = True) -> int:
@@ -67,8 +59,9 @@ def precompile(engine, progress: bool = True) -> int:
         temp = np.zeros(s, np.float32)
         if not greedy:
             temp[0] = 1.0
-        common = dict(temperature=temp, top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
-                      seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32))
+        common = dict(temperature=temp, top_k=np.zeros(s, np.int32),
+                      top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32),
+                      counters=np.zeros(s, np.int32))
         # The metadata as the engine passes it: device arrays from the device tables (all padding here).
         if kind == "step":
             q_seq = np.full(t, -1, np.int32)

@@ -11,12 +11,15 @@ Q_BLOCK = 1024
 
 def visible(q_pos: jax.Array, k_pos: jax.Array, window: int, sink: int = 0) -> jax.Array:
     """bool[..., Tq, Tk]: key position k is visible to query position p (architecture.md semantics):
-    0 <= k <= p and (window == 0 or k > p - window or k < sink)."""
+    0 <= k <= p and (window == 0 or k > p - window or k < sink). `window` may be traced (a layer's entry of
+    an [L] array under the layer scan)."""
     p, k = q_pos[..., :, None], k_pos[..., None, :]
     ok = (k >= 0) & (k <= p)
-    if window:
-        ok &= (k > p - window) | (k < sink)
-    return ok
+    if isinstance(window, int):
+        if window:
+            ok &= (k > p - window) | (k < sink)
+        return ok
+    return ok & ((window == 0) | (k > p - window) | (k < sink))
 
 
 def dense_attention(

@@ -30,7 +30,8 @@ LOGICAL_TO_MESH: dict[str, str | None] = {
     "seq": None, "layer": None, "page_list": None, "token": None, "step": None,
 }
 
-# Parameter name -> logical axes (weights stored [in, out]).
+# Parameter name -> logical axes (weights stored [in, out]); the leaves under "layers" carry a leading
+# "layer" axis (stacked for the layer scan).
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab_in", "embed"),
     "final_norm": ("embed",),
@@ -92,6 +93,8 @@ def param_specs(params: dict, cfg, tp: int):
         axes = PARAM_AXES[name]
         if name == "lm_head" and not _vocab_sharded(cfg, tp):
             axes = ("embed", "vocab_in")
+        if np.ndim(leaf) == len(axes) + 1:  # stacked layers: a leading layer axis
+            axes = ("layer", *axes)
         return spec(axes)
 
     return jax.tree_util.tree_map_with_path(one, params)

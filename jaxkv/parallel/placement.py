@@ -67,18 +67,21 @@ def _take(w, perm_l, axis: int, hkv: int):
 
 
 def permute_params(params: dict, cfg, perm: np.ndarray) -> dict:
-    """Applies `perm` to a parameter tree (host numpy arrays; weights [in, out]). Q columns, Q bias and
-    O rows move in GQA groups (query heads h*G .. h*G+G-1 stay with KV head h)."""
+    """Applies `perm` to a parameter tree (host numpy arrays; weights [in, out], layers stacked). Q columns,
+    Q bias and O rows move in GQA groups (query heads h*G .. h*G+G-1 stay with KV head h)."""
     hkv = cfg.num_kv_heads
+    stacked = not isinstance(params["layers"], list | tuple)
+    per_layer = params["layers"]
+    if stacked:  # leaves with a leading layer axis (llama.stack_layers)
+        per_layer = [{k: np.asarray(v)[i] for k, v in per_layer.items()} for i in range(len(perm))]
     layers = []
-    for layer, p in enumerate(params["layers"]):
+    for layer, p in enumerate(per_layer):
         pl = np.asarray(perm[layer])
-        if (pl == np.arange(hkv)).all():
-            layers.append(p)
-            continue
         q = dict(p)
         for name, axis in (("wq", 1), ("wk", 1), ("wv", 1), ("wo", 0), ("bq", 0), ("bk", 0), ("bv", 0)):
-            if name in q:
+            if name in q and not (pl == np.arange(hkv)).all():
                 q[name] = _take(q[name], pl, axis, hkv)
         layers.append(q)
+    if stacked:
+        return {**params, "layers": {k: np.stack([p[k] for p in layers]) for k in layers[0]}}
     return {**params, "layers": layers}

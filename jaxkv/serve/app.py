@@ -146,6 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        state.metrics.set_compilations()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     def model_card():

@@ -61,6 +61,13 @@ class ServeMetrics:
         self.reuse_requests = c("jaxkv_reuse_requests", "Generations that reused segments, by method.",
                                 ["method"])
         self._last_kv = (0, 0)
+        self.step_compilations = c("jaxkv_step_compilations", "Step-program variants compiled (or loaded "
+                                   "from the persistent compilation cache) since start: the engine's "
+                                   "steps, decodes, compression rewrites, retrieval decodes, reuse passes.")
+        self.xla_compilations = c("jaxkv_xla_compilations", "XLA programs of this process since start, by "
+                                  "source (compiled by XLA, or loaded from the persistent cache).",
+                                  ["source"])
+        self._last_compiles = {"step": 0, "compiled": 0, "persistent_cache": 0}
 
         self.ttft = h("jaxkv_time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
         self.itl = h("jaxkv_inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
@@ -109,6 +116,21 @@ class ServeMetrics:
         if reuser is not None:
             self.segments.labels(m).set(len(reuser.store))
             self.segment_pages.labels(m).set(reuser.store.num_pages)
+
+    def set_compilations(self) -> None:
+        """Advances the compilation counters to the process's counts (jaxkv.engine.compilations)."""
+        from jaxkv.engine import compilations
+
+        m, last = self._model, self._last_compiles
+        now = {"step": compilations.step_programs(), **compilations.xla_programs()}
+        if now["step"] > last["step"]:
+            self.step_compilations.labels(m).inc(now["step"] - last["step"])
+        self.step_compilations.labels(m)
+        for source in ("compiled", "persistent_cache"):
+            if now[source] > last[source]:
+                self.xla_compilations.labels(m, source).inc(now[source] - last[source])
+            self.xla_compilations.labels(m, source)
+        self._last_compiles = {k: max(now[k], last[k]) for k in last}
 
     def observe_reuse(self, method: str) -> None:
         self.reuse_requests.labels(self._model, method).inc()

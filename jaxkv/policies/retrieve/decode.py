@@ -87,7 +87,7 @@ def prefill(params, cfg: ModelConfig, policy: RetrievalPolicy, head, tokens, kc,
     state = (kc, vc)
     # Padding rows past n_valid observe nothing: their positions are moved past the state (dropped).
     observed = jnp.where(positions < n_valid[:, None], positions, jnp.iinfo(jnp.int32).max // 2)
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(llama.layer_list(params)):
         if i == policy.key_layer(head):
             hstate = policy.observe(head, hstate, x, observed)
         x, state = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, state)
@@ -107,7 +107,8 @@ def decode_step(params, cfg: ModelConfig, policy: RetrievalPolicy, head, tokens,
     x = params["embed"][tokens]
     state = (kc, vc)
     for i in range(tap):
-        x, state = llama.decoder_layer(params["layers"][i], cfg, i, x, positions, freqs, dense, state)
+        p = llama.layer_params(params, i)
+        x, state = llama.decoder_layer(p, cfg, i, x, positions, freqs, dense, state)
     scores, hstate = policy.scores(head, hstate, x, positions)
     sel = policy.select(scores, positions[:, 0])
 
@@ -121,7 +122,8 @@ def decode_step(params, cfg: ModelConfig, policy: RetrievalPolicy, head, tokens,
     for i in range(tap, cfg.num_layers):
         if i == key and key != tap:
             hstate = policy.observe(head, hstate, x, positions)
-        x, state = llama.decoder_layer(params["layers"][i], cfg, i, x, positions, freqs, attend, state)
+        p = llama.layer_params(params, i)
+        x, state = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, state)
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return llama.lm_head(params, cfg, hidden)[:, 0], *state, hstate, sel
 

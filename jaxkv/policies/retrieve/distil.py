@@ -76,7 +76,7 @@ def teacher_attention(params, cfg, tokens, qidx, *, tap_layer: int, mean: bool, 
     acc = jnp.zeros(shape if mean else (cfg.num_layers - tap_layer, *shape), jnp.float32)
     x = params["embed"][tokens]
     streams = {}
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(llama.layer_list(params)):
         streams[i] = x
         x, acc = llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, acc)
     if mean:

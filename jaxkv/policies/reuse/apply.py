@@ -185,7 +185,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
 
     def layer_step(i, x, rows, pool, writes_mask, want_view=False, selected=None, tokens=False):
         """One layer over rows: returns x, pool, stats. `rows` = dict of per-row arrays."""
-        p = params["layers"][i]
+        p = llama.layer_params(params, i)
         positions = rows["positions"]
         q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
                                jnp.maximum(positions, 0)[None], freqs)
@@ -260,7 +260,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     forced = b["forced"] & valid
     selected = jnp.ones((T, H), bool)
     if F < L and policy.selects and select_cap > 0:
-        p = params["layers"][F]
+        p = llama.layer_params(params, F)
         q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
                                jnp.maximum(b["positions"], 0)[None], freqs)
         kc, vc = cached_kv(pool, b["slots"][:, F])

@@ -1,0 +1,167 @@
+"""Engine startup benchmark: how many step variants an engine compiles, how long that takes, and how many
+programs a varied request mix compiles after it (the answer should be none).
+
+Random weights of a real model shape are made on the device (no checkpoint on disk); the engine is
+configured as a GPU server would be. A row per engine configuration:
+
+    python scripts/bench_startup.py --shape 1b --max-num-seqs 256 --max-step-tokens 8192 \
+        --max-model-len 32768                                   # GPU: the serving configuration
+    python scripts/bench_startup.py --shape small --max-num-seqs 8 --max-step-tokens 64 \
+        --max-model-len 512                                     # CPU smoke run
+
+`--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
+cold and the warm startup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+SHAPES = {  # ModelConfig fields of the Llama shapes the benchmarks use
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+               head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+               head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "small": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                  head_dim=16, vocab_size=512, tie_word_embeddings=True),
+}
+
+
+def random_model(shape: str, dtype: str, max_len: int):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.config import ModelConfig
+    from jaxkv.loading import Model
+    from jaxkv.models import llama
+
+    cfg = ModelConfig(family="llama", max_position_embeddings=max_len, rope_theta=500000.0, **SHAPES[shape])
+    params = jax.jit(lambda k: llama.init_params(cfg, k, jnp.dtype(dtype)))(jax.random.key(0))
+    return Model(cfg, params, None, {}, f"random-{shape}", None)
+
+
+def request_mix(engine, vocab: int, seed: int = 0) -> int:
+    """Plain greedy and sampled requests of short and long prompts, several at once, and one per
+    compression press; runs them to the end and returns how many requests finished."""
+    from jaxkv.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    longest = min(engine.max_model_len - 64, 4 * engine.scheduler.max_step_tokens)
+    lengths = [5, 40, 300, longest // 2, longest]
+    n = 0
+    for i, length in enumerate(lengths):
+        for temperature in (0.0, 0.8):
+            ids = rng.integers(3, vocab, size=length).tolist()
+            engine.add_request(ids, SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True,
+                                                   seed=i))
+            n += 1
+    for press in ("snapkv", "streaming_llm", "h2o", "hardkv"):
+        ids = rng.integers(3, vocab, size=min(600, longest)).tolist()
+        try:
+            engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                               kv_policy=press, kv_budget=0.25)
+            n += 1
+        except ValueError as e:  # a press that needs files this random model lacks (HARD-KV calibration)
+            print(f"  skipped {press}: {e}")
+    done = 0
+    while engine.has_unfinished():
+        done += sum(o.finished for o in engine.step())
+    return done
+
+
+def _seconds(compilations) -> dict:
+    """Where compile time went: per stage, and the five slowest functions."""
+    if not hasattr(compilations, "seconds"):
+        return {}
+    stages, programs = compilations.seconds()
+    top = sorted(programs.items(), key=lambda kv: -kv[1])[:5]
+    return {"stage_s": {k.rsplit("/", 1)[-1]: round(v, 1) for k, v in stages.items()},
+            "slowest_s": {k: round(v, 1) for k, v in top}}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-step-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=32768)
+    ap.add_argument("--kv-cache-gib", type=float, default=8.0)
+    ap.add_argument("--cache", default=None, help="persistent compilation cache directory ('' = off)")
+    ap.add_argument("--no-mix", action="store_true", help="skip the request mix after startup")
+    ap.add_argument("--first-request", type=int, default=0, metavar="N",
+                    help="no precompile: time one request of N prompt tokens + 16 decoded on a fresh engine "
+                         "twice (the first compiles what it needs) instead")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
+    args = ap.parse_args(argv)
+
+    import os
+
+    if args.cache is not None:
+        os.environ["JAXKV_COMPILATION_CACHE"] = args.cache
+    from jaxkv.engine import warmup
+    from jaxkv.engine.engine import Engine
+
+    try:
+        from jaxkv.engine import compilations
+    except ImportError:  # a jaxkv without the counters (timing an older tree side by side)
+        class compilations:  # noqa: N801
+            install = staticmethod(lambda: None)
+            xla_programs = staticmethod(lambda: {"compiled": 0, "persistent_cache": 0})
+            step_programs = staticmethod(lambda: 0)
+
+    compilations.install()
+    model = random_model(args.shape, args.dtype, args.max_model_len)
+
+    def make_engine():
+        return Engine(model, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
+                      max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+                      enable_prefix_caching=False)
+
+    if args.first_request:
+        from jaxkv.sampling import SamplingParams
+
+        times = []
+        for _ in range(2):
+            engine = make_engine()
+            ids = np.random.default_rng(0).integers(3, model.config.vocab_size, args.first_request).tolist()
+            t0 = time.perf_counter()
+            engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        row = dict(shape=args.shape, first_request_tokens=args.first_request, cold_s=round(times[0], 2),
+                   warm_s=round(times[1], 3), xla_programs=compilations.xla_programs(),
+                   **_seconds(compilations))
+        print(json.dumps(row), flush=True)
+        return
+    engine = make_engine()
+    variants = len(warmup.variants(engine))
+    t0 = time.perf_counter()
+    engine.precompile(progress=args.progress)
+    ready = time.perf_counter() - t0
+    before_xla, before_steps = compilations.xla_programs(), compilations.step_programs()
+    row = dict(shape=args.shape, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
+               max_model_len=args.max_model_len, variants=variants, ready_s=round(ready, 1),
+               xla_programs_at_ready=before_xla, **_seconds(compilations))
+    if not args.no_mix:
+        t0 = time.perf_counter()
+        row["mix_requests"] = request_mix(engine, model.config.vocab_size)
+        row["mix_s"] = round(time.perf_counter() - t0, 1)
+        after = compilations.xla_programs()
+        row["xla_compiled_in_mix"] = after["compiled"] - before_xla["compiled"]
+        row["xla_cache_loads_in_mix"] = after["persistent_cache"] - before_xla["persistent_cache"]
+        row["step_variants_in_mix"] = compilations.step_programs() - before_steps
+    print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
