@@ -23,6 +23,11 @@ from jaxkv.engine import compilations
 from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.code_maps import MapGuard
 from jaxkv.engine.compression import Compressor
+from jaxkv.engine.config import (  # noqa: F401  (DEFAULT_*: re-exported)
+    DEFAULT_DECODE_STEPS,
+    DEFAULT_KV_CACHE_BYTES,
+    EngineConfig,
+)
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.device_tables import DeviceTables
 from jaxkv.engine.request import Request, RequestOutput, Status
@@ -34,8 +39,6 @@ from jaxkv.policies import CompressPolicy, get_policy
 from jaxkv.policies.retrieve import RetrievalPolicy
 from jaxkv.sampling import SamplingParams
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running request decodes (docs/engine.md)
 # An offload pass frees this fraction of the pool beyond its need (Scheduler.offload_headroom).
 OFFLOAD_HEADROOM_DIV = 64
 FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
@@ -75,23 +78,17 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
 
 
 class Engine:
-    def __init__(self, model, *, num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, max_step_tokens: int = 512,
-                 head_classes: HeadClassMap | str | os.PathLike | None = None,
-                 enable_prefix_caching: bool = True, kv_dtype=None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, attn_impl: str | None = None,
-                 decode_steps: int = DEFAULT_DECODE_STEPS, max_prefill_tokens: int | None = None,
-                 kv_policy: CompressPolicy | str | None = None, kv_budget: float | None = None,
-                 retrieval_host_tier: bool = False, retrieval_resident: float | None = None,
-                 retrieval_inplace: bool | None = None, retrieval_host_pages: int = 0,
-                 retrieval_host_overlap: bool = False, retrieval_host_eager: bool = False,
-                 pipeline_decode: bool = True, segment_anchor="bos", segment_start: int | None = None,
-                 segment_ffn_cache_bytes: int | None = None, kv_merge: bool | None = None):
+    def __init__(self, model, config: EngineConfig | None = None, **options):
+        """`config` (jaxkv.engine.config.EngineConfig), or its fields as keywords, section fields by their
+        flat names (`retrieval_host_tier=True`, `segment_anchor="none"`; `EngineConfig.from_kwargs`)."""
+        c = self.config = EngineConfig.from_kwargs(config, **options)
+        num_pages, page_size, max_num_seqs = c.num_pages, c.page_size, c.max_num_seqs
+        max_model_len, max_step_tokens, head_classes = c.max_model_len, c.max_step_tokens, c.head_classes
+        enable_prefix_caching, kv_dtype = c.enable_prefix_caching, c.kv_dtype
+        kv_cache_bytes = c.kv_cache_bytes
+        attn_impl, decode_steps, max_prefill_tokens = c.attn_impl, c.decode_steps, c.max_prefill_tokens
+        kv_policy, kv_budget, kv_merge = c.kv_policy, c.kv_budget, c.kv_merge
         cfg = model.config
-        for name, value in [("page_size", page_size), ("max_num_seqs", max_num_seqs),
-                            ("max_step_tokens", max_step_tokens), ("decode_steps", decode_steps)]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Engine: {name} must be a positive integer (got {value!r})")
         enable_compilation_cache()
         compilations.install()
         self.model = model
@@ -99,7 +96,7 @@ class Engine:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.head_classes = _resolve_head_classes(head_classes, model)
         mesh, tp = getattr(model, "mesh", None), 1  # tensor parallel over KV heads (docs/parallel.md)
-        host_pages = _host_pages(retrieval_host_pages, retrieval_host_tier)
+        host_pages = _host_pages(c.retrieval.host_pages, c.retrieval.host_tier)
         if host_pages and mesh is not None:
             raise ValueError("retrieval_host_pages is not supported with tensor parallelism")
         if mesh is not None:
@@ -146,30 +143,18 @@ class Engine:
                                    host_slots=False)
         self.page_size = page_size
         self.decode_steps = decode_steps
-        self.pipeline_decode = pipeline_decode  # dispatch decode call t+1 before reading call t (step())
+        self.pipeline_decode = c.pipeline_decode  # dispatch decode call t+1 before reading call t (step())
         self.code_maps = MapGuard()  # XLA:CPU: drops compiled variants near the host's mapping cap
         self.compressor = Compressor(self)
-        # segment store + reuse prefill (jaxkv/engine/reuse.py); segments are prefilled after `segment_anchor`
-        # ("bos": the model's BOS token, so they see the attention sink their prompts will give them)
-        # `segment_ffn_cache_bytes`: device memory for RedKnot ffn_reuse's per-segment FFN outputs (outside
-        # the pool; least recently used dropped first, recomputed on next use); None = a quarter of the pool
-        self.reuser = Reuser(self, anchor=segment_anchor, start=segment_start,
-                             ffn_cache_bytes=segment_ffn_cache_bytes)
-        # Retrieval policies' decode (jaxkv/engine/retrieval.py); `retrieval_host_tier` loads SpeContext's
-        # selection diff from a host-memory mirror of the pool (jaxkv/engine/host_tier.py); its device buffer
-        # holds `retrieval_resident` x the budget slots per (sequence, KV head) (None: 2 with the host tier),
-        # so a position selected again soon after it left the selection is still resident and moves nothing.
-        # `retrieval_inplace` (default: whenever there is no host tier): attention reads the selected slots in
-        # the pool itself, no buffer copy of the K/V (H200, 1B shape, batch 64: 4.64 -> 3.04 ms a step at 8K).
-        # `retrieval_host_overlap` (host tier only, default off): the host rows of later layers are gathered
-        # beside the earlier layers instead of all before the first selected layer (docs/specontext.md,
-        # "Overlapped host loads": 1.09x on the 1B shape's large diffs, 0.89x on the embedded model's).
-        # The host tier is lazy: a dispatch loads from host memory only once one of its requests has pages
-        # there (the offload's); before, the selection is read in place. `retrieval_host_eager`: every
-        # dispatch loads from the host mirror (a measurement mode for the host tier's bytes).
-        self.retriever = Retriever(self, host_tier=retrieval_host_tier, resident=retrieval_resident,
-                                   inplace=retrieval_inplace, overlap=retrieval_host_overlap,
-                                   eager=retrieval_host_eager)
+        # Segment store + reuse prefill (jaxkv/engine/reuse.py; options: config.SegmentConfig).
+        self.reuser = Reuser(self, anchor=c.segments.anchor, start=c.segments.start,
+                             ffn_cache_bytes=c.segments.ffn_cache_bytes)
+        # Retrieval policies' decode (jaxkv/engine/retrieval.py; options: config.RetrievalConfig). Measured:
+        # in-place reads 4.64 -> 3.04 ms a step (H200, 1B, batch 64, 8K); overlapped host loads 1.09x on the
+        # 1B shape's large diffs, 0.89x on the embedded model's (docs/specontext.md).
+        r = c.retrieval
+        self.retriever = Retriever(self, host_tier=r.host_tier, resident=r.resident, inplace=r.inplace,
+                                   overlap=r.host_overlap, eager=r.host_eager)
         # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:

@@ -1,0 +1,223 @@
+"""Persistent segment KV on tensorstore: per-(layer, KV head) arrays that outlive the process and the GPU.
+
+A store is a tensorstore key-value store (a local directory by default; any tensorstore kvstore URL such as
+``gs://bucket/prefix/`` or ``s3://...`` for a fleet of servers sharing one store) laid out as::
+
+    store.json                      identity: model id, KV dtype, page size, layers, KV heads, head dim
+    segments/<id>/k, v              zarr3 arrays [L, Hkv, slots, D], one chunk per (layer, KV head)
+    segments/<id>/pos               zarr3 array  [L, Hkv, slots] int32 (original positions, -1 = empty)
+    segments/<id>/meta.json         tokens, namespace, context, frozen, start, stored heads, checksum
+
+**Per-head placement.** Only the (layer, KV head) pairs a method will read are written (`heads` mask);
+the others have no chunks at all, so bytes on disk and bytes moved scale with the heads kept.
+
+**Crash safety.** `meta.json` is written last and is the commit: a segment whose meta is missing was never
+committed and is invisible (`list` skips it, `sweep` removes its leftovers). The meta holds a blake2b
+checksum of every stored chunk's bytes, checked on `get`: a corrupted or truncated entry raises
+`CorruptSegmentError` and is never served.
+
+**Identity.** A store opened with another model's identity (weights, dtype, page layout) is refused with
+`StoreMismatchError`, never silently reused. Namespaces stay apart because they are part of the segment id
+(`jaxkv.cache.segments.segment_id`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "jaxkv.segment_store/v1"
+
+
+class StoreMismatchError(ValueError):
+    """The store was written for another model or KV layout."""
+
+
+class CorruptSegmentError(ValueError):
+    """A stored segment failed its checksum or could not be read."""
+
+
+@dataclasses.dataclass
+class StoredSegment:
+    """One segment's KV as host arrays. `heads[l, h]` says which (layer, KV head) pairs carry data; the
+    others read back as zeros with position -1."""
+
+    segment_id: str
+    tokens: tuple[int, ...]
+    extra_key: str | None
+    k: np.ndarray  # [L, Hkv, slots, D]
+    v: np.ndarray  # [L, Hkv, slots, D]
+    pos: np.ndarray  # [L, Hkv, slots] int32
+    heads: np.ndarray  # [L, Hkv] bool
+    context: tuple[int, ...] = ()
+    frozen: bool = False
+    start: int = 0
+    extra: dict = dataclasses.field(default_factory=dict)  # method metadata (JSON-serialisable)
+
+
+def _kvstore(url: str | Path) -> dict:
+    """A tensorstore kvstore spec from a local path or a URL (``file://``, ``gs://``, ``s3://``, ...)."""
+    text = str(url)
+    if "://" in text:
+        return {"driver": text.split("://", 1)[0], "path": text.split("://", 1)[1]} \
+            if text.startswith("file://") else text
+    return {"driver": "file", "path": str(Path(text).resolve()) + "/"}
+
+
+class SegmentStore:
+    """Segments of one model in a tensorstore store (module docstring)."""
+
+    def __init__(self, url: str | Path, identity: dict[str, Any]):
+        import tensorstore as ts
+
+        self._ts = ts
+        self.url = str(url)
+        self.identity = {"format": FORMAT, **{k: identity[k] for k in sorted(identity)}}
+        self._kv = ts.KvStore.open(_kvstore(url)).result()
+        found = self._read_json("store.json")
+        if found is None:
+            self._write_json("store.json", self.identity)
+        elif found != self.identity:
+            diff = {k: (found.get(k), self.identity.get(k)) for k in set(found) | set(self.identity)
+                    if found.get(k) != self.identity.get(k)}
+            raise StoreMismatchError(f"segment store {self.url} was written for another model or KV layout "
+                                     f"(stored vs this server: {diff}); use another --segment-store")
+
+    # ---- key-value helpers --------------------------------------------------------------------
+    def _read_json(self, key: str) -> dict | None:
+        r = self._kv.read(key).result()
+        if r.state != "value":
+            return None
+        try:
+            return json.loads(bytes(r.value))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptSegmentError(f"{self.url}/{key}: not valid JSON ({e})") from e
+
+    def _write_json(self, key: str, data: dict) -> None:
+        self._kv.write(key, json.dumps(data, sort_keys=True).encode()).result()
+
+    def _array(self, seg: str, name: str, shape=None, dtype=None, create=False):
+        kvstore = {**_kvstore_base(self._kv), "path": (self._kv.path or "") + f"segments/{seg}/{name}/"}
+        spec = {"driver": "zarr3", "kvstore": kvstore}
+        if create:
+            chunk = [1, 1, *shape[2:]]
+            spec["metadata"] = {"shape": list(shape), "data_type": _zarr_dtype(dtype),
+                                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                                "fill_value": -1 if name == "pos" else 0}
+            return self._ts.open(spec, create=True, delete_existing=True).result()
+        return self._ts.open(spec, open=True).result()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def put(self, seg: StoredSegment) -> int:
+        """Writes a segment (only its `heads`), committing it with its meta last; returns the bytes of K/V
+        and positions written."""
+        L, H = seg.heads.shape
+        arrays = {"k": seg.k, "v": seg.v, "pos": seg.pos.astype(np.int32)}
+        self.delete(seg.segment_id)  # a rewrite starts uncommitted
+        written, digest = 0, hashlib.blake2b(digest_size=16)
+        for name, data in arrays.items():
+            arr = self._array(seg.segment_id, name, data.shape, data.dtype, create=True)
+            futures = []
+            for layer in range(L):
+                for head in range(H):
+                    if seg.heads[layer, head]:
+                        block = np.ascontiguousarray(data[layer, head])
+                        futures.append(arr[layer, head].write(block))
+                        digest.update(block.tobytes())
+                        written += block.nbytes
+            for f in futures:
+                f.result()
+        meta = {"segment_id": seg.segment_id, "tokens": list(seg.tokens), "extra_key": seg.extra_key,
+                "context": list(seg.context), "frozen": bool(seg.frozen), "start": int(seg.start),
+                "heads": seg.heads.astype(int).tolist(), "shape": list(seg.k.shape),
+                "dtype": np.dtype(seg.k.dtype).name, "checksum": digest.hexdigest(), "bytes": written,
+                "extra": seg.extra}
+        self._write_json(f"segments/{seg.segment_id}/meta.json", meta)  # the commit
+        return written
+
+    def meta(self, segment_id: str) -> dict | None:
+        """A committed segment's metadata, or None."""
+        return self._read_json(f"segments/{segment_id}/meta.json")
+
+    def list(self) -> list[dict]:
+        """Metadata of every committed segment (uncommitted leftovers are skipped)."""
+        out = []
+        for seg in self._segment_dirs():
+            m = self.meta(seg)
+            if m is not None:
+                out.append(m)
+        return out
+
+    def get(self, segment_id: str, heads: np.ndarray | None = None) -> StoredSegment:
+        """Reads a committed segment (only `heads` if given, a subset of the stored ones) and checks its
+        checksum over every stored head (CorruptSegmentError on mismatch or unreadable data)."""
+        m = self.meta(segment_id)
+        if m is None:
+            raise KeyError(segment_id)
+        stored = np.asarray(m["heads"], bool)
+        want = stored if heads is None else (np.asarray(heads, bool) & stored)
+        L, H, slots, D = m["shape"]
+        dtype = _np_dtype(m["dtype"])
+        out = {"k": np.zeros((L, H, slots, D), dtype), "v": np.zeros((L, H, slots, D), dtype),
+               "pos": np.full((L, H, slots), -1, np.int32)}
+        digest = hashlib.blake2b(digest_size=16)
+        try:
+            for name in ("k", "v", "pos"):
+                arr = self._array(segment_id, name)
+                reads = {(l_, h): arr[l_, h].read() for l_ in range(L) for h in range(H) if stored[l_, h]}
+                for (l_, h), f in reads.items():
+                    block = np.asarray(f.result())
+                    digest.update(np.ascontiguousarray(block).tobytes())
+                    if want[l_, h]:
+                        out[name][l_, h] = block
+        except Exception as e:  # tensorstore raises ValueError subclasses for missing / undecodable chunks
+            raise CorruptSegmentError(f"segment {segment_id} in {self.url} cannot be read: {e}") from e
+        if digest.hexdigest() != m["checksum"]:
+            raise CorruptSegmentError(f"segment {segment_id} in {self.url} failed its checksum: the stored "
+                                      "KV was changed or truncated after it was written")
+        return StoredSegment(segment_id, tuple(m["tokens"]), m["extra_key"], out["k"], out["v"], out["pos"],
+                             want, tuple(m["context"]), m["frozen"], m["start"], m.get("extra", {}))
+
+    def delete(self, segment_id: str) -> None:
+        """Removes a segment: its commit first (a crash mid-delete leaves it uncommitted), then its data."""
+        self._kv.delete_range(self._ts.KvStore.KeyRange(f"segments/{segment_id}/meta.json",
+                                                        f"segments/{segment_id}/meta.json\0")).result()
+        self._kv.delete_range(self._ts.KvStore.KeyRange(f"segments/{segment_id}/",
+                                                        f"segments/{segment_id}0")).result()
+
+    def sweep(self) -> int:
+        """Deletes the leftovers of uncommitted writes (a writer killed mid-write); returns how many."""
+        n = 0
+        for seg in self._segment_dirs():
+            if self.meta(seg) is None:
+                self.delete(seg)
+                n += 1
+        return n
+
+    def _segment_dirs(self) -> list[str]:
+        keys = self._kv.list(self._ts.KvStore.KeyRange("segments/", "segments0")).result()
+        return sorted({bytes(k).decode().split("/")[1] for k in keys if bytes(k).count(b"/") >= 2})
+
+
+def _kvstore_base(kv) -> dict:
+    spec = kv.spec().to_json()
+    spec.pop("path", None)
+    return spec
+
+
+def _zarr_dtype(dtype) -> str:
+    name = np.dtype(dtype).name
+    return {"bfloat16": "bfloat16"}.get(name, name)
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)

@@ -1,0 +1,106 @@
+"""The engine's configuration: one frozen tree, so an engine is described by a value (logged, compared,
+copied with `dataclasses.replace`) rather than by a long keyword list.
+
+`EngineConfig` holds what every engine has (pool, buckets, scheduling, the engine-wide KV policy); the
+options of one family of methods live in their own section (`retrieval`, `segments`), so the engine's own
+fields name no method. `Engine(model, config)` takes it; `Engine(model, page_size=..., ...)` still works:
+`EngineConfig.from_kwargs` maps the flat names (`retrieval_host_tier` -> `retrieval.host_tier`,
+`segment_anchor` -> `segments.anchor`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running request decodes (docs/engine.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalConfig:
+    """Retrieval policies' decode (SpeContext, Quest; jaxkv/engine/retrieval.py).
+
+    host_tier: SpeContext's selection differences load from a host-memory mirror of the pool.
+    resident: buffer slots per (sequence, KV head) as a multiple of the budget (None: 2 with the host tier).
+    inplace: attention reads the selected slots in the pool, no buffer copy (None: whenever no host tier).
+    host_pages: host-memory pages that older K/V moves to when the device pool runs short (host tier only).
+    host_overlap: host rows of later layers are gathered beside the earlier layers (host tier only).
+    host_eager: every dispatch loads from the host mirror, not only once a request has pages there.
+    """
+
+    host_tier: bool = False
+    resident: float | None = None
+    inplace: bool | None = None
+    host_pages: int = 0
+    host_overlap: bool = False
+    host_eager: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentConfig:
+    """Segment store and reuse prefill (jaxkv/engine/reuse.py).
+
+    anchor: what segments are prefilled after ("bos": the model's BOS token, so they see the attention sink
+    their prompts will give them; "none"; or token ids). start: their first position (None: after the
+    anchor). ffn_cache_bytes: device memory for RedKnot's per-segment FFN outputs (None: a quarter of the
+    pool).
+    """
+
+    anchor: Any = "bos"
+    start: int | None = None
+    ffn_cache_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Pool, buckets, scheduling and the engine-wide KV policy (docs/engine.md)."""
+
+    num_pages: int | None = None  # KV pool pages; None: kv_cache_bytes over a page's bytes
+    page_size: int = 16
+    max_num_seqs: int = 8
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_step_tokens: int = 512
+    head_classes: Any = None  # HeadClassMap | path | None (the model's head_classes.json, else all global)
+    enable_prefix_caching: bool = True
+    kv_dtype: Any = None  # None: the parameters' dtype
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    attn_impl: str | None = None  # None: the Pallas kernel on a GPU, the jnp twin elsewhere
+    decode_steps: int = DEFAULT_DECODE_STEPS
+    max_prefill_tokens: int | None = None
+    kv_policy: Any = None  # a policy object, a registered name, or None (full cache)
+    kv_budget: float | None = None
+    kv_merge: bool | None = None  # per-slot logit bias in the pool; None: iff the engine-wide policy merges
+    pipeline_decode: bool = True  # dispatch decode call t+1 before reading call t
+    retrieval: RetrievalConfig = RetrievalConfig()
+    segments: SegmentConfig = SegmentConfig()
+
+    def __post_init__(self):
+        for name in ("page_size", "max_num_seqs", "max_step_tokens", "decode_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Engine: {name} must be a positive integer (got {value!r})")
+
+    @classmethod
+    def from_kwargs(cls, base: EngineConfig | None = None, **kwargs) -> EngineConfig:
+        """`base` (default: the defaults) with flat keyword overrides; section fields by their prefixed names
+        (`retrieval_host_tier`, `segment_anchor`, ...)."""
+        base = base or cls()
+        sections = {"retrieval": ("retrieval_", RetrievalConfig), "segments": ("segment_", SegmentConfig)}
+        top, nested = {}, {name: {} for name in sections}
+        fields = {f.name for f in dataclasses.fields(cls)} - set(sections)
+        for key, value in kwargs.items():
+            if key in fields:
+                top[key] = value
+                continue
+            for name, (prefix, section) in sections.items():
+                sub = key[len(prefix):] if key.startswith(prefix) else None
+                if sub in {f.name for f in dataclasses.fields(section)}:
+                    nested[name][sub] = value
+                    break
+            else:
+                raise TypeError(f"Engine: unknown option {key!r}")
+        for name, values in nested.items():
+            if values:
+                top[name] = dataclasses.replace(getattr(base, name), **values)
+        return dataclasses.replace(base, **top)
