@@ -70,6 +70,40 @@ def test_health_models_and_name(server):
     assert httpx.get(server.url + "/models/tiny-llama").json()["max_model_len"] == MAX_MODEL_LEN
 
 
+def test_logprobs_of_generated_tokens(server, ckpt, tok):
+    """completions `logprobs: 0` and chat `logprobs: true` (official client, streamed and not): one
+    log-probability per generated token, and for greedy decoding the first one equals the log-softmax
+    maximum of a dense forward over the prompt."""
+    import numpy as np
+
+    import jaxkv
+
+    c = client(server)
+    prompt = [5, 17, 33, 9, 71, 2, 44]
+    r = c.completions.create(model=server.name, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                             extra_body=IGNORE_EOS)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == r.usage.completion_tokens == 6
+    assert all(v <= 0 for v in lp.token_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == r.choices[0].text
+    logits = jaxkv.load(ckpt).logits(prompt)[0, -1].astype(np.float64)
+    best = -np.log(np.exp(logits - logits.max()).sum())  # the log-softmax at the argmax
+    assert abs(lp.token_logprobs[0] - best) < 1e-4
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(
+        model=server.name, prompt=prompt, max_tokens=6, temperature=0, logprobs=0, stream=True,
+        extra_body=IGNORE_EOS) if ch.choices and ch.choices[0].logprobs is not None]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+
+    messages = [{"role": "user", "content": "hello"}]
+    r = c.chat.completions.create(model=server.name, messages=messages, max_tokens=5, temperature=0,
+                                  logprobs=True, top_logprobs=0, extra_body=IGNORE_EOS)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(t.logprob <= 0 and t.top_logprobs == [] for t in content)
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert c.chat.completions.create(model=server.name, messages=messages, max_tokens=2,
+                                     extra_body=IGNORE_EOS).choices[0].logprobs is None
+
+
 def test_chat_completion_usage(server, tok):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
     r = client(server).chat.completions.create(model=server.name, messages=messages, max_tokens=5,
@@ -236,8 +270,11 @@ BAD = [
     ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]"),
     ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": _LONG}]}, "messages"),
-    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     "logprobs"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": 3}, "top_logprobs"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 0},
+     "top_logprobs"),
+    ("completions", {"model": "M", "prompt": "hi", "logprobs": 0, "echo": True}, "echo"),
     ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
      "tools"),
     ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},

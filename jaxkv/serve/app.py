@@ -90,6 +90,10 @@ class _Job:
     finish_reason: str | None = None
     kv_policy: object = K.DEFAULT  # K.DEFAULT (the server's), None (full cache) or a CompressPolicy
     reuse: tuple | None = None  # (prefix ids, segment ids, suffix ids, ReusePolicy) of a reuse request
+    want_logprobs: bool = False  # the request asked for the generated tokens' log-probabilities
+    logprobs: list = field(default_factory=list)  # [(token text, logprob)] so far
+    logprobs_sent: int = 0  # of those, already streamed
+    logprobs_offset: int = 0  # characters of text the streamed ones covered (completions text_offset)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -563,7 +567,8 @@ def _jobs(state: ServerState, req, prompt_index: int, ids: list[int], max_tokens
         except ValueError as e:
             raise P.RequestError(str(e)) from None
         jobs.append(_Job(first_index + i, prompt_index, ids, sampling, stop_ids,
-                         TextStream(state.decode, ids, stop), echo))
+                         TextStream(state.decode, ids, stop), echo,
+                         want_logprobs=req.logprobs is not None and req.logprobs is not False))
     return jobs
 
 
@@ -630,6 +635,8 @@ def _apply(state: ServerState, job: _Job, out) -> None:
     job.cached_tokens = max(job.cached_tokens, getattr(out, "num_cached_tokens", 0))
     if out.finished and out.finish_reason == "stop" and new and new[-1] in job.stop_ids:
         new = new[:-1]  # the stop token itself is not part of the text
+    if job.want_logprobs:
+        job.logprobs += [(state.decode([t]), float(lp)) for t, lp in zip(new, out.new_logprobs)]
     job.text.add(new, final=out.finished)
     if out.finished:
         job.finished = True
@@ -700,11 +707,12 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
     for j in jobs:
         text = j.echo + j.text.text
         if chat:
+            lp = P.chat_logprobs(j.logprobs) if j.want_logprobs else None
             choices.append({"index": j.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": j.finish_reason})
+                            "logprobs": lp, "finish_reason": j.finish_reason})
         else:
-            choices.append({"index": j.index, "text": text, "logprobs": None,
-                            "finish_reason": j.finish_reason})
+            lp = P.completion_logprobs(j.logprobs, len(j.echo)) if j.want_logprobs else None
+            choices.append({"index": j.index, "text": text, "logprobs": lp, "finish_reason": j.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
 
@@ -748,11 +756,24 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"  # ASCII: no U+2028 etc. inside an SSE line
 
+    def new_logprobs(job: _Job):
+        """The log-probabilities of the tokens generated since the last chunk (None unless asked for)."""
+        if not job.want_logprobs:
+            return None
+        items = job.logprobs[job.logprobs_sent:]
+        job.logprobs_sent = len(job.logprobs)
+        if chat:
+            return P.chat_logprobs(items)
+        out = P.completion_logprobs(items, job.logprobs_offset)
+        job.logprobs_offset += sum(len(t) for t, _ in items)
+        return out
+
     def choice(job: _Job, text: str, finish: str | None, first: bool = False) -> dict:
+        lp = None if first else new_logprobs(job)
         if chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": job.index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": job.index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     def fail(status: int, message: str, type_: str, code: str) -> str:
         # Headers (200) are gone: the error travels as the last event, as vLLM and OpenAI do.

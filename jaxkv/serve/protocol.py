@@ -22,6 +22,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_CHOICES = 64  # prompts x n of one request: more is a batch job, not one request
 MAX_CACHE_SALT_CHARS = 256
 MAX_SEGMENTS = 64  # segments one reuse request names
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's range)
+MAX_COMPLETION_LOGPROBS = 5  # completions logprobs (OpenAI's range)
 INT32_MAX = 2**31 - 1  # top_k and token ids travel to the device as int32
 SEED_MOD = 2**63
 SEED_RANGE = (-(2**63), 2**64)
@@ -238,7 +240,15 @@ def check_cache_salt(cache_salt: str | None) -> None:
 
 def check_completion_extras(req: CompletionRequest) -> None:
     if req.logprobs is not None:
-        raise RequestError("logprobs is not supported by this server.", "logprobs")
+        if not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise RequestError(f"logprobs must lie in [0, {MAX_COMPLETION_LOGPROBS}].", "logprobs")
+        if req.logprobs > 0:
+            raise RequestError("logprobs above 0 (alternatives per position) is not supported by this "
+                               "server; logprobs: 0 returns each generated token's log-probability.",
+                               "logprobs")
+        if req.echo:
+            raise RequestError("echo with logprobs (log-probabilities of the prompt) is not supported by "
+                               "this server.", "echo")
     if req.suffix:
         raise RequestError("suffix is not supported by this server.", "suffix")
     n = req.n or 1
@@ -253,10 +263,15 @@ def check_completion_extras(req: CompletionRequest) -> None:
 
 
 def check_chat_extras(req: ChatCompletionRequest) -> None:
-    if req.logprobs:
-        raise RequestError("logprobs is not supported by this server.", "logprobs")
-    if req.top_logprobs:
-        raise RequestError("top_logprobs is not supported by this server.", "top_logprobs")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}].", "top_logprobs")
+        if not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true.", "top_logprobs")
+        if req.top_logprobs > 0:
+            raise RequestError("top_logprobs above 0 (alternatives per position) is not supported by this "
+                               "server; logprobs: true returns each generated token's log-probability.",
+                               "top_logprobs")
     if req.tools:
         raise RequestError("tools (function calling) are not supported by this server.", "tools")
     if req.tool_choice not in (None, "none", "auto"):
@@ -351,6 +366,24 @@ def engine_seed(seed: int | None, index: int) -> int | None:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def chat_logprobs(items: list[tuple[str, float]]) -> dict:
+    """OpenAI chat `logprobs` of generated tokens [(token text, logprob)] (no alternatives)."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                        for t, lp in items], "refusal": None}
+
+
+def completion_logprobs(items: list[tuple[str, float]], offset: int = 0) -> dict:
+    """OpenAI completions `logprobs` of generated tokens; `text_offset` counts from `offset` (characters of
+    the choice's text before them)."""
+    tokens, lps, offsets = [], [], []
+    for t, lp in items:
+        tokens.append(t)
+        lps.append(lp)
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
 
 
 def now() -> int:
