@@ -443,3 +443,30 @@ def test_specontext_offload_server_finishes_a_batch_its_pool_cannot_hold(ckpt, t
         assert s.metric("jaxkv_kv_host_pages_in_use") == 0   # released with their requests
     finally:
         s.stop()
+
+
+def test_segments_survive_a_server_restart(ckpt, tmp_path):
+    """`--segment-store DIR`: a segment registered with one server process is served by the next one on
+    the same store (no re-prefill), within its namespace, with the same tokens; another layout is refused
+    at startup with a clear error."""
+    store = tmp_path / "segments"
+    common = ["--model", str(ckpt), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "512",
+              "--max-num-seqs", "2", "--max-step-tokens", "64", "--head-classes", "global",
+              "--no-precompile", "--segment-store", str(store)]
+    first = ServerProcess(common)
+    try:
+        seg = register(first, key=None, text=DOC, frozen=True)
+        want = complete(first, key="unused", prompt=" what", reuse={"segments": [seg], "method": "naive"})
+    finally:
+        first.stop()
+    second = ServerProcess(common)
+    try:
+        assert "segment store" in "".join(second.log) and "(1 segments restored)" in "".join(second.log)
+        cards = http(second, "GET", "segments", key=None).json()["data"]
+        assert [c["id"] for c in cards] == [seg] and cards[0]["frozen"]
+        got = complete(second, key="unused", prompt=" what", reuse={"segments": [seg], "method": "naive"})
+        assert got == want
+    finally:
+        second.stop()
+    with pytest.raises(RuntimeError, match="another model or KV layout"):
+        ServerProcess([*common, "--page-size", "8"])

@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,14 +192,37 @@ class SegmentStore:
         self._kv.delete_range(self._ts.KvStore.KeyRange(f"segments/{segment_id}/",
                                                         f"segments/{segment_id}0")).result()
 
-    def sweep(self) -> int:
-        """Deletes the leftovers of uncommitted writes (a writer killed mid-write); returns how many."""
+    def sweep(self, older_than_s: float = 600.0) -> int:
+        """Deletes the leftovers of uncommitted writes (a writer killed mid-write) untouched for
+        `older_than_s` seconds, so a write still in progress in another process is left alone; returns how
+        many. In a local directory that includes the storage driver's own temporary files; elsewhere, where
+        no age is known, only `older_than_s=0` deletes."""
+        local = self._local_root()
+        now = time.time()
         n = 0
-        for seg in self._segment_dirs():
-            if self.meta(seg) is None:
+        names = set(self._segment_dirs())
+        if local is not None and (local / "segments").is_dir():
+            names |= {p.name for p in (local / "segments").iterdir() if p.is_dir()}
+        for seg in sorted(names):
+            if self.meta(seg) is not None:
+                continue
+            if local is not None:
+                d = local / "segments" / seg
+                newest = max((p.stat().st_mtime for p in d.rglob("*")), default=0.0) if d.exists() else 0.0
+                if now - newest < older_than_s:
+                    continue
                 self.delete(seg)
-                n += 1
+                shutil.rmtree(d, ignore_errors=True)
+            elif older_than_s <= 0:
+                self.delete(seg)
+            else:
+                continue
+            n += 1
         return n
+
+    def _local_root(self) -> Path | None:
+        spec = self._kv.spec().to_json()
+        return Path(spec["path"]) if spec.get("driver") == "file" else None
 
     def _segment_dirs(self) -> list[str]:
         keys = self._kv.list(self._ts.KvStore.KeyRange("segments/", "segments0")).result()

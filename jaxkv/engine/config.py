@@ -44,12 +44,14 @@ class SegmentConfig:
     anchor: what segments are prefilled after ("bos": the model's BOS token, so they see the attention sink
     their prompts will give them; "none"; or token ids). start: their first position (None: after the
     anchor). ffn_cache_bytes: device memory for RedKnot's per-segment FFN outputs (None: a quarter of the
-    pool).
+    pool). store: a directory or tensorstore URL where registered segments persist (restored into the pool
+    when the engine starts; jaxkv/engine/segment_persist.py); None: they live as long as the engine.
     """
 
     anchor: Any = "bos"
     start: int | None = None
     ffn_cache_bytes: int | None = None
+    store: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,6 +174,11 @@ class Engine:
         top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()
+        if c.segments.store:  # registered segments persist there; the committed ones load now, no prefill
+            from jaxkv.engine.segment_persist import PersistentSegments
+
+            self.reuser.persist = PersistentSegments(self.reuser, c.segments.store)
+            self.segments_restored = self.reuser.persist.restore()
         self._requests: dict[str, Request] = {}
         # The decode call on the device whose results are not read yet: (chunks, PendingDecode) or None.
         self._inflight: tuple[list[Chunk], PendingDecode] | None = None
@@ -247,6 +252,8 @@ class Engine:
 
     def delete_segment(self, segment_id: str, extra_key: str | None = None) -> None:
         self.reuser.store.delete(segment_id, extra_key)
+        if self.reuser.persist is not None:
+            self.reuser.persist.delete(segment_id)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

@@ -132,6 +132,7 @@ class Reuser:
                                    tuple(int(x) for x in self.heads["window"][i])) for i in range(len(kinds)))
         self.impl = "reference" if engine.runner.attn_impl == "reference" else None
         self.waiting: deque[_Pending] = deque()
+        self.persist = None  # PersistentSegments when the engine has a segment store (segment_persist.py)
         self.stats: dict[str, ReuseStats] = {}
         self.keep_logits = keep_logits
         # RedKnot ffn_reuse's per-segment FFN outputs live outside the page pool, so they get their own
@@ -160,8 +161,10 @@ class Reuser:
             raise SegmentError(f"{what}; the context holds {self.engine.max_model_len}")
         e = self.store.find(tokens, extra_key, context)
         if e is not None:
-            if frozen:
+            if frozen and not e.frozen:
                 self.store.freeze(e)
+                if self.persist is not None:
+                    self.persist.save(e)
             return e
         L, H, ps = self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
         n = len(tokens)
@@ -177,8 +180,11 @@ class Reuser:
         finally:
             if scratch is not None:
                 self.engine.allocator.decref(scratch)
-        return self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start + len(context),
-                                 context=context)
+        e = self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start + len(context),
+                              context=context)
+        if self.persist is not None:
+            self.persist.save(e)
+        return e
 
     def _prefill_segment(self, tokens, pages, scratch=None, context=()) -> None:
         """The engine's own prefill of `self.anchor + context + tokens`: the anchor and the context into

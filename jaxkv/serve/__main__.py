@@ -98,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="device memory for RedKnot ffn_reuse's per-segment FFN outputs (outside the page "
                         "pool; least recently used dropped first and recomputed on next use); default: a "
                         "quarter of the KV pool")
+    p.add_argument("--segment-store", default=None, metavar="URL",
+                   help="directory or tensorstore URL (gs://, s3://, file://) where registered segments "
+                        "persist: they survive a restart and are shared by servers of the same model and "
+                        "KV layout, loaded at startup without prefill; default: segments live in memory")
     p.add_argument("--precompile-reuse", default="", metavar="METHODS",
                    help="comma-separated segment-reuse methods whose pass is compiled for every token bucket "
                         "before the server is ready (methods that recompute every token, e.g. redknot; "
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
                         retrieval_resident=args.retrieval_resident,
                         retrieval_host_pages=args.retrieval_host_pages,
                         retrieval_host_overlap=args.retrieval_host_overlap,
-                        segment_anchor=args.segment_anchor,
+                        segment_anchor=args.segment_anchor, segment_store=args.segment_store,
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
                         else int(args.segment_ffn_cache_mb * 2**20))
         name = args.served_model_name or _served_name(Path(args.model))
@@ -254,7 +258,9 @@ def main(argv=None) -> int:
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots ({pool_gib:.2f} GiB), "
           f"KV heads: {classes}, "
           f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
-          f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}", flush=True)
+          f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}"
+          + (f", segment store {args.segment_store} ({engine.segments_restored} segments restored)"
+             if args.segment_store else ""), flush=True)
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
           started_at=started)
     return 0
