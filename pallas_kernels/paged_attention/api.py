@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import dispatch, next_pow2, resolve_interpret
+from pallas_kernels.paged_attention import dense
 from pallas_kernels.paged_attention.kernel import (
     MERGE_CHUNK,
     META_WIDTH,
@@ -418,14 +419,19 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
     head's slots are stored in non-decreasing position order (no ring), letting local heads read only their
     sink and window pages;
     with `ordered=False` every page up to the head's length is scanned (masking stays exact).
-    Fallback order: Pallas on GPU, then the jnp twin.
+    `implementation=None`: the Pallas kernel on a GPU; elsewhere "dense" (dense.py: one matrix product per
+    sequence) when a sequence's scores fit `dense.MAX_SCORES`, else the jnp twin ("reference").
     """
     args = (q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window)
+    if implementation is None and jax.default_backend() != "gpu":
+        fits = dense.fits(q.shape[0], q.shape[1], page_table.shape[-1], k_pages.shape[1])
+        implementation = "dense" if fits else "reference"
     impls = {
         "pallas": lambda: paged_attention_pallas(
             *args, scale=scale, ordered=ordered, block_q=block_q, num_splits=num_splits,
             pages_per_block=pages_per_block, interpret=resolve_interpret(interpret), num_warps=num_warps,
             num_stages=num_stages, slot_bias=slot_bias),
         "reference": lambda: _reference(*args, scale=scale, slot_bias=slot_bias),
+        "dense": lambda: dense.paged_attention_dense(*args, scale=scale, slot_bias=slot_bias),
     }
     return dispatch("paged_attention", implementation, impls)

@@ -1,4 +1,5 @@
-"""Ragged per-head paged attention: Pallas kernel (interpret mode) and jnp twin against a float64 oracle."""
+"""Ragged per-head paged attention: Pallas kernel (interpret mode), the per-sequence dense XLA path and
+the jnp twin against a float64 oracle."""
 
 import zlib
 
@@ -23,7 +24,7 @@ CASES = [  # (q_lens, ring, ordered, num_splits, block_q)
 ]
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+@pytest.mark.parametrize("implementation", ["pallas", "reference", "dense"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_paged_attention_matches_oracle(implementation, case, dtype):
@@ -71,7 +72,8 @@ def test_local_heads_read_only_sink_and_window_pages():
 
 
 @pytest.mark.parametrize("implementation,splits,schedule", [
-    ("reference", None, None), ("pallas", 1, "grid"), ("pallas", 3, "grid"), ("pallas", 3, "compact")])
+    ("reference", None, None), ("dense", None, None), ("pallas", 1, "grid"), ("pallas", 3, "grid"),
+    ("pallas", 3, "compact")])
 def test_slot_bias_is_added_to_every_logit(implementation, splits, schedule):
     """`slot_bias` (KVPool.bias, merged tokens) against the oracle, in every schedule and split layout."""
     from pallas_kernels.paged_attention.api import paged_attention_plan, paged_attention_with_plan
@@ -82,9 +84,9 @@ def test_slot_bias_is_added_to_every_logit(implementation, splits, schedule):
     ref_out, ref_lse = oracle_attention(c, sink, window, 0.25)
     args = [jnp.asarray(c[k]) for k in ARGS]
     bias = jnp.asarray(c["slot_bias"])
-    if implementation == "reference":
+    if implementation in ("reference", "dense"):
         out, lse = paged_attention(*args, jnp.asarray(sink), jnp.asarray(window), scale=0.25,
-                                   implementation="reference", slot_bias=bias)
+                                   implementation=implementation, slot_bias=bias)
     else:
         plan = paged_attention_plan(args[3], args[4], args[5], args[6], args[7], jnp.asarray(sink),
                                     jnp.asarray(window), num_q_heads=c["q"].shape[1], ordered=False,
@@ -96,7 +98,7 @@ def test_slot_bias_is_added_to_every_logit(implementation, splits, schedule):
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+@pytest.mark.parametrize("implementation", ["pallas", "reference", "dense"])
 def test_bias_log_m_equals_m_copies_of_the_slot(implementation):
     """The meaning of a merged slot: one slot with bias log(m) attends exactly like m identical slots."""
     rng = np.random.default_rng(3)
@@ -125,3 +127,19 @@ def test_bias_log_m_equals_m_copies_of_the_slot(implementation):
     merged = run(k, v, np.array([0, 0, np.log(3), 0, 0, 0]))
     np.testing.assert_allclose(np.asarray(merged[0]), np.asarray(copies[0]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(merged[1]), np.asarray(copies[1]), atol=1e-5)
+
+
+def test_default_off_the_gpu_is_dense_when_it_fits():
+    """`implementation=None` on the CPU: the dense path (equal to the twin) until a sequence's scores would
+    pass dense.MAX_SCORES, then the twin."""
+    from pallas_kernels.paged_attention import dense
+
+    c = random_paged_case(np.random.default_rng(5), q_lens=(4, 1, 2))
+    sink, window = jnp.asarray(np.array([0, 2], np.int32)), jnp.asarray(np.array([0, 5], np.int32))
+    args = [jnp.asarray(c[k]) for k in ARGS]
+    got = paged_attention(*args, sink, window, scale=0.25)
+    twin = paged_attention(*args, sink, window, scale=0.25, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(twin[0]), atol=1e-5, rtol=1e-5)
+    t, hq = c["q"].shape[:2]
+    mp, ps = c["page_table"].shape[-1], c["k_pages"].shape[1]
+    assert dense.fits(t, hq, mp, ps) and not dense.fits(dense.MAX_SCORES, hq, mp, ps)
