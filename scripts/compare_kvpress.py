@@ -104,8 +104,8 @@ def our_policy(method: str, budget: float, n: int | None):
 def our_kept(model, policy, ids):
     """[L][H] sorted original positions each head keeps after the prefill-end compression (engine path)."""
     from jaxkv.cache.head_classes import all_global
+    from jaxkv.engine.buckets import pow2_bucket as _bucket
     from jaxkv.engine.engine import Engine
-    from jaxkv.eval.methods import _bucket
     from jaxkv.sampling import SamplingParams
 
     cfg = model.config
