@@ -173,3 +173,25 @@ def test_forward_flattened_ragged_batch_matches_dense():
     ):
         want = np.asarray(want)[0]
         assert _rel_err(got[s], want) < 1e-4
+
+
+def test_stacked_layers_run_under_scan_and_match_the_list():
+    """`llama.stack_layers` params take the `lax.scan` branch of the layer loop; logits equal the unrolled
+    loop's over per-layer buffers (a per-layer window included, indexed by the traced layer)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.config import ModelConfig
+    from jaxkv.models import llama
+
+    cfg = ModelConfig(family="mistral", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8, layer_windows=(0, 4, 0))
+    params = llama.init_params(cfg, jax.random.key(1), scale=0.2)
+    stacked = llama.stack_layers(params)
+    assert stacked["layers"]["wq"].shape[0] == 3 and isinstance(params["layers"], list)
+    tokens = jnp.asarray((np.arange(12) * 7 % 64)[None], jnp.int32)
+    want = np.asarray(llama.dense_logits(params, cfg, tokens))
+    got = np.asarray(jax.jit(llama.dense_logits, static_argnums=1)(stacked, cfg, tokens))
+    assert _rel_err(got, want) < 1e-5
+    assert _rel_err(got, np.asarray(llama.dense_logits({**params, "layers": params["layers"][::-1]},
+                                                       cfg, tokens))) > 1e-3  # the layer order matters

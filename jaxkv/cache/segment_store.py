@@ -65,9 +65,10 @@ class StoredSegment:
 def _kvstore(url: str | Path) -> dict:
     """A tensorstore kvstore spec from a local path or a URL (``file://``, ``gs://``, ``s3://``, ...)."""
     text = str(url)
-    if "://" in text:
-        return {"driver": text.split("://", 1)[0], "path": text.split("://", 1)[1]} \
-            if text.startswith("file://") else text
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif "://" in text:
+        return text  # tensorstore parses gs://, s3://, ... itself
     return {"driver": "file", "path": str(Path(text).resolve()) + "/"}
 
 

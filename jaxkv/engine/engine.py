@@ -174,6 +174,7 @@ class Engine:
         top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()
+        self.segments_restored = 0
         if c.segments.store:  # registered segments persist there; the committed ones load now, no prefill
             from jaxkv.engine.segment_persist import PersistentSegments
 

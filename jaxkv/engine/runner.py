@@ -102,48 +102,49 @@ def _greedy(logits):
     return tokens, jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
 
 
-def _sample(logits, b, greedy: bool | None = None):
-    """Greedy batches skip the sort over the vocabulary that top-k / top-p need. `greedy=None` decides on
-    the device (`lax.cond` on the batch's temperatures), so one program serves both kinds of batch."""
+def _sample(logits, b, greedy: bool):
+    """Greedy batches skip the sort over the vocabulary that top-k / top-p need. Static: choosing on the
+    device (`lax.cond` on the temperatures) synced with the host at every decode step on a GPU (H100, 1B,
+    batch 32: 4.9 against 2.1 ms a step)."""
     logits = logits.astype(jnp.float32)
-    sampled = functools.partial(sample, temperature=b["temperature"], top_k=b["top_k"], top_p=b["top_p"],
-                                seeds=b["seeds"], counters=b["counters"])
-    if greedy is None:
-        return jax.lax.cond(jnp.all(b["temperature"] == 0), _greedy, sampled, logits)
-    return _greedy(logits) if greedy else sampled(logits)
+    if greedy:
+        return _greedy(logits)
+    return sample(logits, b["temperature"], b["top_k"], b["top_p"], b["seeds"], b["counters"])
 
 
-def _layer_meta(b, cfg, lengths_key="lengths") -> dict:
+def _layer_meta(b, lengths_key="lengths") -> dict:
     """The step metadata the layer scan slices per layer: `[L, ...]` arrays, layer-major."""
     return {"slots": b["slots"].transpose(1, 0, 2), "page_table": b["page_table"].transpose(1, 0, 2, 3),
             "lengths": b[lengths_key].transpose(1, 0, 2), "sink": b["sink"], "window": b["window"]}
 
 
 def fresh_attend(fresh_heads, scale: float, tp: bool):
-    """head_class_prefill with each layer's static head classes, picked by the traced layer index:
-    `lax.switch` over the distinct (sink, window) tuples of the model (one branch when every layer has the
-    same classes). `fresh_heads`: per-layer (sink, window) tuples, or one such tuple per shard with `tp`."""
+    """head_class_prefill with each layer's static head classes. `fresh_heads`: per-layer (sink, window)
+    tuples, or one such tuple per shard with `tp`. A static layer (the unrolled loop) compiles only its own
+    classes; a traced one (the scan) switches over the model's distinct classes."""
     shards = fresh_heads if tp else (fresh_heads,)
     configs = sorted({cls for shard in shards for cls in shard})
     index = jnp.asarray([[configs.index(cls) for cls in shard] for shard in shards], jnp.int32)  # [tp, L]
-    branches = [functools.partial(_prefill, sink=sk, window=wd, scale=scale) for sk, wd in configs]
+    prefill = {cls: functools.partial(_prefill, sink=cls[0], window=cls[1], scale=scale) for cls in configs}
 
     def attend(layer, q, k, v):
-        if len(branches) == 1:
-            return branches[0](q, k, v)
+        if isinstance(layer, int):
+            return tp_shard.per_shard([prefill[shard[layer]] for shard in shards], q, k, v)
+        if len(configs) == 1:
+            return prefill[configs[0]](q, k, v)
         row = tp_shard.shard_index() if tp and len(shards) > 1 else 0
-        return jax.lax.switch(index[row, layer], branches, q, k, v)
+        return jax.lax.switch(index[row, layer], [prefill[c] for c in configs], q, k, v)
 
     return attend
 
 
-def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool | None = None,
-                    fresh_heads=None, tp: bool = False):
+def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None,
+                    tp: bool = False):
     """Shared body of a step: per layer (under the layer scan) write K/V then attend; sample one token per
     row. `tp`: runs per shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple
     per shard."""
     scale = cfg.head_dim ** -0.5
-    meta = _layer_meta(b, cfg)
+    meta = _layer_meta(b)
     plan = None
     if use_plan and fresh_heads is None:
         plan = paged_attention_plan(
@@ -204,14 +205,14 @@ def _merge_own(out, lse, q, k, v, scale):
     return merged.astype(q.dtype)
 
 
-def _forward_deferred(params, pool, b, cfg, greedy: bool | None = None, tp: bool = False):
+def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     """A decode step (one token per row) that writes every layer's K/V with one scatter after the forward.
 
     Each layer attends the pool as it was before the step (`prev_lengths`: the new slot is not yet valid)
     and merges the token's own K/V through the lse; three pool scatters per step instead of three per
     layer, which a decode profile showed costing more than the attention itself."""
     scale = cfg.head_dim ** -0.5
-    meta = _layer_meta(b, cfg, "prev_lengths")
+    meta = _layer_meta(b, "prev_lengths")
     plan = paged_attention_plan(
         pool.pos, meta["page_table"], meta["lengths"], b["q_seq"], b["positions"], b["sink"], b["window"],
         num_q_heads=cfg.num_heads, ordered=False)
@@ -234,7 +235,7 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool | None = None, tp: bool
     return tokens, logprobs, pool
 
 
-def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=None, fresh_heads=None,
+def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None,
                mesh=None):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
@@ -266,7 +267,7 @@ def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "mesh"),
                    donate_argnames=("pool",))
-def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=None, mesh=None):
+def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False, mesh=None):
     """K decode steps in one lax.scan; -> tokens [K, S], logprobs [K, S], ran [K, S] bool, last [S] (each
     row's last sampled token: the next call's input), pool."""
     if mesh is not None:
@@ -337,8 +338,6 @@ class ModelRunner:
         self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
 
     def _kw(self, greedy: bool) -> dict:
-        # Greedy is static: a device-side choice (`lax.cond`) syncs with the host at every decode step on
-        # a GPU (H100, 1B, batch 32: 4.9 against 2.1 ms a step).
         return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy),
                     mesh=self.mesh)
 

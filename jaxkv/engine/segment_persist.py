@@ -60,11 +60,12 @@ class PersistentSegments:
                 continue
             try:
                 seg = self.disk.get(sid)
+                if store.id_for(seg.tokens, seg.extra_key, seg.context) != sid:
+                    raise CorruptSegmentError("its tokens do not hash to its id")
+                if not (seg.pos == seg.pos[:, :1]).all():
+                    raise CorruptSegmentError("its stored positions differ between KV heads")
             except CorruptSegmentError as e:
                 log.error("jaxkv: skipping segment %s: %s", sid, e)
-                continue
-            if store.id_for(seg.tokens, seg.extra_key, seg.context) != sid:
-                log.error("jaxkv: skipping segment %s: its tokens do not hash to its id", sid)
                 continue
             L, H, slots, _ = seg.k.shape
             ps = engine.page_size
@@ -85,7 +86,5 @@ def _write_pages(pool, pages, k, v, pos):
     j = np.arange(slots)
     flat = pages[:, :, j // ps] * ps + j % ps  # [L, H, slots]
     rows = lambda a: np.swapaxes(a, 1, 2).reshape(L * slots, H, *a.shape[3:])
-    if not (pos == pos[:, :1]).all():
-        raise CorruptSegmentError("stored positions differ between KV heads")
     return write_kv_donated(pool, rows(k), rows(v), pos[:, 0].reshape(L * slots),
                             rows(flat).astype(np.int32))

@@ -66,51 +66,34 @@ def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
 
 def forward(
     params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: AttendFn, state: State,
-    reduce: Callable[[jax.Array], jax.Array] | None = None, layer_xs: Any = None, *, start: int = 0,
-    stop: int | None = None, x: jax.Array | None = None,
+    reduce: Callable[[jax.Array], jax.Array] | None = None, layer_xs: Any = None,
 ) -> tuple[jax.Array, State]:
     """tokens, positions int32[B, T] -> (hidden [B, T, hidden] after the final norm, state).
 
     The layers run unrolled (a list of layers) or under `lax.scan` (stacked layers).
-    `attend(layer, q, k, v, state)` receives
-    q, k after q/k-norm and RoPE at `positions`; with `layer_xs` (a pytree of `[L, ...]` arrays) it is
-    called as `attend(layer, q, k, v, state, xs)` with this layer's slice. `reduce` (tensor parallelism,
-    jaxkv.parallel) sums the shards' partial O and down projections.
-
-    `start` / `stop` run only layers [start, stop) from the residual stream `x` (default: the embedding of
-    `tokens`) and return the residual stream without the final norm when `stop` < L: a method that acts
-    between layers (a retrieval head's tap) splits the loop there.
+    `attend(layer, q, k, v, state)` receives q, k after q/k-norm and RoPE at `positions`; with `layer_xs`
+    (a pytree of `[L, ...]` arrays) it is called as `attend(layer, q, k, v, state, xs)` with this layer's
+    slice. `reduce` (tensor parallelism, jaxkv.parallel) sums the shards' partial O and down projections.
     """
     freqs = rope.inv_freq(cfg)
-    stop = cfg.num_layers if stop is None else stop
-    if x is None:
-        x = params["embed"][tokens]
-    x, state = run_layers(params["layers"], cfg, x, positions, freqs, attend, state, reduce, layer_xs,
-                          start=start, stop=stop)
-    if stop < cfg.num_layers:
-        return x, state
+    x = params["embed"][tokens]
+    x, state = run_layers(params["layers"], cfg, x, positions, freqs, attend, state, reduce, layer_xs)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
 
 
-def run_layers(layers: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
-               state: State, reduce=None, layer_xs: Any = None, *, start: int = 0,
-               stop: int | None = None) -> tuple[jax.Array, State]:
-    """Layers [start, stop) over the residual stream x: unrolled for a list of layers, one `lax.scan` for
-    stacked layers."""
-    stop = cfg.num_layers if stop is None else stop
-    if stop <= start:
-        return x, state
+def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
+               state: State, reduce=None, layer_xs: Any = None) -> tuple[jax.Array, State]:
+    """Every layer over the residual stream x: unrolled for a list of layers, one `lax.scan` for stacked
+    layers."""
     if isinstance(layers, list | tuple):
-        for i in range(start, stop):
+        for i in range(cfg.num_layers):
             take = functools.partial(_take, i)
             p = layers[i]
             fn = attend if layer_xs is None else functools.partial(_with_xs, attend,
                                                                    jax.tree.map(take, layer_xs))
             x, state = decoder_layer(p, cfg, i, x, positions, freqs, fn, state, reduce)
         return x, state
-    sl = (lambda a: a[start:stop]) if (start, stop) != (0, cfg.num_layers) else (lambda a: a)
-    xs = (jax.tree.map(sl, layers), jnp.arange(start, stop, dtype=jnp.int32),
-          None if layer_xs is None else jax.tree.map(sl, layer_xs))
+    xs = (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), layer_xs)
 
     def body(carry, xs):
         x, state = carry
