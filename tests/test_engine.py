@@ -70,11 +70,21 @@ def test_no_new_compilation_after_precompile(llama):
            (prompts_for(llama, [30], seed=1)[0], SamplingParams(temperature=0.7, max_tokens=9, seed=1)),
            (prompts_for(llama, [12], seed=2)[0], SamplingParams(temperature=0.0, top_k=3, max_tokens=5,
                                                                 stop_token_ids=(7, 8)))]
-    for prompt, sp in mix:
-        engine.add_request(prompt, sp)
-    while engine.has_unfinished():
-        engine.step()
+    assert len(engine.runner.compiled) == n  # compiled ahead of time, called directly
+
+    def outputs(eng):
+        ids = [eng.add_request(prompt, sp) for prompt, sp in mix]
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [out[i] for i in ids]
+
+    got = outputs(engine)
     assert num_compilations() == compiled
+    # The programs compiled ahead of time give the tokens jit's own path gives.
+    lazy = Engine(llama, page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
+    assert outputs(lazy) == got and not lazy.runner.compiled
 
 
 def test_fresh_long_prompt_prefills_alone_through_head_class_prefill(tmp_path):

@@ -265,12 +265,12 @@ class Engine:
             self.scheduler.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
-    def precompile(self, progress: bool = True) -> int:
+    def precompile(self, progress: bool = True, workers: int | None = None) -> int:
         """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
-        Call before serving so no request waits on a compile (docs/engine.md)."""
+        Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads."""
         from jaxkv.engine.warmup import precompile
 
-        n = precompile(self, progress)
+        n = precompile(self, progress, workers)
         if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
             n += self.retriever.precompile(self.kv_policy, progress)
         return n

@@ -308,8 +308,11 @@ def num_compilations() -> int:
     retrace."""
     from jaxkv.engine import device_tables  # the step metadata computed on the device
 
-    return (_step._cache_size() + _step_graphless._cache_size() + _decode._cache_size()
+    return (_step._cache_size() + _step_graphless._cache_size() + _decode._cache_size() + _aot_compiled
             + device_tables.num_compilations())
+
+
+_aot_compiled = 0  # programs compiled ahead of time and installed in a runner (ModelRunner.install)
 
 
 class ModelRunner:
@@ -336,6 +339,7 @@ class ModelRunner:
         self.attn_impl = attn_impl
         # The multi-layer plan is the Pallas kernel's; the jnp twin takes the contract's arguments per layer.
         self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
+        self.compiled: dict = {}  # signature -> jax.stages.Compiled, filled by warmup.precompile
 
     def _kw(self, greedy: bool) -> dict:
         return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy),
@@ -343,22 +347,52 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
-        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "fresh"}
-        fresh = self.fresh_heads if batch.fresh and self.use_plan else None
-        step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
-        tokens, logprobs, self.pool = step(self.params, self.pool, {**arrays, **self._heads},
-                                           fresh_heads=fresh, **self._kw(not batch.temperature.any()))
+        tokens, logprobs, self.pool = self._dispatch(*self._step_call(batch))
         return jax.device_get((tokens, logprobs))  # one sync for both (two fetches: ~1 ms more on an H200)
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
         """Dispatches K decode steps and returns at once (nothing waits for the device). Every input goes
         up as a device array in one `device_put`: `tokens` may already be one (a previous call's `last`),
         and jit keeps numpy and device inputs as separate variants, so all calls must agree on one."""
-        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-        tokens, logprobs, ran, last, self.pool = _decode(self.params, self.pool,
-                                                         jax.device_put({**arrays, **self._heads}),
-                                                         **self._kw(not batch.temperature.any()))
+        tokens, logprobs, ran, last, self.pool = self._dispatch(*self._decode_call(batch))
         return PendingDecode(tokens, logprobs, ran, last)
+
+    def _step_call(self, batch: StepBatch):
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "fresh"}
+        fresh = self.fresh_heads if batch.fresh and self.use_plan else None
+        step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
+        return step, (self.params, self.pool, {**arrays, **self._heads}), dict(
+            fresh_heads=fresh, **self._kw(not batch.temperature.any()))
+
+    def _decode_call(self, batch: DecodeBatch):
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        return _decode, (self.params, self.pool, jax.device_put({**arrays, **self._heads})), self._kw(
+            not batch.temperature.any())
+
+    def _dispatch(self, fn, args, static):
+        """A program compiled ahead of time (`lower` + `install`) when one matches, else jit's own path."""
+        exe = self.compiled.get(_signature(fn, args, static)) if self.compiled else None
+        return exe(*args) if exe is not None else fn(*args, **static)
+
+    def lower(self, batch: StepBatch | DecodeBatch):
+        """(signature, `jax.stages.Lowered`) of the program `run` / `decode` would call for `batch`. Lowering
+        traces in this thread; the returned programs compile in parallel threads (`warmup.precompile`)."""
+        call = self._step_call if isinstance(batch, StepBatch) else self._decode_call
+        fn, args, static = call(batch)
+        return _signature(fn, args, static), fn.lower(*args, **static)
+
+    def install(self, signature, compiled) -> None:
+        global _aot_compiled
+        if signature not in self.compiled:
+            _aot_compiled += 1
+        self.compiled[signature] = compiled
+
+
+def _signature(fn, args, static) -> tuple:
+    """What tells one compiled step program from another within a runner: the function, the sampling and
+    fresh-prompt branches, and the batch arrays' shapes and dtypes (params and pool are fixed per runner)."""
+    return (fn, static["greedy"], static.get("fresh_heads") is not None,
+            tuple((k, v.shape, v.dtype) for k, v in args[2].items()))
 
 
 def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):

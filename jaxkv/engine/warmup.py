@@ -10,7 +10,9 @@ from disk instead of compiling again.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -43,41 +45,56 @@ def variants(engine) -> list[tuple]:
     return [(kind, s, t, p, greedy, fresh) for kind, s, t, p, fresh in shapes for greedy in (True, False)]
 
 
-def precompile(engine, progress: bool = True) -> int:
-    """Compiles (or loads from the persistent cache) every variant; returns how many. Logs one line."""
-    K = engine.decode_steps
+def precompile(engine, progress: bool = True, workers: int | None = None) -> int:
+    """Compiles (or loads from the persistent cache) every variant; returns how many. Logs one line.
+
+    Each variant is traced and lowered here, one after another (tracing holds the GIL), and its XLA
+    compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
+    cores up to 16), where XLA works without the GIL; the compiled programs are installed in the runner,
+    which calls them directly."""
     todo = variants(engine)
+    workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     t0 = time.perf_counter()
-    bar = tqdm(todo, desc="jaxkv: compiling step variants", disable=not progress)
-    dt = engine.device_tables
-    dt.warm()
+    bar = tqdm(total=len(todo), desc="jaxkv: compiling step variants", disable=not progress)
+    engine.device_tables.warm()
+    runner = engine.runner
     done = 0
-    for kind, s, t, p, greedy, fresh in bar:
-        if stop_near_map_cap(done, len(todo)):
-            break
-        done += 1
-        temp = np.zeros(s, np.float32)
-        if not greedy:
-            temp[0] = 1.0
-        common = dict(temperature=temp, top_k=np.zeros(s, np.int32),
-                      top_p=np.ones(s, np.float32), seeds=np.zeros(s, np.uint32),
-                      counters=np.zeros(s, np.int32))
-        # The metadata as the engine passes it: device arrays from the device tables (all padding here).
-        if kind == "step":
-            q_seq = np.full(t, -1, np.int32)
-            page_table, lengths, slots = dt.step_meta([], [], s, p, q_seq, np.zeros(t, np.int32))
-            engine.runner.run(StepBatch(
-                tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), q_seq=q_seq, slots=slots,
-                page_table=page_table, lengths=lengths, logits_index=np.zeros(s, np.int32), fresh=fresh,
-                **common))
-        else:
-            page_table, slots, lengths, prev_lengths, active = dt.decode_meta([], [], s, p, K)
-            engine.runner.decode(DecodeBatch(
-                tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32), slots=slots, lengths=lengths,
-                prev_lengths=prev_lengths, active=active, page_table=page_table,
-                stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common))
-    log.info("jaxkv: %d step variants ready in %.1f s", done, time.perf_counter() - t0)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
+        futures = []
+        for variant in todo:
+            if stop_near_map_cap(done, len(todo)):
+                break
+            done += 1
+            signature, lowered = runner.lower(_batch(engine, *variant))
+            futures.append((signature, pool.submit(lowered.compile)))
+        for signature, fut in futures:
+            runner.install(signature, fut.result())
+            bar.update()
+    bar.close()
+    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads)", done,
+             time.perf_counter() - t0, workers)
     return done
+
+
+def _batch(engine, kind, s, t, p, greedy, fresh) -> StepBatch | DecodeBatch:
+    """An all-padding batch of one variant, its metadata as the engine passes it (device arrays from the
+    device tables): every slot -1, so running it writes nothing."""
+    dt = engine.device_tables
+    temp = np.zeros(s, np.float32)
+    if not greedy:
+        temp[0] = 1.0
+    common = dict(temperature=temp, top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
+                  seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32))
+    if kind == "step":
+        q_seq = np.full(t, -1, np.int32)
+        page_table, lengths, slots = dt.step_meta([], [], s, p, q_seq, np.zeros(t, np.int32))
+        return StepBatch(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), q_seq=q_seq,
+                         slots=slots, page_table=page_table, lengths=lengths,
+                         logits_index=np.zeros(s, np.int32), fresh=fresh, **common)
+    page_table, slots, lengths, prev_lengths, active = dt.decode_meta([], [], s, p, engine.decode_steps)
+    return DecodeBatch(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32), slots=slots,
+                       lengths=lengths, prev_lengths=prev_lengths, active=active, page_table=page_table,
+                       stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common)
 
 
 def stop_near_map_cap(done: int, total: int) -> bool:
