@@ -69,7 +69,7 @@ def run_transformers(path, ids, new: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_real", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")

@@ -275,7 +275,9 @@ HEADER = ["model", "row", "jaxkv", "transformers (sdpa)", "speed-up vs transform
 
 
 def main(argv=None) -> list[list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.e2e", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode for tests)")
     ap.add_argument("--shapes", default="1b",
                     help="comma list of " + ",".join(s for s in SHAPES if not s.startswith("small")))

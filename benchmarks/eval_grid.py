@@ -257,7 +257,9 @@ def plot_memory(cells: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.eval_grid", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="mq_niah,vt,cwe,fwe,qa,chat,chain")
     ap.add_argument("--contexts", default="2048")
     ap.add_argument("--methods", default="full")

@@ -27,7 +27,9 @@ def main(argv=None) -> int:
     from jaxkv.eval.__main__ import DEFAULT_MODEL, _parse_opts
     from jaxkv.eval.methods import PromptPieces, get_method
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.eval_reuse", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="qa,mq_niah,vt")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--num", type=int, default=24)

@@ -801,7 +801,9 @@ def write_table(args, command, check_ok):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare every kernel with its twin first")
     ap.add_argument("--profile", action="store_true", help="decode/prefill time breakdown + config sweeps")
     ap.add_argument("--engine", action="store_true", help="engine greedy tokens: Pallas vs twin, tiny model")

@@ -292,7 +292,9 @@ def cmd_accuracy(args, model):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kvpress", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["kept", "accuracy"])
     ap.add_argument("--tasks", default="vt,mq_niah,qa")
     ap.add_argument("--methods", default="snapkv,streaming_llm,pyramidkv,adakv")

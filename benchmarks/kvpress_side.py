@@ -115,7 +115,9 @@ def run_generate(model, spec, ids, max_new, stop_ids):
 def main(argv=None):
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kvpress_side", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.parse_args(argv)
     if _MISSING is not None:
         raise SystemExit(f"kvpress side: {_MISSING}; run it with the python of a venv that has kvpress "

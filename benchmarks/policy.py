@@ -78,7 +78,9 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.policy", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode)")
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--methods", default="full,hardkv@0.125,snapkv@0.125,streaming_llm@0.125")

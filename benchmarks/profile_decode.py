@@ -55,7 +55,9 @@ def kernel_table(trace_dir: Path, top: int, host: bool = False
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.profile_decode", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--batch", type=int, default=1)

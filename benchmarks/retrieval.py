@@ -265,7 +265,7 @@ def estimate(points: list[dict], start: int, end: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.retrieval", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(repo_root() / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--head-tap", type=int, default=1,
                     help="with --shape: the random head's tap layer (layers [0, tap) run dense every step)")

@@ -372,7 +372,9 @@ def merge_section(out: Path, subsections: list[str]) -> None:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.reuse", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", help="comma list of 8b, 1b, embedded (ignored with --small)")
     ap.add_argument("--small", action="store_true", help="tiny random model, 2 x 64-token segments (CPU)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,

@@ -73,7 +73,9 @@ async def measure(url: str, model: str, concurrency: list[int], max_tokens: int,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=64)

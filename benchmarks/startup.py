@@ -64,7 +64,7 @@ def _seconds(compilations) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=256)

@@ -373,7 +373,8 @@ def table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.stress_serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--short", action="store_true", help="small counts, for the test suite")
     ap.add_argument("--model", default="synthetic",
                     help="checkpoint directory, .gguf file or model name (default: the synthetic test model)")

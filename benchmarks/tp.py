@@ -294,7 +294,9 @@ def _tp(model) -> int:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.tp", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--tp", default="1,2,4")
     ap.add_argument("--batch", type=int, default=32)

@@ -84,7 +84,9 @@ def worker(args) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.tp_multiprocess", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--cpu-devices", type=int, default=0, help="forced CPU devices per process (no GPU)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)

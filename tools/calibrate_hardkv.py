@@ -57,7 +57,9 @@ def prompt_temperatures(model, policy, ids) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.calibrate_hardkv", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--tasks", default="mq_niah,vt,qa")
     ap.add_argument("--context", type=int, default=2048)

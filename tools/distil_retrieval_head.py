@@ -215,7 +215,9 @@ def plot_loss(log: Path, png: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.distil_retrieval_head", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--tap-layer", type=int, default=1, help="the head reads the stream after N layers")
     ap.add_argument("--key-layer", type=int, default=None,

@@ -154,7 +154,9 @@ def plot(stats, score, hmap, path: Path, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.profile_heads", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--num", type=int, default=8, help="instances per task")

@@ -497,7 +497,9 @@ def plot_loss(logs: list[Path], png: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.train_tiny", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_default.json"))
     ap.add_argument("--ckpt-dir", default=str(ROOT / "runs" / "tiny"))
     ap.add_argument("--export", help="write the trained model here in Hugging Face layout")
