@@ -213,15 +213,12 @@ def make_tiny_checkpoint(
 
 
 def sharp_gqa_toy(path: Path, seed: int) -> Path:
-    """A random 3-layer GQA model (4 query / 2 KV heads of 8) in HF layout, from scripts/train_tiny.py, with
+    """A random 3-layer GQA model (4 query / 2 KV heads of 8) in HF layout, from `tools.train_tiny`, with
     Q/K projections scaled 6x over the 0.02 init: attention sharp enough that page or token selections
     change the output (retrieval policy tests)."""
-    import importlib.util
+    from tools import train_tiny as tt
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("train_tiny", root / "scripts" / "train_tiny.py")
-    tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
     conf = json.loads((root / "configs" / "tiny_default.json").read_text())["model"]
     conf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)

@@ -1,6 +1,5 @@
 """python -m jaxkv.eval end to end on a toy random model, plus argument errors; method registry."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -8,14 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from tools import train_tiny as tt
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def toy_model(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
     conf = json.loads((ROOT / "configs" / "tiny_default.json").read_text())["model"]
     conf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)

@@ -1,20 +1,14 @@
-"""scripts/eval_grid.py's equal-memory comparison: curves per method, interpolation in log memory, table."""
-
-import importlib.util
-from pathlib import Path
+"""`benchmarks.eval_grid`'s equal-memory comparison: curves per method, interpolation in log memory, table."""
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import eval_grid
 
 
 @pytest.fixture(scope="module")
 def grid():
-    spec = importlib.util.spec_from_file_location("eval_grid", ROOT / "scripts" / "eval_grid.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return eval_grid
 
 
 def cell(task, method, acc, mb):

@@ -179,20 +179,6 @@ def test_both_compute_on_forms_gather_on_the_host(form):
 
 
 
-def test_resident_hits_replay_counts_the_adjacent_diff_at_width_b_and_less_when_wider():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "resident_hits.py"
-    spec = importlib.util.spec_from_file_location("resident_hits", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    one = lambda *p: (np.asarray([sorted(p)], np.int32), np.asarray([len(p)], np.int32))  # noqa: E731
-    steps = [one(1, 2, 3), one(1, 2, 4), one(1, 2, 3), one(1, 5, 3)]   # 3 leaves and comes back
-    assert mod.replay(steps, 3) == (3, 9)     # W = B: every returning position is loaded again
-    assert mod.replay(steps, 6) == (2, 9)     # W = 2B: 3 is still held at step 2; 4 and 5 load
-
-
 def test_layer_groups_cover_every_layer_once_in_doubling_groups():
     for n in (1, 2, 5, 15, 31):
         groups = ht.layer_groups(n)

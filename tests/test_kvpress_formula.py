@@ -1,6 +1,6 @@
 """Our SnapKV / StreamingLLM / AdaKV against an independent numpy transcription of kvpress 0.5.5's formulas.
 
-kvpress itself is not a test dependency (it pins an older transformers); `scripts/compare_kvpress.py` is the
+kvpress itself is not a test dependency (it pins an older transformers); `python -m benchmarks.kvpress` is the
 oracle that runs it on the real model. These tests guard the formulas in CI: the transcriptions below follow
 kvpress's source line by line (`SnapKVPress.compute_window_attention` + `score`, `ScorerPress.compress`,
 `StreamingLLMPress.score`, `AdaKVPress.compress`, `compute_n_kept`) and are fed the same random queries /

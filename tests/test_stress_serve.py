@@ -1,4 +1,4 @@
-"""`scripts/stress_serve.py --short`: the load / fuzz / fault suite at test-suite size.
+"""`python -m benchmarks.stress_serve --short`: the load / fuzz / fault suite at test-suite size.
 
 It starts real servers (embedded default model) and reports what it saw; this test asserts the
 properties that must hold whatever the machine's speed: nothing hangs, no malformed request gets a 5xx,
@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_stress_serve_short(tmp_path):
     out = tmp_path / "stress.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "stress_serve.py"), "--short", "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    cmd = [sys.executable, "-m", "benchmarks.stress_serve", "--short", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     a, b, c, d, e = r["load"], r["malformed"], r["aborts"], r["restart"], r["schemathesis"]

@@ -152,11 +152,10 @@ def test_tp_greedy_tokens_identical_across_tp_1_2_4(ckpt):
 @pytest.mark.slow
 def test_multiprocess_tp_over_jax_distributed_matches_one_device():
     """2 processes x 2 CPU devices through jax.distributed (gloo): a TP 4 mesh over both processes gives
-    the one-device greedy tokens (scripts/tp_multiprocess.py; on GPU it runs one process per GPU)."""
+    the one-device greedy tokens (`python -m benchmarks.tp_multiprocess`; on GPU one process per GPU)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    script = str(ROOT / "scripts" / "tp_multiprocess.py")
-    cmd = [sys.executable, script, "--num-processes", "2", "--cpu-devices", "2"]
+    cmd = [sys.executable, "-m", "benchmarks.tp_multiprocess", "--num-processes", "2", "--cpu-devices", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 processes, 4 devices" in proc.stdout and "equal to one device: True" in proc.stdout

@@ -1,21 +1,13 @@
-"""End-to-end check of scripts/train_tiny.py at toy size: train, checkpoint, resume, export, jaxkv.load."""
+"""`python -m tools.train_tiny` end to end at toy size: train, checkpoint, resume, export, jaxkv.load."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from tools import train_tiny as tt
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_train_resume_export_load(tmp_path):
@@ -23,7 +15,6 @@ def test_train_resume_export_load(tmp_path):
 
     import jaxkv
 
-    tt = _script()
     conf = json.loads((ROOT / "configs" / "tiny_default.json").read_text())
     conf["model"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8)

@@ -447,7 +447,7 @@ _decode_retrieval = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC
                             donate_argnames=_DECODE_DONATE)
 # The overlapped host tier's variant: XLA's default GPU schedule runs a host computation in stream order
 # with the device's, never beside it; the latency-hiding scheduler runs it beside independent device work
-# (H100, jax 0.11.2: a 67 MB host gather beside 30 ms of matmuls, 51 -> 32 ms; scripts/probe_host_overlap.py).
+# (H100, jax 0.11.2: a 67 MB host gather beside 30 ms of matmuls, 51 -> 32 ms).
 _decode_retrieval_overlap = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
                                     donate_argnames=_DECODE_DONATE,
                                     compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})

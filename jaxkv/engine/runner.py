@@ -256,7 +256,8 @@ _step = jax.jit(_step_body, **_STEP_STATIC)
 # Steps of at least GRAPHLESS_TOKENS tokens compile without XLA:GPU command buffers (CUDA graphs). A prompt's
 # step is a few hundred long kernels, so a graph saves no launch time, but XLA updates the graph's buffer
 # addresses on every call: ~4.4 ms of host time before the first kernel of an 8K prefill on an H200
-# (scripts/profile_decode.py --prefill; docs/engine.md). Decode and small ragged steps keep their graphs.
+# (python -m benchmarks.profile_decode --prefill; docs/engine.md). Decode and small ragged steps keep their
+# graphs.
 GRAPHLESS_TOKENS = 1024
 _step_graphless = jax.jit(_step_body, **_STEP_STATIC, compiler_options={"xla_gpu_enable_command_buffer": ""})
 

@@ -1,4 +1,4 @@
-"""Start `python -m jaxkv.serve` as a subprocess (tests, benchmarks, scripts) and read its /metrics."""
+"""Start `python -m jaxkv.serve` as a subprocess (tests, benchmarks) and read its /metrics."""
 
 from __future__ import annotations
 

@@ -108,9 +108,9 @@ def default_config(num_tokens: int, num_seqs: int, num_kv_heads: int, max_pages:
     heads (whose sink + window range fits one split) almost nothing while global heads spread out.
     Prefill of one sequence (a reuse pass, a fresh prompt viewed as pages): its query blocks already fill
     the GPU, so splits are only added to reach ~4 programs per SM; splitting by keys as well only adds the
-    merge's partials (H200, 5K sparse rows over 33K keys: 10.8 -> 9.0 ms at D 128, 7.5 -> 6.7 at D 64;
-    scripts/sweep_reuse_attention.py). Batches of several sequences keep the key splits: a decode row
-    inside a prefill-mode call must not walk a long context in one program.
+    merge's partials (H200, 5K sparse rows over 33K keys: 10.8 -> 9.0 ms at D 128, 7.5 -> 6.7 at D 64,
+    measured by a sweep of the launch configurations). Batches of several sequences keep the key splits: a
+    decode row inside a prefill-mode call must not walk a long context in one program.
     """
     decode = num_tokens <= num_seqs
     block_q = 1 if decode else 16

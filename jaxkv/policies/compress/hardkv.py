@@ -16,7 +16,7 @@ Per (sequence, KV head) and layer, following ../shared/references/hardkv.md §3.
    has one. Counts really differ per head, and pages past each head's count are freed.
 
 `calibration` (optional) is a per-(layer, KV head) temperature file fitted offline by
-`scripts/calibrate_hardkv.py`; with it the bisection is skipped (the paper's "temperatures are stable").
+`python -m tools.calibrate_hardkv`; with it the bisection is skipped (the paper's "temperatures are stable").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Defaults follow kvpress's SnapKVPress (window 64, average pooling of kernel 5, no extra sinks) so the two
 can be compared at equal budget; the paper's variant is `kernel=7, pooling="max", window=32`.
 
-The score is kvpress's formula (checked against kvpress by `scripts/compare_kvpress.py`, and against a
+The score is kvpress's formula (checked against kvpress by `python -m benchmarks.kvpress`, and against a
 transcription of it by `tests/test_kvpress_formula.py`): each window query's softmax over every visible key,
 averaged over the window queries, the window's own columns dropped (set to 0) *before* pooling, so the
 last pre-window tokens are not lifted by the window's (always large) self-attention mass, zero-padded

@@ -192,7 +192,7 @@ def overlap(prev: Selection, now: Selection) -> jax.Array:
 def select_sorted(scores: jax.Array, q_pos: jax.Array, *, budget: int, sink: int = 0, recent: int = 0
                   ) -> Selection:
     """`select` by `lax.top_k` and a sort: its twin (same rule, same ties), kept to check it and to time it
-    against (scripts/bench_select.py)."""
+    against."""
     k = min(budget, scores.shape[-1])
     _, rank, count = _rank(scores, q_pos, k, sink, recent)
     _, top = jax.lax.top_k(rank, k)  # [S, Hkv, k] best first, ties to the lower index

@@ -3,8 +3,7 @@
 `teacher_attention` runs the target over one sequence (dense causal attention in query blocks, so 8K+
 tokens fit in a few hundred MB) and returns the residual streams the head reads (its keys'
 after ``key_layer`` layers, its query's after ``tap_layer``) plus every later layer's attention
-probabilities at chosen query positions. Used by scripts/distil_retrieval_head.py (targets) and
-scripts/eval_retrieval_head.py (true top-B for recall).
+probabilities at chosen query positions. Used by `python -m tools.distil_retrieval_head` (targets).
 
 Loss (docs/specontext.md): the pruned head has no LM head, so Eq. 2's KL(P_T || P_S) is applied to what
 it does produce, its attention distribution: per query head g and query t, the target distribution is

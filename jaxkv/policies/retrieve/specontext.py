@@ -7,7 +7,7 @@ It owns a full key cache (post-RoPE, one entry per position). Each decode step i
 past position per query head (post-softmax attention weights, Eq. 1), the GQA group's weights are
 max-reduced to one row per KV head (Fig. 5), and the top ``budget`` positions of each KV head are read by
 **every** target layer from ``tap_layer`` on (global, head-level selection). Layers before ``tap_layer``
-run dense: they are the head's input. Distillation (scripts/distil_retrieval_head.py) fits the head's
+run dense: they are the head's input. Distillation (`python -m tools.distil_retrieval_head`) fits the head's
 attention to the target's layer-averaged attention (docs/specontext.md says why not the logit KL).
 
 A *lagged* head (``key_layer > tap_layer``, docs/specontext.md "The lagged head") reads a deeper stream

@@ -1,6 +1,6 @@
 """Profile every (layer, KV head) of a model on the task suite and write its head-class map.
 
-    python scripts/profile_heads.py [--model DIR] [--context 4096] [--num 8] [--global-fraction 0.25] \
+    python -m tools.profile_heads [--model DIR] [--context 4096] [--num 8] [--global-fraction 0.25] \
         [--sink 64 --window 256] [--out DIR/head_classes.json] [--plot docs/images/head_profile.png]
 
 Per (layer, KV head), averaged over the G query heads of the group and over the answer-producing queries
@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the embedded model
 
 
 def _find(seq: list[int], sub: list[int], end: int) -> list[int]:
@@ -155,7 +154,9 @@ def plot(stats, score, hmap, path: Path, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.profile_heads", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--num", type=int, default=8, help="instances per task")

@@ -1,6 +1,5 @@
-"""Decode throughput of the retrieval policies against the full cache, in the same engine (issue 12 item 5),
-plus the host tier's bytes (issue 12 item 2): what the diff loads move per step vs re-fetching the whole
-selection.
+"""Decode throughput of the retrieval policies against the full cache, in the same engine, plus the host
+tier's bytes: what the diff loads move per step vs re-fetching the whole selection.
 
 One engine per method (all heads global, prefix caching off, greedy, EOS ignored), `batch` random prompts
 of `prompt` tokens, `new` (`--gen`) tokens each. Throughput counts only the engine steps that compiled
@@ -12,10 +11,10 @@ engine's diff loads from the pool's host mirror (`Retriever.transfer()`: moved i
 needed, re-fetch baseline). `--cost` prints XLA's cost_analysis ("flops", "bytes accessed") of one decode
 step (K = 1) per method at the context `prompt + new` instead (compile only; a CPU proxy).
 
-    python scripts/bench_retrieval.py --batch 16 --prompt 2048 --gen 32768 --budget 1024 --host-tier  # GPU
-    python scripts/bench_retrieval.py --batch 2 --prompt 64 --new 32 --budget 16 --page-size 4   # CPU smoke
-    python scripts/bench_retrieval.py --cost --methods full,specontext --gen 30720               # CPU proxy
-    python scripts/bench_retrieval.py --shape 1b --batch 16 --prompt 2048 --gen 32768 \\
+    python -m benchmarks.retrieval --batch 16 --prompt 2048 --gen 32768 --budget 1024 --host-tier  # GPU
+    python -m benchmarks.retrieval --batch 2 --prompt 64 --new 32 --budget 16 --page-size 4   # CPU smoke
+    python -m benchmarks.retrieval --cost --methods full,specontext --gen 30720               # CPU proxy
+    python -m benchmarks.retrieval --shape 1b --batch 16 --prompt 2048 --gen 32768 \\
         --methods full,specontext
 """
 
@@ -30,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from benchmarks.harness import append_jsonl, command_line, make_checkpoint, markdown_table, repo_root
 
 
 def random_head_beside(model, num_heads: int | None = None, seed: int = 0, tap_layer: int = 1,
@@ -52,15 +50,12 @@ def random_head_beside(model, num_heads: int | None = None, seed: int = 0, tap_l
 
 
 def load_model(args, tmp: str):
-    """`--model` as is, or with `--shape` a random-weight checkpoint of that shape (scripts/bench_e2e.py) and
-    a random retrieval head beside it."""
+    """`--model` as is, or with `--shape` a random-weight checkpoint of that shape
+    (`benchmarks.harness.make_checkpoint`) and a random retrieval head beside it."""
     import jaxkv
 
     if not args.shape:
         return jaxkv.load(args.model, dtype=args.dtype)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_e2e import make_checkpoint
-
     path = Path(tmp) / args.shape
     make_checkpoint(args.shape, path, args.prompt + args.new + 1)
     model = jaxkv.load(path, dtype=args.dtype)
@@ -70,8 +65,6 @@ def load_model(args, tmp: str):
 
 def _items(method: str) -> tuple[str, dict, list]:
     """A --methods entry -> (name, Engine keyword arguments from its `engine.X=V` items, the other items)."""
-    import json
-
     name, *items = method.split(":")
     engine_kw = {}
     for item in [i for i in items if i.startswith("engine.")]:
@@ -94,8 +87,6 @@ def policy_of(method: str):
         return None
     if not items:
         return name
-    import json
-
     from jaxkv.policies import get_policy
 
     fields = {}
@@ -274,14 +265,14 @@ def estimate(points: list[dict], start: int, end: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.retrieval", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(repo_root() / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--head-tap", type=int, default=1,
                     help="with --shape: the random head's tap layer (layers [0, tap) run dense every step)")
     ap.add_argument("--head-key-layer", type=int, default=None,
                     help="with --shape: a lagged random head whose keys read the stream after N layers")
     ap.add_argument("--shape", choices=("1b", "8b", "small"),
-                    help="instead of --model: a random-weight checkpoint of this shape (bench_e2e.py) "
+                    help="instead of --model: a random-weight checkpoint of this shape "
                          "with a random retrieval head (speed only: its selections mean nothing)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="full,specontext,quest")
@@ -305,19 +296,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     model = load_model(args, tmp.name)
+    cmd = command_line("benchmarks.retrieval", argv)
     if args.points:
         per = {m: run_points(model, m, args) for m in args.methods.split(",")}
-        print(f"\n{' '.join(sys.argv)}")
         ctxs = [p["context"] for p in next(iter(per.values()))]
-        print("| method | " + " | ".join(f"ms / step @ {c}" for c in ctxs)
-              + f" | est. tok/s [{args.prompt} -> {args.prompt + args.new}] | vs first |")
-        print("|---|" + "---|" * (len(ctxs) + 2))
-        first = None
+        header = ["method", *(f"ms / step @ {c}" for c in ctxs),
+                  f"est. tok/s [{args.prompt} -> {args.prompt + args.new}]", "vs first"]
+        lines, first = [], None
         for m, pts in per.items():
             tps = args.batch * estimate(pts, args.prompt, args.prompt + args.new)
             first = first or tps
-            print(f"| {m} | " + " | ".join(f"{p['ms_per_token_step']:.3f}" for p in pts)
-                  + f" | {tps:.0f} | {tps / first:.2f}x |")
+            lines.append([m, *(f"{p['ms_per_token_step']:.3f}" for p in pts), f"{tps:.0f}",
+                          f"{tps / first:.2f}x"])
+        print(f"\n{cmd}\n{markdown_table(header, lines)}")
         return 0
     rows = []
     for method in args.methods.split(","):
@@ -325,29 +316,29 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-    print(f"\n{' '.join(sys.argv)}")
+            append_jsonl(args.out, row)
+    print(f"\n{cmd}")
     if args.cost:
-        print("| method | batch | context | GFLOP / step | GB accessed / step |\n|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['method']} | {r['batch']} | {r['context']} | {r['flops'] / 1e9:.3f} | "
-                  f"{r['bytes_accessed'] / 1e9:.3f} |")
+        print(markdown_table(["method", "batch", "context", "GFLOP / step", "GB accessed / step"],
+                             [[r["method"], r["batch"], r["context"], f"{r['flops'] / 1e9:.3f}",
+                               f"{r['bytes_accessed'] / 1e9:.3f}"] for r in rows]))
         return 0
-    print("| method | budget | decode tok/s (steady) | vs full | wall s | overlap | diff bytes/step/seq "
-          "| full re-fetch | ratio | host->device bytes/step/seq (moved / needed) | re-fetch | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ["method", "budget", "decode tok/s (steady)", "vs full", "wall s", "overlap",
+              "diff bytes/step/seq", "full re-fetch", "ratio", "host->device bytes/step/seq (moved / needed)",
+              "re-fetch", "ratio"]
     base = rows[0]["tok_per_s"] if rows and rows[0]["method"] == "full" else float("nan")
+    lines = []
     for r in rows:
-        extra = (f"{r['overlap']:.3f} | {r['bytes_diff_per_step'] / 1e6:.3f} MB | "
-                 f"{r['bytes_full_per_step'] / 1e6:.3f} MB | {r['diff_ratio']:.1f}x"
-                 if "overlap" in r else "- | - | - | -")
-        extra += (f" | {r['h2d_bytes_per_step'] / 1e6:.3f} / {r['h2d_bytes_needed_per_step'] / 1e6:.3f} MB | "
-                  f"{r['h2d_bytes_refetch_per_step'] / 1e6:.3f} MB | {r['h2d_ratio']:.1f}x"
-                  if "h2d_ratio" in r else " | - | - | -")
-        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tok_per_s']:.0f} | "
-              f"{r['tok_per_s'] / base:.2f} | "
-              f"{r['wall_s']:.1f}{'' if r['finished'] else ' (stopped)'} | {extra} |")
+        sel = ([f"{r['overlap']:.3f}", f"{r['bytes_diff_per_step'] / 1e6:.3f} MB",
+                f"{r['bytes_full_per_step'] / 1e6:.3f} MB", f"{r['diff_ratio']:.1f}x"]
+               if "overlap" in r else ["-"] * 4)
+        h2d = ([f"{r['h2d_bytes_per_step'] / 1e6:.3f} / {r['h2d_bytes_needed_per_step'] / 1e6:.3f} MB",
+                f"{r['h2d_bytes_refetch_per_step'] / 1e6:.3f} MB", f"{r['h2d_ratio']:.1f}x"]
+               if "h2d_ratio" in r else ["-"] * 3)
+        lines.append([r["method"], r["budget"] or "-", f"{r['tok_per_s']:.0f}",
+                      f"{r['tok_per_s'] / base:.2f}",
+                      f"{r['wall_s']:.1f}{'' if r['finished'] else ' (stopped)'}", *sel, *h2d])
+    print(markdown_table(header, lines))
     return 0
 
 

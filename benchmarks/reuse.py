@@ -1,4 +1,4 @@
-"""Segment-reuse TTFT (issue 10): every reuse method against `full` dense prefill, same engine, same run.
+"""Segment-reuse TTFT: every reuse method against `full` dense prefill, same engine, same run.
 
 One engine per shape (every head full-history, as segment reuse requires; prefix caching off). Eight
 segments of `--segment-len` random tokens are registered first (the engine's own prefill, untimed, frozen),
@@ -20,30 +20,32 @@ RedKnot reads the reuse head-class map next to the model: random-weight shapes g
 0 of every layer global, the rest sink 64 + window 256), the embedded model its profiled
 `head_classes.json`. Random-weight checkpoints are saved by transformers in bf16 (cached in `--ckpt-dir`).
 
-    python scripts/bench_reuse.py --shape 8b --out docs/benchmarks.md --log reuse_8b.json     # GPU
-    python scripts/bench_reuse.py --shape embedded --out docs/benchmarks.md                   # GPU
-    python scripts/bench_reuse.py --small                                                     # CPU smoke
+    python -m benchmarks.reuse --shape 8b --out docs/benchmarks.md --log reuse_8b.json     # GPU
+    python -m benchmarks.reuse --shape embedded --out docs/benchmarks.md                   # GPU
+    python -m benchmarks.reuse --small                                                     # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
-import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from bench_e2e import SHAPES, head_class_map, make_checkpoint, write_section  # noqa: E402
+from benchmarks.harness import (
+    SHAPES,
+    cached_checkpoint,
+    command_line,
+    describe_device,
+    head_class_map,
+    markdown_table,
+    write_json,
+    write_section,
+)
 
 SECTION = "Segment reuse TTFT (issue 10)"
 DEFAULT_METHODS = "full,redknot,sparsex,cacheblend,epic,naive,reuse_full"
@@ -101,41 +103,12 @@ def fit_workload(w: Workload, max_positions: int) -> Workload:
 
 # ------------------------------------------------------------------------------------------- checkpoint
 
-@contextlib.contextmanager
-def torch_default_dtype(dtype):
-    """Modules built inside are created in `dtype`: an 8B model is initialised in bf16 directly (half the
-    memory and time of fp32 + cast)."""
-    import torch
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def ensure_checkpoint(shape: str, ckpt_dir: Path, log) -> Path:
-    """A transformers checkpoint of `shape` in `ckpt_dir` (reused when a complete one of that shape is there)
-    with the synthetic reuse head-class map next to it. Run before JAX touches the GPU: transformers builds
-    on CUDA when it can, and its cached memory is handed back before JAX preallocates."""
-    import torch
-
-    marker = ckpt_dir / "bench_reuse.json"
-    want = {"shape": shape, "fields": SHAPES[shape], "max_len": CKPT_MAX_LEN}
-    t0 = time.perf_counter()
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        log(f"[{shape}] checkpoint reused: {ckpt_dir}")
-    else:
-        with torch_default_dtype(torch.bfloat16):
-            make_checkpoint(shape, ckpt_dir, CKPT_MAX_LEN)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        marker.write_text(json.dumps(want))
-        log(f"[{shape}] checkpoint written in {time.perf_counter() - t0:.1f} s: {ckpt_dir}")
+    """A transformers checkpoint of `shape` in `ckpt_dir` (reused when one of that shape is there) with the
+    synthetic reuse head-class map next to it. Run before JAX touches the GPU (`harness.make_checkpoint`)."""
+    cached_checkpoint(shape, ckpt_dir, CKPT_MAX_LEN, log)
     f = SHAPES[shape]
-    hc = head_class_map("1of8", f["num_hidden_layers"], f["num_key_value_heads"])
-    hc.save(ckpt_dir / "head_classes.json")
+    head_class_map("1of8", f["num_layers"], f["num_kv_heads"]).save(ckpt_dir / "head_classes.json")
     return ckpt_dir
 
 
@@ -269,26 +242,26 @@ def table(rows: list[dict], layers: int) -> str:
     base = {r["method"]: r["ttft_s"] for r in rows if "ttft_s" in r}
     ratio = lambda ref, r: f"{base[ref] / r['ttft_s']:.2f}x" if ref in base else "—"  # noqa: E731
     frac = lambda r, k: f"{r[k]:.3f}" if k in r else "1 (dense)"  # noqa: E731
-    out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    out = []
     for r in rows:
         if "ttft_s" not in r:
-            out.append(f"| {r['method']} | not run ({r['skipped']}) |" + " |" * (len(HEADER) - 2))
+            out.append([r["method"], f"not run ({r['skipped']})"] + [""] * (len(HEADER) - 2))
             continue
-        out.append(f"| {r['method']} | {r['ttft_s']:.4f} | {ratio('full', r)} | {ratio('reuse_full', r)} | "
-                   f"{frac(r, 'recompute_kv')} | {frac(r, 'query_rows')} | {frac(r, 'ffn_rows')} | "
-                   f"{notes(r, layers)} |")
-    return "\n".join(out)
+        out.append([r["method"], f"{r['ttft_s']:.4f}", ratio("full", r), ratio("reuse_full", r),
+                    frac(r, "recompute_kv"), frac(r, "query_rows"), frac(r, "ffn_rows"), notes(r, layers)])
+    return markdown_table(HEADER, out)
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 def profile_method(eng, spec: str, prompt: Prompt, log) -> None:
     """One more TTFT of ``spec`` (compiled by then) under jax.profiler: the device's idle gaps and the host
-    events in time order, then the kernels by time (scripts/profile_decode.py's tables)."""
+    events in time order, then the kernels by time (`benchmarks.profile_decode`'s tables)."""
     import tempfile as tf
 
     import jax
-    from profile_decode import kernel_table, timeline
+
+    from benchmarks.profile_decode import kernel_table, timeline
 
     policy = None if spec in ENGINE_PATHS else policy_for(spec)
     ttft_once(eng, policy, prompt)
@@ -367,17 +340,18 @@ def shape_section(result: dict, cmd: str, device: str) -> str:
 
 
 INTRO = """TTFT of every segment-reuse method against `full` dense prefill, in the same engine and the same
-run (`scripts/bench_reuse.py`). The engine keeps every KV head's full history (segment reuse needs it), prefix
-caching off, one sequence; the segments are registered (prefilled by the engine, frozen) before anything is
-timed. TTFT = wall clock from `add_request` / `add_reuse_request` to the first generated token on the host
-(greedy; two tokens asked for, so the request is still running when its first token returns and its
-teardown is not timed): layout, page copies with their RoPE delta, the method's recompute, sampling and the
-device-to-host sync. **Anchor: `full`** = the same prompt through `Engine.add_request`, the dense prefill a
-server runs without reuse (on a GPU one fresh-prompt `head_class_prefill` step). `reuse_full` = the reuse pass
-with every token recomputed (its own overhead, nothing skipped). Recomputed K/V = share of the reused tokens'
-(layer, KV head) K/V rewritten; query / FFN rows = mean over layers of the prompt tokens run through
-attention / the FFN. Random-weight shapes are transformers checkpoints (bf16); the selection methods pick
-arbitrary tokens on them, so these are speed numbers only (quality: docs/eval.md, "Segment reuse")."""
+run (`python -m benchmarks.reuse`). The engine keeps every KV head's full history (segment reuse needs it),
+prefix caching off, one sequence; the segments are registered (prefilled by the engine, frozen) before
+anything is timed. TTFT = wall clock from `add_request` / `add_reuse_request` to the first generated token
+on the host (greedy; two tokens asked for, so the request is still running when its first token returns and
+its teardown is not timed): layout, page copies with their RoPE delta, the method's recompute, sampling and
+the device-to-host sync. **Anchor: `full`** = the same prompt through `Engine.add_request`, the dense
+prefill a server runs without reuse (on a GPU one fresh-prompt `head_class_prefill` step). `reuse_full` =
+the reuse pass with every token recomputed (its own overhead, nothing skipped). Recomputed K/V = share of
+the reused tokens' (layer, KV head) K/V rewritten; query / FFN rows = mean over layers of the prompt tokens
+run through attention / the FFN. Random-weight shapes are transformers checkpoints (bf16); the selection
+methods pick arbitrary tokens on them, so these are speed numbers only (quality: docs/eval.md, "Segment
+reuse")."""
 
 
 def merge_section(out: Path, subsections: list[str]) -> None:
@@ -398,7 +372,9 @@ def merge_section(out: Path, subsections: list[str]) -> None:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.reuse", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", help="comma list of 8b, 1b, embedded (ignored with --small)")
     ap.add_argument("--small", action="store_true", help="tiny random model, 2 x 64-token segments (CPU)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
@@ -443,21 +419,15 @@ def main(argv=None) -> list[dict]:
 
     shapes = ["small"] if args.small else [s.strip() for s in args.shape.split(",") if s.strip()]
     paths = {s: model_dir(s, args, log) for s in shapes}  # before JAX touches the device (ensure_checkpoint)
-    import jax
-    import transformers
-
-    dev = jax.devices()[0]
-    device = (f"Device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, transformers "
-              f"{transformers.__version__}, Python {platform.python_version()}.")
-    cmd = "python scripts/bench_reuse.py " + " ".join(shlex.quote(a) for a in argv)
+    device = describe_device(("transformers",))
+    cmd = command_line("benchmarks.reuse", argv)
     log(device)
     results: list[dict] = []
 
     def emit(result):
         done = [r for r in results if r is not result] + [result]
         if args.log:
-            log_doc = {"command": cmd, "device": device, "shapes": done}
-            Path(args.log).write_text(json.dumps(log_doc, indent=1))
+            write_json(args.log, {"command": cmd, "device": device, "shapes": done})
         if args.out:
             merge_section(Path(args.out), [shape_section(r, cmd, device) for r in done])
 

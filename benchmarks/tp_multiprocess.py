@@ -1,6 +1,6 @@
 """Multi-process tensor parallelism on one host: one process per GPU through `jax.distributed.initialize`.
 
-The launcher starts `--num-processes` workers of this script (worker i sees GPU i through
+The launcher starts `--num-processes` workers of this module (worker i sees GPU i through
 CUDA_VISIBLE_DEVICES, or `--cpu-devices` forced CPU devices), each calls
 `jax.distributed.initialize(coordinator, num_processes, process_id)`, builds the `tp` mesh over all
 processes' devices (`jaxkv.parallel.make_mesh(len(jax.devices()))`), places the same random tiny model on
@@ -8,24 +8,24 @@ it and runs the same greedy requests through its own `Engine`: every process run
 schedule (same inputs, same decisions) and drives its own devices of each step (SPMD, multi-controller).
 The launcher then runs one single-process, single-device reference and checks the tokens are equal.
 
-    python scripts/tp_multiprocess.py --num-processes 2                   # GPU host, one process a GPU
-    python scripts/tp_multiprocess.py --num-processes 2 --cpu-devices 2   # CPU: 2 processes x 2 devices
+    python -m benchmarks.tp_multiprocess --num-processes 2                   # GPU host, one process a GPU
+    python -m benchmarks.tp_multiprocess --num-processes 2 --cpu-devices 2   # CPU: 2 processes x 2 devices
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from benchmarks.harness import repo_root, subprocess_env
+
+SELF = [sys.executable, "-m", "benchmarks.tp_multiprocess"]
 
 
 def tiny_config():
@@ -83,14 +83,16 @@ def worker(args) -> None:
     jax.distributed.shutdown()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.tp_multiprocess", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--cpu-devices", type=int, default=0, help="forced CPU devices per process (no GPU)")
-    ap.add_argument("--worker", type=int, default=None)
-    ap.add_argument("--coordinator", default=None)
-    ap.add_argument("--reference", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
     if args.reference:
         import jax
 
@@ -109,29 +111,29 @@ def main():
         port = s.getsockname()[1]
     procs = []
     for i in range(args.num_processes):
-        env = dict(os.environ)
+        env = subprocess_env()
         if args.cpu_devices:
             flags = f"--xla_force_host_platform_device_count={args.cpu_devices}"
             env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
-        cmd = [sys.executable, __file__, "--worker", str(i), "--num-processes", str(args.num_processes),
+        cmd = [*SELF, "--worker", str(i), "--num-processes", str(args.num_processes),
                "--coordinator", f"127.0.0.1:{port}", "--cpu-devices", str(args.cpu_devices)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+                                      text=True, cwd=repo_root()))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         for i, o in enumerate(outs):
             print(f"--- worker {i} (rc {procs[i].returncode})\n{o[-3000:]}")
         sys.exit(1)
     result = json.loads([ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")][-1][7:])
-    env = dict(os.environ)
+    env = subprocess_env()
     if args.cpu_devices:
         env["JAX_PLATFORMS"] = "cpu"
     else:
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    ref_out = subprocess.run([sys.executable, __file__, "--reference"], env=env, capture_output=True,
-                             text=True, timeout=600)
+    ref_out = subprocess.run([*SELF, "--reference"], env=env, capture_output=True, text=True, timeout=600,
+                             cwd=repo_root())
     ref = json.loads([ln for ln in ref_out.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     same = result["tokens"] == ref["tokens"]
     print(f"{result['processes']} processes, {result['devices']} devices ({result['kind']}), tp mesh over "

@@ -1,4 +1,4 @@
-"""Tensor parallelism over KV heads (issue 13): decode throughput and TTFT at TP 1/2/4, head-class placement.
+"""Tensor parallelism over KV heads: decode throughput and TTFT at TP 1/2/4, head-class placement.
 
 Random weights (bf16) are generated on the devices directly in their shards (`jax.random` under
 `out_shardings` from the `jaxkv.parallel` table): a transformers checkpoint of the 8B shape costs ~16 GB of
@@ -15,48 +15,36 @@ Rows (every one on the same machine in one run, ratios against TP 1 of the same 
   vs balanced (`jaxkv.parallel.placement`): the attention of one decode step over all layers (the part
   placement changes; per shard under shard_map, the slowest shard sets the time) and the full decode step.
 
-    python scripts/bench_tp.py --shape 8b --tp 1,2 --out docs/benchmarks.md      # GPU (nvidia-h200-x2)
-    python scripts/bench_tp.py --shape 70b --tp 2 --only decode,ttft               # 70B shape
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/bench_tp.py --small   # CPU smoke
+    python -m benchmarks.tp --shape 8b --tp 1,2 --out docs/benchmarks.md      # GPU (nvidia-h200-x2)
+    python -m benchmarks.tp --shape 70b --tp 2 --only decode,ttft               # 70B shape
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.tp --small   # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-SHAPES = {  # jaxkv ModelConfig fields
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-               head_dim=128, vocab_size=128256),
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-                head_dim=128, vocab_size=128256),
-    "small": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4,
-                  head_dim=16, vocab_size=512),
-}
-COPY_BW = 4.0e12  # bytes/s: the H200's measured device copy rate (docs/benchmarks.md)
-SINK, WINDOW = 64, 256
+from benchmarks.harness import (
+    COPY_BW,
+    SHAPES,
+    SINK,
+    WINDOW,
+    command_line,
+    describe_device,
+    markdown_table,
+    model_config,
+    time_device,
+    write_json,
+)
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def make_config(shape: str, max_len: int):
-    from jaxkv.config import ModelConfig
-
-    return ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                       max_position_embeddings=max_len, **SHAPES[shape])
 
 
 def make_model(cfg, tp: int, dtype, placement_perm=None):
@@ -264,12 +252,7 @@ def attention_step(engine, b, iters: int) -> float:
                                   P(None, "tp", None)))
     else:
         f = jax.jit(body)
-    f(runner.pool, meta, q).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = f(runner.pool, meta, q)
-    out.block_until_ready()
-    return 1e3 * (time.perf_counter() - t0) / iters
+    return time_device(f, runner.pool, meta, q, iters=iters, warmup=1, rounds=1)
 
 
 def step_floor_ms(cfg, tp: int, batch: int, hc, context: int, perm=None, dtype_bytes: int = 2) -> float:
@@ -310,8 +293,10 @@ def _tp(model) -> int:
     return 1 if model.mesh is None else int(model.mesh.shape["tp"])
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.tp", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--tp", default="1,2,4")
     ap.add_argument("--batch", type=int, default=32)
@@ -322,14 +307,15 @@ def main():
     ap.add_argument("--only", default="decode,ttft,headclass")
     ap.add_argument("--headclass-tp", type=int, default=None, help="TP of the placement rows (largest --tp)")
     ap.add_argument("--attn-impl", default=None, help="paged attention implementation (default: per backend)")
-    ap.add_argument("--small", action="store_true", help="CPU smoke: small shape, short context, fp32")
+    ap.add_argument("--small", action="store_true",
+                    help="CPU smoke: the small-tp4 shape, short context, fp32")
     ap.add_argument("--out", default=None, help="append the section to this markdown file")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     global ATTN_IMPL
     ATTN_IMPL = args.attn_impl
     if args.small:
-        args.shape, args.batch, args.context, args.steps, args.iters = "small", 4, 64, 4, 1
+        args.shape, args.batch, args.context, args.steps, args.iters = "small-tp4", 4, 64, 4, 1
 
     import jax
     import jax.numpy as jnp
@@ -340,7 +326,7 @@ def main():
     dtype = jnp.float32 if args.small else jnp.bfloat16
     tps = [int(x) for x in args.tp.split(",")]
     only = set(args.only.split(","))
-    cfg = make_config(args.shape, args.context + 4 * args.steps + 16)
+    cfg = model_config(args.shape, args.context + 4 * args.steps + 16)
     rows, results = [], {}
     log(f"devices: {jax.devices()}")
 
@@ -348,7 +334,7 @@ def main():
         rows.append((row, value, unit, floor, note))
         log(f"{row}: {value:.4g} {unit}" + (f" (floor {floor:.4g})" if floor else "") + f" {note}")
         if args.json:
-            Path(args.json).write_text(json.dumps([list(r) for r in rows], indent=1))
+            write_json(args.json, [list(r) for r in rows])
 
     glob = all_global(cfg.num_layers, cfg.num_kv_heads)
     for tp in tps:
@@ -399,19 +385,15 @@ def main():
         add(f"head-class TP {htp}: balanced vs contiguous, decode step", results[("step", "contiguous")]
             / results[("step", "balanced")], "x")
 
-    cmd = "python " + " ".join(shlex.quote(a) for a in [f"scripts/{Path(__file__).name}", *sys.argv[1:]])
-    dev = jax.devices()[0]
     lines = [f"### {args.shape} shape, batch {args.batch}, {args.context} context", "",
-             f"Command: `{cmd}`", "",
-             f"Device: {len(jax.devices())} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-             f"Python {platform.python_version()}. Random {np.dtype(dtype).name} weights created in their "
-             "shards; "
+             f"Command: `{command_line('benchmarks.tp', argv)}`", "",
+             f"{describe_device()} Random {np.dtype(dtype).name} weights created in their shards; "
              f"decode = the engine's multi-step decode ({args.steps} steps per call, page size "
              f"{args.page_size}), timed over {args.iters} calls after a warm-up; floor = (weights per shard "
              f"+ the slowest shard's KV bytes) / {COPY_BW / 1e12:.1f} TB/s.", "",
-             "| row | value | unit | floor | note |", "|---|---|---|---|---|"]
-    for row, value, unit, floor, note in rows:
-        lines.append(f"| {row} | {value:.4g} | {unit} | {'' if floor is None else f'{floor:.4g}'} | {note} |")
+             markdown_table(["row", "value", "unit", "floor", "note"],
+                            [[row, f"{value:.4g}", unit, "" if floor is None else f"{floor:.4g}", note]
+                             for row, value, unit, floor, note in rows])]
     text = "\n".join(lines) + "\n"
     log("\n" + text)
     if args.out:

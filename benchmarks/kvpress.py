@@ -1,13 +1,13 @@
 """kvpress as the peer oracle: our compression policies against kvpress's presses on the same inputs.
 
-    python scripts/compare_kvpress.py kept --tasks vt,mq_niah,qa --context 2048 --num 1 \
+    python -m benchmarks.kvpress kept --tasks vt,mq_niah,qa --context 2048 --num 1 \
         --budgets 0.5,0.25,0.125
-    python scripts/compare_kvpress.py accuracy --tasks vt,mq_niah,qa --context 2048 --num 6 \
+    python -m benchmarks.kvpress accuracy --tasks vt,mq_niah,qa --context 2048 --num 6 \
         --budgets 0.5,0.25,0.125 --seed 101 --out results/kvpress_accuracy.json
 
 Two sides, two processes. This side (the project's venv) builds the prompts (`jaxkv.eval.tasks`), tokenizes
 them, runs our policies through the serving engine and scores completions with `jaxkv.eval.metrics`. The
-kvpress side (`scripts/kvpress_side.py`, run with ``--kvpress-python``, a venv with kvpress and its pinned
+kvpress side (`benchmarks/kvpress_side.py`, run with ``--kvpress-python``, a venv with kvpress and its pinned
 transformers) gets the token ids as JSON and returns kept indices / scores / generated ids as JSON; it
 imports nothing of ours. Both sides load the embedded model in fp32 on CPU.
 
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DEFAULT_MODEL = ROOT / "jaxkv" / "assets" / "default_model"
-KVPRESS_SIDE = ROOT / "scripts" / "kvpress_side.py"
+from benchmarks.harness import command_line, describe_device, repo_root, write_json
+
+DEFAULT_MODEL = repo_root() / "jaxkv" / "assets" / "default_model"
+KVPRESS_SIDE = Path(__file__).resolve().with_name("kvpress_side.py")  # run by the kvpress venv's python
 
 # method -> (our policy name, our fields, kvpress press, its kwargs, wrapper). The hyperparameters are
 # kvpress's defaults, set explicitly on our side.
@@ -292,7 +292,9 @@ def cmd_accuracy(args, model):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kvpress", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["kept", "accuracy"])
     ap.add_argument("--tasks", default="vt,mq_niah,qa")
     ap.add_argument("--methods", default="snapkv,streaming_llm,pyramidkv,adakv")
@@ -323,10 +325,10 @@ def main(argv=None):
 
     model = jaxkv.load(args.model, dtype="float32")
     report = (cmd_kept if args.mode == "kept" else cmd_accuracy)(args, model)
-    report["command"] = " ".join(sys.argv)
+    report["command"] = command_line("benchmarks.kvpress", argv)
+    report["device"] = describe_device()
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_json(args.out, report)
 
 
 if __name__ == "__main__":

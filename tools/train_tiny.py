@@ -1,8 +1,8 @@
 """Train the embedded default model (a tiny Llama-style GQA model) on the jaxkv task mixture.
 
-    python scripts/train_tiny.py --config configs/tiny_default.json --ckpt-dir runs/tiny \
+    python -m tools.train_tiny --config configs/tiny_default.json --ckpt-dir runs/tiny \
         --export jaxkv/assets/default_model [--time-budget 540] [--init-from DIR] [--steps N]
-    python scripts/train_tiny.py --export-untrained jaxkv/assets/default_model
+    python -m tools.train_tiny --export-untrained jaxkv/assets/default_model
 
 Parameters are kept under their Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` with HF
 ``[out, in]`` shapes) so the export is a plain safetensors dump that `jaxkv.load` reads like any Llama
@@ -25,17 +25,13 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from jaxkv.eval import tasks as task_lib  # noqa: E402
-from jaxkv.eval.vocab import (  # noqa: E402
+from jaxkv.eval import tasks as task_lib
+from jaxkv.eval.vocab import (
     BOS,
     END_OF_TURN,
     EOS,
@@ -45,6 +41,7 @@ from jaxkv.eval.vocab import (  # noqa: E402
     vocabulary,
 )
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: configs/ and the default run directory
 SHARD_BYTES = 15 * 2**20
 
 
@@ -209,7 +206,7 @@ UNTRAINED_README = """# jaxkv embedded default model — UNTRAINED PLACEHOLDER
 
 Random weights (seed 0) in the final architecture and tokenizer, so the loader and the server can be
 built against the real files. `config.json` carries `"jaxkv_untrained": true`. It is replaced by the
-trained model (see `docs/eval.md`) once `scripts/train_tiny.py` has run.
+trained model (see `docs/eval.md`) once `python -m tools.train_tiny` has run.
 """
 
 
@@ -500,7 +497,9 @@ def plot_loss(logs: list[Path], png: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.train_tiny", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_default.json"))
     ap.add_argument("--ckpt-dir", default=str(ROOT / "runs" / "tiny"))
     ap.add_argument("--export", help="write the trained model here in Hugging Face layout")

@@ -1,4 +1,4 @@
-"""The kvpress side of `scripts/compare_kvpress.py`: torch + transformers + kvpress only (no jaxkv import).
+"""The kvpress side of `python -m benchmarks.kvpress`: torch + transformers + kvpress only (no jaxkv import).
 
 Runs in its own virtual environment, because kvpress pins ``transformers<5.3`` and the project's venv has a
 newer one (see docs/eval.md, "kvpress peer oracle", for the setup). Reads a JSON request on stdin and writes
@@ -29,9 +29,13 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import kvpress  # noqa: E402
-import torch  # noqa: E402
-from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
+_MISSING = None
+try:
+    import kvpress
+    import torch
+    from transformers import DynamicCache, LlamaForCausalLM
+except ImportError as e:  # --help works anywhere; a run needs the kvpress venv
+    _MISSING = e
 
 
 def make_press(spec):
@@ -108,7 +112,16 @@ def run_generate(model, spec, ids, max_new, stop_ids):
     return {"tokens": toks, "cache_lengths": held, "seconds": time.perf_counter() - t0}
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kvpress_side", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args(argv)
+    if _MISSING is not None:
+        raise SystemExit(f"kvpress side: {_MISSING}; run it with the python of a venv that has kvpress "
+                         "(benchmarks/setup_kvpress_venv.sh)")
     req = json.load(sys.stdin)
     torch.set_num_threads(int(req.get("threads", 1)))
     model = LlamaForCausalLM.from_pretrained(req["model"], dtype=torch.float32, attn_implementation="sdpa")

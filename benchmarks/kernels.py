@@ -4,9 +4,9 @@ Each row times jaxkv and its anchor in the same run and the same way (default: d
 --iters calls enqueued back to back with one block at the end; `--timing host` = the old per-call host
 clock) and the table with the exact command goes to the "## Kernels" section of docs/benchmarks.md.
 
-    python scripts/bench_kernels.py --check          # kernels vs jnp twins on the GPU, then benchmark
-    python scripts/bench_kernels.py --quick          # small contexts only
-    python scripts/bench_kernels.py --small --out /tmp/b.md   # tiny sizes, CPU interpret mode: logic check
+    python -m benchmarks.kernels --check          # kernels vs jnp twins on the GPU, then benchmark
+    python -m benchmarks.kernels --quick          # small contexts only
+    python -m benchmarks.kernels --small --out /tmp/b.md   # tiny sizes, CPU interpret mode: logic check
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
-import sys
 import time
 import traceback
 
@@ -23,18 +21,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from pallas_kernels.attention_scores.api import attention_scores  # noqa: E402
-from pallas_kernels.lse_merge.api import lse_merge  # noqa: E402
-from pallas_kernels.paged_attention.api import (  # noqa: E402
+from benchmarks.harness import (
+    command_line,
+    describe_device,
+    markdown_table,
+    time_device,
+    time_host,
+    time_state,
+    write_section,
+)
+from pallas_kernels.attention_scores.api import attention_scores
+from pallas_kernels.lse_merge.api import lse_merge
+from pallas_kernels.paged_attention.api import (
     paged_attention,
     paged_attention_pallas,
     paged_attention_plan,
     paged_attention_with_plan,
 )
-from pallas_kernels.rewrite.api import rewrite  # noqa: E402
-from pallas_kernels.rope_shift.api import rope_inv_freq, rope_shift  # noqa: E402
+from pallas_kernels.rewrite.api import rewrite
+from pallas_kernels.rope_shift.api import rope_inv_freq, rope_shift
 
 ROWS: list[tuple] = []      # (row, jaxkv, anchor, ratio, target, met)
 HEADER_NOTES: list[str] = []   # lines printed above the table (machine copy ceiling, ...)
@@ -57,60 +62,17 @@ def timing_note(iters):
             f"of {TIMING['rounds']} such rounds")
 
 
-def _sets(args, alts):
-    return [tuple(args)] + [tuple(a) for a in alts]
-
-
 def timeit(fn, *args, iters=10, alts=()):
-    """ms per call of `fn`. `alts`: further argument tuples rotated with `args` (a fresh input per call).
-
-    Device method (default): warm up, enqueue `iters` calls without blocking, block once on the last output
-    (one GPU stream: in order) -> device time per call when dispatch keeps ahead of the GPU. Host method:
-    median of per-call host-clock times around block_until_ready (adds dispatch + sync per call).
-    """
-    sets = _sets(args, alts)
-    for i in range(2):
-        jax.block_until_ready(fn(*sets[i % len(sets)]))
+    """ms per call of `fn` by the --timing method (`harness.time_device` / `harness.time_host`). `alts`:
+    further argument tuples rotated with `args` (a fresh input per call)."""
     if TIMING["method"] == "host":
-        ts = []
-        for i in range(iters):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*sets[i % len(sets)]))
-            ts.append(time.perf_counter() - t)
-        return float(np.median(ts)) * 1e3
-    per = []
-    for _ in range(TIMING["rounds"]):
-        out = None
-        t = time.perf_counter()
-        for i in range(iters):
-            out = fn(*sets[i % len(sets)])
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - t) / iters)
-        del out
-    return float(np.median(per)) * 1e3
+        return time_host(fn, *args, iters=iters, alts=alts)
+    return time_device(fn, *args, iters=iters, rounds=TIMING["rounds"], alts=alts)
 
 
 def timeit_state(step, state, iters=10):
     """For donating functions: state -> state (each call consumes the previous state, so inputs differ)."""
-    for _ in range(2):
-        state = step(state)
-    jax.block_until_ready(state)
-    if TIMING["method"] == "host":
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            state = step(state)
-            jax.block_until_ready(state)
-            ts.append(time.perf_counter() - t)
-        return float(np.median(ts)) * 1e3, state
-    per = []
-    for _ in range(TIMING["rounds"]):
-        t = time.perf_counter()
-        for _ in range(iters):
-            state = step(state)
-        jax.block_until_ready(state)
-        per.append((time.perf_counter() - t) / iters)
-    return float(np.median(per)) * 1e3, state
+    return time_state(step, state, iters=iters, rounds=TIMING["rounds"], host=TIMING["method"] == "host")
 
 
 def best_splits(make, inputs, args, alts=()):
@@ -449,7 +411,7 @@ def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args, global_keep=None):
     """Whole decode step of a 10-layer x 8-KV-head model with 10% of KV heads global (head 0 of layers 0-7;
     layers 8-9 all local), the rest sink 64 + window 256: one multi-layer plan + 10 per-layer kernel calls
     in one jit. With `global_keep` the global heads hold only that fraction of the context (compressed by a
-    policy, e.g. HARD-KV at 12.5 %; issue 11). Anchor: dense cuDNN paged attention of one layer at this
+    policy, e.g. HARD-KV at 12.5 %). Anchor: dense cuDNN paged attention of one layer at this
     context (the whole, uncompressed cache), timed once (the uniform decode row) x 10."""
     layers, hq, hkv, d = 10, args.hq, args.hkv, args.d
     kp, vp, pos, pt, lens, sink_l, window_l, n_glob = headclass_step_pool(
@@ -487,7 +449,7 @@ def bench_headclass_step(ctx, page, b, t_cudnn, cfgs, args, global_keep=None):
         f"{t:.3f}", f"{10 * t_cudnn:.3f}", 10 * t_cudnn / t, target)
 
 
-# issue 11: head-class decode at 128K, global heads under a 12.5 % budget
+# head-class decode at 128K, global heads under a 12.5 % budget
 TARGETS_HC_COMPRESSED = {131072: 15}
 
 
@@ -827,31 +789,21 @@ def engine_check():
 
 
 def write_table(args, command, check_ok):
-    dev = jax.devices()[0]
-    lines = ["## Kernels", "", f"Command: `{command}`", "",
-             f"Device: {dev.device_kind}, jax {jax.__version__}. Timing: {timing_note(args.iters)}. "
+    lines = [f"Command: `{command}`", "",
+             f"{describe_device()} Timing: {timing_note(args.iters)}. "
              "Ratio = anchor time / jaxkv time (higher is better for jaxkv).",
              f"Check mode (Pallas vs jnp twin on this GPU): {check_ok}.", ""]
     lines += [f"{h}" for h in HEADER_NOTES] + ([""] if HEADER_NOTES else [])
-    lines += ["| row | jaxkv | anchor | ratio | target | met |", "|---|---|---|---|---|---|"]
-    lines += ["| " + " | ".join(r) + " |" for r in ROWS]
-    text = "\n".join(lines) + "\n"
-    path = args.out
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    start = old.find("## Kernels")
-    if start >= 0:
-        end = old.find("\n## ", start + 3)
-        old = old[:start] + text + (old[end + 1:] if end >= 0 else "")
-        new = old
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    with open(path, "w") as f:
-        f.write(new)
-    return text
+    lines.append(markdown_table(["row", "jaxkv", "anchor", "ratio", "target", "met"], ROWS))
+    body = "\n".join(lines) + "\n"
+    write_section(args.out, "Kernels", body, keep_subsections=False)
+    return "## Kernels\n\n" + body
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare every kernel with its twin first")
     ap.add_argument("--profile", action="store_true", help="decode/prefill time breakdown + config sweeps")
     ap.add_argument("--engine", action="store_true", help="engine greedy tokens: Pallas vs twin, tiny model")
@@ -885,13 +837,13 @@ def main():
     ap.add_argument("--step-global-keep", type=float, default=0.125,
                     help="also time the whole-step head-class row at 128K with the global heads "
                          "compressed to "
-                         "this fraction of the context (0 = skip; issue 11)")
+                         "this fraction of the context (0 = skip)")
     ap.add_argument("--contexts", default="", help="decode contexts to run, e.g. 131072 (default: all)")
     ap.add_argument("--pages", default="", help="page sizes to run, e.g. 16 (default: 16,64)")
     ap.add_argument("--deadline-min", type=float, default=0.0,
                     help="skip the remaining benchmark groups once this many minutes have passed since start "
                          "(0 = none); the table is written either way")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t_start = time.perf_counter()
     args.splits = [None if x == "auto" else int(x) for x in args.splits.split(",")]
     args.schedules = args.schedules.split(",")
@@ -923,7 +875,7 @@ def main():
         prefill_ctx = [c for c in prefill_ctx if c in contexts]
     if args.pages:
         pages = tuple(int(p) for p in args.pages.split(","))
-    command = "python scripts/bench_kernels.py " + " ".join(sys.argv[1:])
+    command = command_line("benchmarks.kernels", argv)
     log("devices:", jax.devices(), "jax", jax.__version__)
     log("timing:", timing_note(args.iters))
     check_ok = "not run"

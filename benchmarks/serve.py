@@ -6,8 +6,8 @@ single-stream decode speed and aggregate throughput with concurrent streams (eac
 first so compilation is excluded). Writes the table and the exact command into docs/benchmarks.md
 under "## Serving (CPU)" (or the backend's name), replacing only that section.
 
-    python scripts/bench_serve.py                       # embedded default model
-    python scripts/bench_serve.py --model DIR --concurrency 1 8 --max-tokens 64
+    python -m benchmarks.serve                       # embedded default model
+    python -m benchmarks.serve --model DIR --concurrency 1 8 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import openai
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jaxkv.serve.launch import ServerProcess  # noqa: E402
+from benchmarks.harness import command_line, cpu_name, markdown_table, repo_root, write_section
+from jaxkv.serve.launch import ServerProcess
 
 PROMPT = ("You are a helpful assistant. Read the following notes about the river, the old house and the "
           "music school, then write a short story about the king and the queen who lived by the water.")
@@ -75,38 +72,18 @@ async def measure(url: str, model: str, concurrency: list[int], max_tokens: int,
     return out
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def write_section(path: Path, title: str, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == title), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + title + "\n\n" + body.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "\n".join(lines[:start] + [title, "", body.rstrip("\n"), ""] + lines[end:]).rstrip("\n") + "\n"
-    path.write_text(new)
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--server-args", default="", help="extra flags for python -m jaxkv.serve (quoted)")
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--out", default=str(repo_root() / "docs" / "benchmarks.md"))
     p.add_argument("--no-write", action="store_true", help="print the table only")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     load_before = os.getloadavg()[0]
     server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
@@ -118,14 +95,12 @@ def main() -> int:
     finally:
         server.stop()
 
-    cmd = "python scripts/bench_serve.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    rows = ["| concurrent streams | TTFT median (s) | decode tok/s per stream | aggregate output tok/s |",
-            "|---:|---:|---:|---:|"]
-    for c in args.concurrency:
-        r = res[c]
-        rows.append(f"| {c} | {r['ttft']:.3f} | {r['decode_tps']:.1f} | {r['agg_tps']:.1f} |")
+    cmd = command_line("benchmarks.serve", argv)
+    header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s"]
+    table = markdown_table(header, [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}"]
+                                    for c, r in ((c, res[c]) for c in args.concurrency)])
     body = "\n".join([
-        f"Command: `{cmd.strip()}`",
+        f"Command: `{cmd}`",
         "",
         f"Model `{server.name}`, backend {backend}, host {cpu_name()} ({os.cpu_count()} cores), "
         f"Python {platform.python_version()}; chat prompt of ~40 tokens, {args.max_tokens} output tokens "
@@ -137,15 +112,15 @@ def main() -> int:
         f"- first request after startup, time to first token (compiles its shapes): "
         f"**{res['cold_ttft']:.2f} s**",
         "",
-        *rows,
+        table,
     ])
     print(body)
     if not args.no_write:
-        title = "## Serving (CPU)" if backend == "cpu" else f"## Serving ({backend.upper()})"
-        write_section(Path(args.out), title, body)
+        title = "Serving (CPU)" if backend == "cpu" else f"Serving ({backend.upper()})"
+        write_section(Path(args.out), title, body, keep_subsections=False)
         print(f"\nwrote {title!r} in {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

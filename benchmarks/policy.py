@@ -1,6 +1,6 @@
-"""Decode throughput under a KV compression policy against the full cache, same engine, same run (issue 11).
+"""Decode throughput under a KV compression policy against the full cache, same engine, same run.
 
-Random-weight Llama checkpoint saved with transformers (`bench_e2e.make_checkpoint`), loaded with
+Random-weight Llama checkpoint saved with transformers (`benchmarks.harness.make_checkpoint`), loaded with
 `jaxkv.load`; a batch of prompts generates a long continuation (greedy, EOS ignored, fresh engine per run,
 prefix caching off). Each method runs twice and the second run is timed (the first compiles every page-list
 bucket the run reaches; a policy's compile run is shorter, `--policy-warm-new`, since its page lists stay
@@ -9,25 +9,26 @@ tokens, so the cache each head holds stays near `budget x prompt` however long t
 the full cache grows to prompt + generated. Weights are random, so the scores pick arbitrary tokens: this
 measures speed and memory, not quality (docs/eval.md has the quality table).
 
-    python scripts/bench_policy.py --out docs/benchmarks.md            # GPU: 1B shape, 32 x 2K -> 16K
-    python scripts/bench_policy.py --small                             # CPU smoke mode
+    python -m benchmarks.policy --out docs/benchmarks.md            # GPU: 1B shape, 32 x 2K -> 16K
+    python -m benchmarks.policy --small                             # CPU smoke mode
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_e2e import make_checkpoint, write_section  # noqa: E402
+from benchmarks.harness import (
+    command_line,
+    describe_device,
+    make_checkpoint,
+    markdown_table,
+    write_json,
+    write_section,
+)
 
 
 def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_interval, engine_kwargs=None,
@@ -77,7 +78,9 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.policy", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode)")
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--methods", default="full,hardkv@0.125,snapkv@0.125,streaming_llm@0.125")
@@ -96,8 +99,6 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.small:
         args.shape, args.batch, args.prompt, args.new, args.decode_interval = "small", 4, 64, 48, 16
-    import jax
-
     import jaxkv
 
     dtype = "float32" if args.small else "bfloat16"
@@ -123,22 +124,22 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     base = rows[0]["tok_s"] if rows and rows[0]["method"] == "full" else None
-    cmd = "python scripts/" + Path(__file__).name + " " + shlex.join(sys.argv[1:] if argv is None else argv)
-    lines = [f"`{cmd}` on {jax.devices()[0].device_kind}; {args.shape} shape, random weights ({dtype}), "
+    cmd = command_line("benchmarks.policy", argv)
+    header = ["method", "wall s", "tok/s", "vs full", "peak KV GB held", "compressions",
+              "variants compiled in the timed run"]
+    table = markdown_table(header, [
+        [r["method"], f"{r['seconds']:.2f}", f"{r['tok_s']:.0f}",
+         f"{r['tok_s'] / base:.2f}x" if base else "-", f"{r['peak_kv_gb']:.2f}",
+         r["compressions"], r["compiled_in_timed_run"]] for r in rows])
+    lines = [f"Command: `{cmd}`", "", f"{describe_device()} {args.shape} shape, random weights ({dtype}), "
              f"batch {args.batch}, {args.prompt}-token prompts, {args.new} generated each, greedy, "
              f"policies compress every {args.decode_interval} new tokens; second run of each timed.", "",
-             "| method | wall s | tok/s | vs full | peak KV GB held | compressions | "
-             "variants compiled in the timed run |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {r['method']} | {r['seconds']:.2f} | {r['tok_s']:.0f} | {ratio} | "
-                     f"{r['peak_kv_gb']:.2f} | {r['compressions']} | {r['compiled_in_timed_run']} |")
+             table]
     print("\n".join(lines))
     if args.out:
         write_section(Path(args.out), "Decode throughput under KV compression (issue 11)", "\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     return rows
 
 

@@ -1,15 +1,15 @@
 """Where a decode step's device time goes: trace a few engine steps and rank the GPU kernels.
 
-    python scripts/profile_decode.py --batch 1 --prompt 8192      # 1B shape, random weights (GPU)
-    python scripts/profile_decode.py --small                      # tiny model, CPU smoke run
-    python scripts/profile_decode.py --batch 16 --prompt 16384 --kv-policy specontext --kv-budget 1024
-    python scripts/profile_decode.py --batch 16 --prompt 32768 --kv-policy specontext:key_dtype=bfloat16 \\
+    python -m benchmarks.profile_decode --batch 1 --prompt 8192      # 1B shape, random weights (GPU)
+    python -m benchmarks.profile_decode --small                      # tiny model, CPU smoke run
+    python -m benchmarks.profile_decode --batch 16 --prompt 16384 --kv-policy specontext --kv-budget 1024
+    python -m benchmarks.profile_decode --batch 16 --prompt 32768 --kv-policy specontext:key_dtype=bfloat16 \\
         --kv-budget 1024
-    python scripts/profile_decode.py --prefill --prompt 8192      # time to first token of one fresh prompt
+    python -m benchmarks.profile_decode --prefill --prompt 8192      # time to first token of one fresh prompt
 
-Builds the random-weight checkpoint like scripts/bench_e2e.py, warms the engine (compiles), then records
-`--steps` engine steps with `jax.profiler` (perfetto trace) and prints the kernels by total time, their call
-counts and their share of the traced device time, plus the device-busy fraction of the wall time.
+Builds a random-weight checkpoint (`benchmarks.harness.make_checkpoint`), warms the engine (compiles), then
+records `--steps` engine steps with `jax.profiler` (perfetto trace) and prints the kernels by total time,
+their call counts and their share of the traced device time, plus the device-busy fraction of the wall time.
 `--prefill` traces the first token of a fresh prompt instead (an earlier prompt of the same length compiled
 it; `--steps` prompts are traced one after another, each from `add_request` to its first token).
 """
@@ -20,14 +20,11 @@ import argparse
 import collections
 import gzip
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+from benchmarks.harness import command_line, describe_device, make_checkpoint
 
 
 def kernel_table(trace_dir: Path, top: int, host: bool = False
@@ -58,14 +55,16 @@ def kernel_table(trace_dir: Path, top: int, host: bool = False
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.profile_decode", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4, help="engine steps traced (each: decode_steps tokens)")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--max-step-tokens", type=int, default=8192, help="as scripts/bench_e2e.py's batch row")
+    ap.add_argument("--max-step-tokens", type=int, default=8192, help="as benchmarks.e2e's batch row")
     ap.add_argument("--warm", type=int, default=3,
                     help="untimed decode engine steps after the prefill (compiles)")
     ap.add_argument("--trace-dir", default=None)
@@ -78,7 +77,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import jax
     import numpy as np
-    from bench_e2e import make_checkpoint
 
     import jaxkv
     from jaxkv.engine.engine import Engine
@@ -94,8 +92,7 @@ def main(argv=None):
     cfg = model.config
     pol = {}
     if args.kv_policy:
-        from bench_retrieval import policy_of, random_head_beside
-
+        from benchmarks.retrieval import policy_of, random_head_beside
         from jaxkv.cache.head_classes import all_global
 
         if args.kv_policy.split(":")[0] == "specontext":
@@ -108,6 +105,7 @@ def main(argv=None):
                  max_step_tokens=min(args.max_step_tokens, prompt * args.batch), enable_prefix_caching=False,
                  **pol)
     rng = np.random.default_rng(0)
+    print(f"{command_line('benchmarks.profile_decode', argv)}\n{describe_device()}")
     if args.prefill:
         return profile_prefill(eng, rng, prompt, args)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)

@@ -1,15 +1,15 @@
 """End-to-end engine benchmark against Hugging Face transformers on the same device and the same weights.
 
 Builds a random-weight Llama checkpoint with transformers (`LlamaForCausalLM(config).save_pretrained`), loads
-it with `jaxkv.load` and with transformers (sdpa), and runs the workloads of issue 9 on both in one
+it with `jaxkv.load` and with transformers (sdpa), and runs these workloads on both in one
 invocation: batched decode, time to first token, single-stream decode, head-class vs all-global serving
 and fp32 greedy agreement. Every row also gets its bytes / FLOPs floor (weights + KV bytes at the copy
 bandwidth, matmul FLOPs at the bf16 rate). jaxkv rows use a fresh engine per timed run, prefix caching off,
 greedy with EOS ignored, and time the second run (the first compiles).
 
-    python scripts/bench_e2e.py --out docs/benchmarks.md          # GPU: 1B shape, every row
-    python scripts/bench_e2e.py --shapes 1b,8b                    # plus the 8B shape
-    python scripts/bench_e2e.py --small                           # CPU smoke mode (tests)
+    python -m benchmarks.e2e --out docs/benchmarks.md          # GPU: 1B shape, every row
+    python -m benchmarks.e2e --shapes 1b,8b                    # plus the 8B shape
+    python -m benchmarks.e2e --small                           # CPU smoke mode (tests)
 """
 
 from __future__ import annotations
@@ -17,28 +17,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-SHAPES = {  # transformers LlamaConfig fields
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
-    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-}
-COPY_BW = 4.0e12     # bytes/s: the H200's measured device copy rate (~3.3-4.3 TB/s, docs/benchmarks.md)
-MATMUL_RATE = 790e12  # FLOP/s: bf16 matmul rate measured on this card (KINDS.md)
+from benchmarks.harness import (
+    COPY_BW,
+    MATMUL_RATE,
+    SHAPES,
+    SINK,
+    WINDOW,
+    command_line,
+    describe_device,
+    head_class_map,
+    make_checkpoint,
+    markdown_table,
+    write_json,
+    write_section,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,37 +59,6 @@ def workloads(small: bool) -> list[Workload]:
             Workload("ttft", 1, 32768, 1, 8192), Workload("single", 1, 8192, 128, 8192),
             Workload("headclass", 16, 16384, 512, 512, "1of8", hf=False),
             Workload("headclass-allglobal", 16, 16384, 512, 512, "global", hf=False)]
-
-
-SINK, WINDOW = 64, 256
-
-
-# ------------------------------------------------------------------------------------------- checkpoint
-
-def make_checkpoint(shape: str, path: Path, max_len: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_len, 1024), rope_theta=500000.0,
-                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    model.to(torch.bfloat16).save_pretrained(path)
-    del model
-    if device == "cuda":  # hand torch's cached blocks back: jax preallocates next (an 8B fp32 build is 32 GB)
-        torch.cuda.empty_cache()
-
-
-def head_class_map(kind: str, layers: int, kv_heads: int):
-    from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
-
-    if kind == "global":
-        return all_global(layers, kv_heads)
-    sink, window = (SINK, WINDOW) if kv_heads > 2 or layers > 2 else (4, 16)
-    row = (HeadClass.global_(),) + (HeadClass.local(sink, window),) * (kv_heads - 1)
-    return HeadClassMap(layers, kv_heads, (row,) * layers)
 
 
 # ------------------------------------------------------------------------------------------------ floors
@@ -307,28 +274,13 @@ HEADER = ["model", "row", "jaxkv", "transformers (sdpa)", "speed-up vs transform
           "jaxkv / floor"]
 
 
-def write_section(out: Path, title: str, body: str) -> None:
-    """Replaces the lead of section `title` (up to its first ### subsection or the next ## section) with
-    `body`; the section's ### subsections (the record of earlier runs) and other sections stay."""
-    text = out.read_text() if out.exists() else "# Benchmarks\n"
-    head = f"## {title}"
-    start = text.find(head + "\n")
-    section = f"{head}\n\n{body.rstrip()}\n"
-    if start < 0:
-        text = text.rstrip() + "\n\n" + section
-    else:
-        ends = [i for i in (text.find("\n### ", start + len(head)), text.find("\n## ", start + len(head)))
-                if i >= 0]
-        nxt = min(ends) if ends else -1
-        text = text[:start] + section + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
-    out.write_text(text)
-
-
 def main(argv=None) -> list[list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.e2e", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode for tests)")
     ap.add_argument("--shapes", default="1b",
-                    help="comma list of " + ",".join(s for s in SHAPES if s != "small"))
+                    help="comma list of " + ",".join(s for s in SHAPES if not s.startswith("small")))
     ap.add_argument("--only", default="", help="comma list of row names (batch,ttft,single,headclass,"
                                                "headclass-allglobal,agree)")
     ap.add_argument("--out", default=None, help="markdown file whose 'End to end' section is replaced")
@@ -338,8 +290,6 @@ def main(argv=None) -> list[list[str]]:
     ap.add_argument("--engine", default="{}",
                     help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
     args = ap.parse_args(argv)
-    import jax
-
     shapes = ["small"] if args.small else [s.strip() for s in args.shapes.split(",") if s.strip()]
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
 
@@ -350,16 +300,10 @@ def main(argv=None) -> list[list[str]]:
     for shape in shapes:
         rows += bench_shape(shape, args.small, only, log, json.loads(args.engine), args.max_prompt,
                             args.no_hf)
-    dev = jax.devices()[0]
-    cmd = "python scripts/bench_e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                             else sys.argv[1:]))
-    import torch
-    import transformers
-    table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    table += ["| " + " | ".join(r) + " |" for r in rows]
-    body = (f"Command: `{cmd}`\n\nDevice: {dev.device_kind} ({jax.default_backend()}), "
-            f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"Python {platform.python_version()}. Random-weight checkpoints saved by transformers and loaded "
+    cmd = command_line("benchmarks.e2e", argv)
+    table = markdown_table(HEADER, rows)
+    body = (f"Command: `{cmd}`\n\n{describe_device(('torch', 'transformers'))} Random-weight checkpoints "
+            "saved by transformers and loaded "
             "by `jaxkv.load` (bf16; fp32 for the agreement row). Greedy, EOS ignored, prefix caching off, a "
             "fresh engine per run, the second run timed (the first compiles); transformers: `generate` with "
             "sdpa after a short warm-up, TTFT = one forward over the prompt. Floors: decode step = (weights "
@@ -369,12 +313,12 @@ def main(argv=None) -> list[list[str]]:
             "timed once every request has its first token (the later requests' prefills excluded); "
             "transformers' is (generate - one forward over the prompts) / (new - 1). Speed-up > 1 means "
             "jaxkv is faster.\n\n"
-            + "\n".join(table) + "\n")
-    print("\n".join(table))
+            + table + "\n")
+    print(table)
     if args.out:
         write_section(Path(args.out), "End to end (engine vs transformers)", body)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     return rows
 
 

@@ -1,7 +1,7 @@
 """Fit HARD-KV's per-(layer, KV head) logit temperatures offline and store them beside the model.
 
-    python scripts/calibrate_hardkv.py --tasks mq_niah,vt,qa --context 2048 --num 8 --seed 7
-    python scripts/calibrate_hardkv.py --model /models/llama --out /models/llama/hardkv_calibration.json
+    python -m tools.calibrate_hardkv --tasks mq_niah,vt,qa --context 2048 --num 8 --seed 7
+    python -m tools.calibrate_hardkv --model /models/llama --out /models/llama/hardkv_calibration.json
 
 For each calibration prompt the model runs densely over the whole prompt; at every layer the last
 `window` queries are the observation window, and the temperature that makes the top-n* tokens of
@@ -57,7 +57,9 @@ def prompt_temperatures(model, policy, ids) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.calibrate_hardkv", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--tasks", default="mq_niah,vt,qa")
     ap.add_argument("--context", type=int, default=2048)

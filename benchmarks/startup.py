@@ -4,9 +4,9 @@ programs a varied request mix compiles after it (the answer should be none).
 Random weights of a real model shape are made on the device (no checkpoint on disk); the engine is
 configured as a GPU server would be. A row per engine configuration:
 
-    python scripts/bench_startup.py --shape 1b --max-num-seqs 256 --max-step-tokens 8192 \
+    python -m benchmarks.startup --shape 1b --max-num-seqs 256 --max-step-tokens 8192 \
         --max-model-len 32768                                   # GPU: the serving configuration
-    python scripts/bench_startup.py --shape small --max-num-seqs 8 --max-step-tokens 64 \
+    python -m benchmarks.startup --shape small --max-num-seqs 8 --max-step-tokens 64 \
         --max-model-len 512                                     # CPU smoke run
 
 `--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
@@ -21,27 +21,7 @@ import time
 
 import numpy as np
 
-SHAPES = {  # ModelConfig fields of the Llama shapes the benchmarks use
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-               head_dim=64, vocab_size=128256, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-               head_dim=128, vocab_size=128256, tie_word_embeddings=False),
-    "small": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                  head_dim=16, vocab_size=512, tie_word_embeddings=True),
-}
-
-
-def random_model(shape: str, dtype: str, max_len: int):
-    import jax
-    import jax.numpy as jnp
-
-    from jaxkv.config import ModelConfig
-    from jaxkv.loading import Model
-    from jaxkv.models import llama
-
-    cfg = ModelConfig(family="llama", max_position_embeddings=max_len, rope_theta=500000.0, **SHAPES[shape])
-    params = jax.jit(lambda k: llama.init_params(cfg, k, jnp.dtype(dtype)))(jax.random.key(0))
-    return Model(cfg, params, None, {}, f"random-{shape}", None)
+from benchmarks.harness import SHAPES, append_jsonl, command_line, describe_device, random_model
 
 
 def request_mix(engine, vocab: int, seed: int = 0) -> int:
@@ -84,7 +64,7 @@ def _seconds(compilations) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -159,8 +139,8 @@ def main(argv=None) -> None:
         row["step_variants_in_mix"] = compilations.step_programs() - before_steps
     print(json.dumps(row), flush=True)
     if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(args.json, row | {"command": command_line("benchmarks.startup", argv),
+                                       "device": describe_device()})
 
 
 if __name__ == "__main__":
