@@ -7,7 +7,7 @@ and fp32 greedy agreement. Every row also gets its bytes / FLOPs floor (weights 
 bandwidth, matmul FLOPs at the bf16 rate). jaxkv rows use a fresh engine per timed run, prefix caching off,
 greedy with EOS ignored, and time the second run (the first compiles).
 
-    python -m benchmarks.e2e --out docs/benchmarks.md          # GPU: 1B shape, every row
+    python -m benchmarks.e2e --out results.md          # GPU: 1B shape, every row
     python -m benchmarks.e2e --shapes 1b,8b                    # plus the 8B shape
     python -m benchmarks.e2e --small                           # CPU smoke mode (tests)
 """

@@ -88,6 +88,25 @@ def make_checkpoint(shape: str, path: Path, max_len: int, init_dtype: str | None
     del model
     if device == "cuda":  # an 8B fp32 build is 32 GB
         torch.cuda.empty_cache()
+    write_word_tokenizer(path, cfg.vocab_size)
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level `tokenizer.json` of the model's vocabulary size (`<unk>`, `<s>`, `</s>`, then `w3`,
+    `w4`, ...; words split on whitespace and punctuation) with a plain chat template, so `python -m
+    jaxkv.serve` serves a random-weight checkpoint: speed runs need the server, not a real vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}))
 
 
 def cached_checkpoint(shape: str, path: Path, max_len: int, log=print) -> Path:

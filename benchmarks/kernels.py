@@ -2,7 +2,7 @@
 
 Each row times jaxkv and its anchor in the same run and the same way (default: device-throughput timing,
 --iters calls enqueued back to back with one block at the end; `--timing host` = the old per-call host
-clock) and the table with the exact command goes to the "## Kernels" section of docs/benchmarks.md.
+clock) and the table with the exact command is printed (and with --out written to a "## Kernels" section).
 
     python -m benchmarks.kernels --check          # kernels vs jnp twins on the GPU, then benchmark
     python -m benchmarks.kernels --quick          # small contexts only
@@ -796,7 +796,8 @@ def write_table(args, command, check_ok):
     lines += [f"{h}" for h in HEADER_NOTES] + ([""] if HEADER_NOTES else [])
     lines.append(markdown_table(["row", "jaxkv", "anchor", "ratio", "target", "met"], ROWS))
     body = "\n".join(lines) + "\n"
-    write_section(args.out, "Kernels", body, keep_subsections=False)
+    if args.out:
+        write_section(args.out, "Kernels", body, keep_subsections=False)
     return "## Kernels\n\n" + body
 
 
@@ -817,7 +818,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=None, help="device timing: median of this many rounds")
     ap.add_argument("--only", default="decode,headclass,step,prefill,rope,rewrite")
     ap.add_argument("--rewrite-layers", type=int, default=4, help="36 needs ~97 GB; default scaled to 4")
-    ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--out", default=None, help="Markdown file whose 'Kernels' section is replaced")
     ap.add_argument("--splits", default="auto,8,32",
                     help="split-K values swept for decode (auto = heuristic)")
     ap.add_argument("--schedules", default="grid,compact",

@@ -9,7 +9,7 @@ tokens, so the cache each head holds stays near `budget x prompt` however long t
 the full cache grows to prompt + generated. Weights are random, so the scores pick arbitrary tokens: this
 measures speed and memory, not quality (docs/eval.md has the quality table).
 
-    python -m benchmarks.policy --out docs/benchmarks.md            # GPU: 1B shape, 32 x 2K -> 16K
+    python -m benchmarks.policy --out results.md            # GPU: 1B shape, 32 x 2K -> 16K
     python -m benchmarks.policy --small                             # CPU smoke mode
 """
 
@@ -137,7 +137,7 @@ def main(argv=None) -> list[dict]:
              table]
     print("\n".join(lines))
     if args.out:
-        write_section(Path(args.out), "Decode throughput under KV compression (issue 11)", "\n".join(lines))
+        write_section(Path(args.out), "Decode throughput under KV compression", "\n".join(lines))
     if args.json:
         write_json(args.json, rows)
     return rows

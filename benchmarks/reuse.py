@@ -20,8 +20,8 @@ RedKnot reads the reuse head-class map next to the model: random-weight shapes g
 0 of every layer global, the rest sink 64 + window 256), the embedded model its profiled
 `head_classes.json`. Random-weight checkpoints are saved by transformers in bf16 (cached in `--ckpt-dir`).
 
-    python -m benchmarks.reuse --shape 8b --out docs/benchmarks.md --log reuse_8b.json     # GPU
-    python -m benchmarks.reuse --shape embedded --out docs/benchmarks.md                   # GPU
+    python -m benchmarks.reuse --shape 8b --out results.md --log reuse_8b.json     # GPU
+    python -m benchmarks.reuse --shape embedded --out results.md                   # GPU
     python -m benchmarks.reuse --small                                                     # CPU smoke
 """
 
@@ -47,7 +47,7 @@ from benchmarks.harness import (
     write_section,
 )
 
-SECTION = "Segment reuse TTFT (issue 10)"
+SECTION = "Segment reuse TTFT"
 DEFAULT_METHODS = "full,redknot,sparsex,cacheblend,epic,naive,reuse_full"
 ENGINE_PATHS = {"full"}  # methods through Engine.add_request; every other name is a reuse method
 CKPT_MAX_LEN = 131072  # max_position_embeddings of random checkpoints (Llama 3.1's): one fits every run

@@ -3,10 +3,11 @@
 Measures startup (process start to "serving" line, including model load and the warm-up step), the
 first request's time to first token (cold: it compiles its step shapes), then warm time to first token,
 single-stream decode speed and aggregate throughput with concurrent streams (each run once unmeasured
-first so compilation is excluded). Writes the table and the exact command into docs/benchmarks.md
-under "## Serving (CPU)" (or the backend's name), replacing only that section.
+first so compilation is excluded). With --offline the same requests also run through an in-process engine
+(the anchor for the server's overhead). Prints the table and the exact command; --out writes them into a
+"## Serving (CPU)" (or the backend's name) section of a Markdown file.
 
-    python -m benchmarks.serve                       # embedded default model
+    python -m benchmarks.serve                       # the default model (SmolLM2)
     python -m benchmarks.serve --model DIR --concurrency 1 8 --max-tokens 64
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shlex
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import openai
 
-from benchmarks.harness import command_line, cpu_name, markdown_table, repo_root, write_section
+from benchmarks.harness import command_line, cpu_name, markdown_table, write_section
 from jaxkv.serve.launch import ServerProcess
 
 PROMPT = ("You are a helpful assistant. Read the following notes about the river, the old house and the "
@@ -72,6 +74,36 @@ async def measure(url: str, model: str, concurrency: list[int], max_tokens: int,
     return out
 
 
+def offline_throughput(model_dir, engine_kwargs: dict, concurrency: list[int], max_tokens: int,
+                       repeats: int) -> dict[int, float]:
+    """Output tok/s of the same chat prompt, `c` copies at once, through `jaxkv.generate` in this process
+    (no HTTP, no server loop): the anchor the server's aggregate throughput is read against."""
+    import jax
+
+    import jaxkv
+    from jaxkv.engine.engine import Engine
+    from jaxkv.models.catalog import default_model
+    from jaxkv.sampling import SamplingParams
+
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"  # as the server's --dtype auto
+    model = jaxkv.load(model_dir or default_model()[0], dtype=dtype)
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
+    engine = Engine(model, **engine_kwargs)
+    out = {}
+    for c in concurrency:
+        sp = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+              for i in range(c)]
+        for _ in range(2):  # compiles this concurrency's shapes (the second run's prefix-cache hits too)
+            jaxkv.generate(model, [ids] * c, sp, engine=engine)
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            done = jaxkv.generate(model, [ids] * c, sp, engine=engine)
+            rates.append(sum(len(d.token_ids) for d in done) / (time.perf_counter() - t0))
+        out[c] = statistics.median(rates)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serve", description=__doc__,
@@ -81,8 +113,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--server-args", default="", help="extra flags for python -m jaxkv.serve (quoted)")
-    p.add_argument("--out", default=str(repo_root() / "docs" / "benchmarks.md"))
+    p.add_argument("--out", default=None, help="Markdown file whose 'Serving' section is replaced")
     p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--offline", default=None, metavar="JSON",
+                   help="also time the same requests through an in-process Engine built with these "
+                        "keyword arguments (match the server's sizes, e.g. '{\"max_num_seqs\": 128}'), after "
+                        "the server stops: the serving overhead side by side")
     args = p.parse_args(argv)
 
     load_before = os.getloadavg()[0]
@@ -94,11 +130,21 @@ def main(argv=None) -> int:
         res = asyncio.run(measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats))
     finally:
         server.stop()
+    if args.offline is not None:
+        offline = offline_throughput(args.model, json.loads(args.offline), args.concurrency, args.max_tokens,
+                                     args.repeats)
+        for c in args.concurrency:
+            res[c]["offline_tps"] = offline[c]
 
     cmd = command_line("benchmarks.serve", argv)
     header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s"]
-    table = markdown_table(header, [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}"]
-                                    for c, r in ((c, res[c]) for c in args.concurrency)])
+    rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}"]
+            for c, r in ((c, res[c]) for c in args.concurrency)]
+    if args.offline is not None:
+        header += ["engine offline tok/s", "server / engine"]
+        for row, c in zip(rows, args.concurrency):
+            row += [f"{res[c]['offline_tps']:.1f}", f"{res[c]['agg_tps'] / res[c]['offline_tps']:.2f}"]
+    table = markdown_table(header, rows)
     body = "\n".join([
         f"Command: `{cmd}`",
         "",
@@ -115,7 +161,7 @@ def main(argv=None) -> int:
         table,
     ])
     print(body)
-    if not args.no_write:
+    if args.out and not args.no_write:
         title = "Serving (CPU)" if backend == "cpu" else f"Serving ({backend.upper()})"
         write_section(Path(args.out), title, body, keep_subsections=False)
         print(f"\nwrote {title!r} in {args.out}")

@@ -15,7 +15,7 @@ Rows (every one on the same machine in one run, ratios against TP 1 of the same 
   vs balanced (`jaxkv.parallel.placement`): the attention of one decode step over all layers (the part
   placement changes; per shard under shard_map, the slowest shard sets the time) and the full decode step.
 
-    python -m benchmarks.tp --shape 8b --tp 1,2 --out docs/benchmarks.md      # GPU (nvidia-h200-x2)
+    python -m benchmarks.tp --shape 8b --tp 1,2 --out results.md      # GPU (nvidia-h200-x2)
     python -m benchmarks.tp --shape 70b --tp 2 --only decode,ttft               # 70B shape
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.tp --small   # CPU smoke
 """
