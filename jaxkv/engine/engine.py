@@ -336,7 +336,7 @@ class Engine:
             req.output_ids.append(int(tokens[row]))
             req.output_logprobs.append(float(logprobs[row]))
             self._check_stop(req)
-            top = extras[row].get("top") if extras[row] is not None else None
+            top = extras[row].get("top") if extras[row] is not None and req.sampling.logprobs else None
             outputs.append(self._output(req, [int(tokens[row])], [float(logprobs[row])],
                                         None if top is None else [_pairs(*top, req.sampling.logprobs)]))
             if req.finished:
