@@ -218,7 +218,7 @@ class Engine:
             raise ValueError(f"KV policy {policy.name!r} merges evicted tokens; this engine was built "
                              "without a per-slot logit bias (Engine(kv_merge=True))")
         wants_extras = sampling.logprobs or sampling.prompt_logprobs is not None
-        if isinstance(policy, RetrievalPolicy) and wants_extras:
+        if isinstance(policy, RetrievalPolicy) and wants_extras and _queue:  # (reuse: full-cache decode)
             raise ValueError(f"top logprobs and prompt logprobs are not available with the retrieval policy "
                              f"{policy.name!r}; only the sampled token's logprob is")
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,

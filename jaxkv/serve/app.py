@@ -190,8 +190,8 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_completion_extras(req)
         _check_choices(state, _num_prompts(req.prompt) * (req.n or 1))
         policy = K.request_policy(req, state.max_model_len, merge_ok=state.kv_merge)
-        if req.logprobs or (req.echo and req.logprobs is not None):
-            _check_logprobs_policy(state, policy, "logprobs")
+        if (req.logprobs or (req.echo and req.logprobs is not None)) and req.reuse is None:
+            _check_logprobs_policy(state, policy, "logprobs")  # (reuse requests decode the full cache)
         key = _extra_key(tenant, req.cache_salt)
         reuse = None
         if req.reuse is not None:
@@ -213,8 +213,6 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_chat_extras(req)
         _check_choices(state, req.n or 1)
         policy = K.request_policy(req, state.max_model_len, merge_ok=state.kv_merge)
-        if req.logprobs and req.top_logprobs:
-            _check_logprobs_policy(state, policy, "top_logprobs")
         key = _extra_key(tenant, req.cache_salt)
         segments: list[str] = []
         marker = f"\x00{uuid.uuid4().hex}\x00"  # stands for a segment part in the rendered template
@@ -232,6 +230,8 @@ def build_app(state: ServerState) -> FastAPI:
         elif req.reuse is not None:
             raise P.RequestError("reuse needs segment content parts ({'type': 'segment', 'id': ...}).",
                                  "reuse")
+        if req.logprobs and req.top_logprobs and reuse is None:
+            _check_logprobs_policy(state, policy, "top_logprobs")
         jobs = await asyncio.to_thread(_chat_jobs, state, req, messages, marker, reuse)
         _set_policy(jobs, policy)
         return await _serve(state, request, req, jobs, True, key, arrival)
