@@ -157,3 +157,17 @@ def test_alternatives_beside_a_retrieval_request(model):
     outs = drain(eng)
     assert len(outs[r_ret]) == 8
     check_request(model, p_lp, outs[r_lp], 4, 2)
+
+
+def test_pallas_plan_paths(model):
+    """With the Pallas kernels (interpreted off the GPU): a 300-token fresh prompt prefills in one step
+    through head_class_prefill, a 40-token one through the multi-layer plan, and decode writes K/V after
+    the forward (`_forward_deferred`); the logprobs are the same."""
+    eng = Engine(model, page_size=16, max_model_len=512, max_num_seqs=4, max_step_tokens=64, decode_steps=4,
+                 attn_impl="pallas")
+    assert eng.runner.use_plan and eng.scheduler.max_fresh_tokens >= 300
+    for n in (300, 40):
+        p = prompt(model, n, seed=n)
+        out = drain_req(eng, p, SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3,
+                                               ignore_eos=True))
+        check_request(model, p, out, 5, 3)
