@@ -12,6 +12,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Most alternatives per position a request may ask for; steps that return alternatives compute this many
+# (one static width: one extra compiled variant per bucket, never one per requested count).
+MAX_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # Alternatives per generated token: the `logprobs` most likely tokens with their log-probabilities.
+    logprobs: int = 0
+    # None: no prompt log-probabilities; k >= 0: each prompt token's log-probability (the first has none)
+    # and its k most likely alternatives, computed in the prefill before any KV compression.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Accept lists / single strings from callers; store tuples so the object stays hashable.
@@ -45,6 +55,11 @@ class SamplingParams:
         need(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be an integer in [0, {MAX_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
              "must be None or a non-negative integer")
 
@@ -87,3 +102,18 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     tokens = jnp.where(temperature > 0, sampled, greedy)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
+
+
+def top_logprobs(logprobs, width: int):
+    """The `width` most likely tokens of log-probability rows [..., V] (device): (ids int32, logprobs
+    float32), each [..., width], sorted by descending log-probability."""
+    lps, ids = jax.lax.top_k(logprobs, width)
+    return ids.astype(jnp.int32), lps
+
+
+def top_logprobs_host(logits: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`top_logprobs` of one row of logits [V] on the host (a step that returns its logits anyway)."""
+    x = np.asarray(logits, np.float64)
+    lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    ids = np.argsort(-lp, kind="stable")[:width]
+    return ids.astype(np.int32), lp[ids].astype(np.float32)

@@ -31,13 +31,13 @@ from jaxkv.engine.config import (  # noqa: F401  (DEFAULT_*: re-exported)
 from jaxkv.engine.detok import TextStream
 from jaxkv.engine.device_tables import DeviceTables
 from jaxkv.engine.request import Request, RequestOutput, Status
-from jaxkv.engine.retrieval import Retriever
+from jaxkv.engine.retrieval import Retriever, is_retrieval
 from jaxkv.engine.reuse import Reuser
 from jaxkv.engine.runner import DecodeBatch, ModelRunner, PendingDecode, StepBatch
 from jaxkv.engine.scheduler import Chunk, Scheduler
 from jaxkv.policies import CompressPolicy, get_policy
 from jaxkv.policies.retrieve import RetrievalPolicy
-from jaxkv.sampling import SamplingParams
+from jaxkv.sampling import MAX_LOGPROBS, SamplingParams
 
 # An offload pass frees this fraction of the pool beyond its need (Scheduler.offload_headroom).
 OFFLOAD_HEADROOM_DIV = 64
@@ -217,6 +217,10 @@ class Engine:
         if getattr(policy, "merge", False) and not self.kv_merge:
             raise ValueError(f"KV policy {policy.name!r} merges evicted tokens; this engine was built "
                              "without a per-slot logit bias (Engine(kv_merge=True))")
+        wants_extras = sampling.logprobs or sampling.prompt_logprobs is not None
+        if isinstance(policy, RetrievalPolicy) and wants_extras and _queue:  # (reuse: full-cache decode)
+            raise ValueError(f"top logprobs and prompt logprobs are not available with the retrieval policy "
+                             f"{policy.name!r}; only the sampled token's logprob is")
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
                       stream=stream, kv_policy=policy)
         self._requests[request_id] = req
@@ -234,6 +238,9 @@ class Engine:
         `extra_key`; `reuse`: a method name from jaxkv.policies.reuse.REUSE_POLICIES or a ReusePolicy.
         Raises jaxkv.cache.segments.SegmentError (a ValueError) for a segment the request may not use.
         """
+        if sampling is not None and sampling.prompt_logprobs is not None:
+            raise ValueError("prompt logprobs are not available with segment reuse: the reused segments' "
+                             "tokens are not recomputed, so they have no logits")
         policy = self.reuser.check(segments, extra_key, reuse)
         seg_ids = [self.reuser.store.get(s, extra_key).tokens if isinstance(s, str) else s for s in segments]
         prompt = []
@@ -314,13 +321,12 @@ class Engine:
 
     def _step_ragged(self, chunks: list[Chunk]) -> list[RequestOutput]:
         outputs = []
-        if self.retriever.active(chunks):
-            tokens, logprobs = self.retriever.run(chunks)
-        else:
-            tokens, logprobs = self.runner.run(self._build_batch(chunks))
+        tokens, logprobs, extras = self._run_ragged(chunks)
         for row, chunk in enumerate(chunks):
             req = chunk.request
             sampled = chunk.samples
+            if extras[row] is not None and "prompt" in extras[row]:
+                _store_prompt_logprobs(chunk, extras[row])
             req.num_computed += chunk.num_tokens
             if (self.prefix is not None and req.kv_policy is None
                     and chunk.start < len(req.prompt_ids) <= req.num_computed):
@@ -330,12 +336,40 @@ class Engine:
             req.output_ids.append(int(tokens[row]))
             req.output_logprobs.append(float(logprobs[row]))
             self._check_stop(req)
-            outputs.append(self._output(req, [int(tokens[row])], [float(logprobs[row])]))
+            top = extras[row].get("top") if extras[row] is not None and req.sampling.logprobs else None
+            outputs.append(self._output(req, [int(tokens[row])], [float(logprobs[row])],
+                                        None if top is None else [_pairs(*top, req.sampling.logprobs)]))
             if req.finished:
                 self.scheduler.remove(req)
                 self._requests.pop(req.request_id, None)
         self.compressor.after_step([c.request for c in chunks])
         return outputs
+
+    def _run_ragged(self, chunks: list[Chunk]):
+        """The step's device call(s): tokens, logprobs [>= len(chunks)] and per chunk the logprob extras it
+        asked for (`_chunk_extras`), or None. Chunks asking extras never go through the retrieval step (a
+        retrieval request may not ask them; others sharing its step run in a call of their own)."""
+        if not self.retriever.active(chunks):
+            return self._run_plain(chunks)
+        plain = [i for i, c in enumerate(chunks) if not is_retrieval(c.request)]
+        if not any(_wants_extras(chunks[i]) for i in plain):
+            tokens, logprobs = self.retriever.run(chunks)
+            return tokens, logprobs, [None] * len(chunks)
+        ret = [i for i in range(len(chunks)) if i not in plain]
+        tokens, logprobs = np.zeros(len(chunks), np.int32), np.zeros(len(chunks), np.float32)
+        t, lp = self.retriever.run([chunks[i] for i in ret])
+        tokens[ret], logprobs[ret] = t[:len(ret)], lp[:len(ret)]
+        t, lp, ex = self._run_plain([chunks[i] for i in plain])
+        tokens[plain], logprobs[plain] = t[:len(plain)], lp[:len(plain)]
+        extras = [None] * len(chunks)
+        for j, i in enumerate(plain):
+            extras[i] = ex[j]
+        return tokens, logprobs, extras
+
+    def _run_plain(self, chunks: list[Chunk]):
+        b = self._build_batch(chunks)
+        tokens, logprobs, ex = self.runner.run_extras(b)
+        return tokens, logprobs, _chunk_extras(chunks, ex)
 
     # ---- pipelined multi-step decode ----------------------------------------------------------
     def _dispatch_decode(self, chunks: list[Chunk], prev=None) -> PendingDecode:
@@ -383,6 +417,7 @@ class Engine:
         """Waits for a decode call and turns its tokens into outputs; rows of requests that finished (or
         were aborted) before this call's tokens are read are dropped."""
         tokens, logprobs, ran = pending.result()
+        top = pending.top_result()  # None unless a request asked for alternatives
         outputs = []
         for k in range(tokens.shape[0]):  # step-major: every request's k-th token before any (k+1)-th
             for row, chunk in enumerate(chunks):
@@ -393,7 +428,10 @@ class Engine:
                 req.output_ids.append(tok)
                 req.output_logprobs.append(lp)
                 self._check_stop(req)
-                outputs.append(self._output(req, [tok], [lp]))
+                alts = None
+                if top is not None and req.sampling.logprobs:
+                    alts = [_pairs(top[0][k, row], top[1][k, row], req.sampling.logprobs)]
+                outputs.append(self._output(req, [tok], [lp], alts))
                 if req.finished:  # its pages reserved past this token go back with the rest
                     self.scheduler.remove(req)
                     self._requests.pop(req.request_id, None)
@@ -444,6 +482,8 @@ class Engine:
         if prev is not None:
             b.tokens = prev[0]
             b.counters[:len(chunks)] += np.asarray(prev[1], np.int32)
+        if any(c.request.sampling.logprobs for c in chunks):
+            b.top_width = MAX_LOGPROBS
         return b
 
     def step_rows(self, T: int) -> int:
@@ -484,6 +524,7 @@ class Engine:
         b.page_table, b.lengths, b.slots = self.device_tables.step_meta(
             seq_ids, [c.num_tokens for c in chunks], S, P, b.q_seq, tok_idx)
         b.fresh = fresh
+        _logprob_fields(b, chunks)
         return b
 
     # ---- stop logic ---------------------------------------------------------------------------
@@ -505,9 +546,16 @@ class Engine:
         if stream is not None:
             req.text = stream.visible(final=req.finished)
 
-    def _output(self, req: Request, new_ids, new_logprobs) -> RequestOutput:
-        return RequestOutput(req.request_id, new_ids, req.text, req.finished, req.finish_reason,
-                             len(req.prompt_ids), len(req.output_ids), new_logprobs, req.num_cached)
+    def _output(self, req: Request, new_ids, new_logprobs, new_top=None) -> RequestOutput:
+        """`new_top`: per new token its alternatives (SamplingParams.logprobs). The first output with a token
+        carries the prompt's logprobs when they were asked for."""
+        out = RequestOutput(req.request_id, new_ids, req.text, req.finished, req.finish_reason,
+                            len(req.prompt_ids), len(req.output_ids), new_logprobs, req.num_cached,
+                            new_top_logprobs=new_top)
+        if new_ids and req.wants_prompt_logprobs:
+            out.prompt_logprobs, out.prompt_top_logprobs = _prompt_output(req)
+            req.prompt_lp_sent, req.prompt_lp, req.prompt_top = True, None, None
+        return out
 
     def _cache_prefix(self, req: Request) -> None:
         lists = self.tables.page_lists(req.request_id)  # [layer][kv_head] -> page ids
@@ -534,6 +582,91 @@ class Engine:
             host_pages_in_use=getattr(self.allocator, "host_pages", 0)
             - getattr(self.allocator, "num_free_host", 0),
             pages_offloaded=self.retriever.pages_offloaded)
+
+
+# ---- logprob extras (top alternatives, prompt logprobs) ----------------------------------------------
+
+
+def _wants_extras(c: Chunk) -> bool:
+    return bool(c.request.sampling.logprobs) or _wants_prompt(c)
+
+
+def _wants_prompt(c: Chunk) -> bool:
+    """The chunk holds prompt positions whose next token's logprob is still owed."""
+    return c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids) - 1
+
+
+def _logprob_fields(b: StepBatch, chunks: list[Chunk]) -> None:
+    """Sets the step's logprob variant: alternatives (static width MAX_LOGPROBS) when a row or a prompt asks
+    for them, and the next prompt token of every position that owes a prompt logprob."""
+    prompt = [c for c in chunks if _wants_prompt(c)]
+    if any(c.samples and c.request.sampling.logprobs for c in chunks) or any(
+            c.request.sampling.prompt_logprobs for c in prompt):
+        b.top_width = MAX_LOGPROBS
+    if not prompt:
+        return
+    b.prompt_next = np.full(b.tokens.shape[0], -1, np.int32)
+    off = 0
+    for c in chunks:
+        if _wants_prompt(c):
+            ids = c.request.prompt_ids
+            end = min(c.start + c.num_tokens, len(ids) - 1)  # position p scores prompt token p + 1
+            b.prompt_next[off:off + end - c.start] = ids[c.start + 1:end + 1]
+        off += c.num_tokens
+
+
+def _chunk_extras(chunks: list[Chunk], ex: dict) -> list[dict | None]:
+    """The step's extras (host arrays from `ModelRunner.run_extras`) cut per chunk: "top" (ids, logprobs)
+    [W] of its sampled row; "prompt" [n] and "prompt_top" ([n, W] each) of its positions."""
+    if not ex:
+        return [None] * len(chunks)
+    out, off = [], 0
+    for row, c in enumerate(chunks):
+        d = {}
+        if "top" in ex:
+            d["top"] = (ex["top"][0][row], ex["top"][1][row])
+        if "prompt" in ex and _wants_prompt(c):
+            n = c.num_tokens
+            d["prompt"] = ex["prompt"][off:off + n]
+            if "prompt_top" in ex:
+                d["prompt_top"] = (ex["prompt_top"][0][off:off + n], ex["prompt_top"][1][off:off + n])
+        off += c.num_tokens
+        out.append(d)
+    return out
+
+
+def _store_prompt_logprobs(c: Chunk, ex: dict) -> None:
+    """Position p of the chunk scored prompt token p + 1: keep it at index p + 1 (a chunked prefill fills
+    the request's arrays piece by piece; a recompute after preemption writes the same values again)."""
+    req = c.request
+    n_prompt = len(req.prompt_ids)
+    if req.prompt_lp is None:
+        req.prompt_lp = np.full(n_prompt, np.nan, np.float32)
+        if "prompt_top" in ex:
+            w = ex["prompt_top"][0].shape[-1]
+            req.prompt_top = (np.zeros((n_prompt, w), np.int32), np.zeros((n_prompt, w), np.float32))
+    end = min(c.start + c.num_tokens, n_prompt - 1)
+    m = end - c.start
+    req.prompt_lp[c.start + 1:end + 1] = ex["prompt"][:m]
+    if req.prompt_top is not None and "prompt_top" in ex:
+        req.prompt_top[0][c.start + 1:end + 1] = ex["prompt_top"][0][:m]
+        req.prompt_top[1][c.start + 1:end + 1] = ex["prompt_top"][1][:m]
+
+
+def _prompt_output(req: Request):
+    """(logprobs, alternatives) per prompt token for RequestOutput; the first token has neither."""
+    n = len(req.prompt_ids)
+    k = req.sampling.prompt_logprobs
+    lp = req.prompt_lp if req.prompt_lp is not None else np.full(n, np.nan, np.float32)
+    logprobs = [None] + [float(x) for x in lp[1:]]
+    if not k or req.prompt_top is None:
+        return logprobs, [None] + [[] for _ in range(n - 1)]
+    ids, lps = req.prompt_top
+    return logprobs, [None] + [_pairs(ids[j], lps[j], k) for j in range(1, n)]
+
+
+def _pairs(ids, lps, k: int) -> list[tuple[int, float]]:
+    return [(int(i), float(x)) for i, x in zip(ids[:k], lps[:k])]
 
 
 def _host_pages(n, host_tier: bool) -> int:

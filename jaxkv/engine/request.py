@@ -29,6 +29,13 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[float] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
+    # With SamplingParams.logprobs > 0: per new token, its `logprobs` most likely [(token id, logprob)].
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With SamplingParams.prompt_logprobs (on the request's first output only): per prompt token its
+    # log-probability given the tokens before it (None for the first token) ...
+    prompt_logprobs: list[float | None] | None = None
+    # ... and its `prompt_logprobs` most likely alternatives (None for the first token).
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -51,6 +58,17 @@ class Request:
     kv_policy: object | None = None  # a jaxkv.policies CompressPolicy, or None for the full cache
     kv_compressed_at: int | None = None  # output tokens at the last compression (None = not yet)
     kv_compressed_epoch: int = 0  # num_preemptions at the last compression (a preemption recomputes all)
+    # Prompt log-probabilities as the prefill computes them (SamplingParams.prompt_logprobs): [P] float32,
+    # entry j = log p(prompt[j] | prompt[:j]) (NaN until computed; entry 0 never is), and the alternatives
+    # (ids, logprobs) [P, W]; handed out with the first output, then dropped.
+    prompt_lp: object = None
+    prompt_top: tuple | None = None
+    prompt_lp_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prefill must compute prompt log-probabilities (asked for, not handed out yet)."""
+        return self.sampling.prompt_logprobs is not None and not self.prompt_lp_sent
 
     @property
     def all_ids(self) -> list[int]:

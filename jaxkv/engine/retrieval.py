@@ -853,12 +853,19 @@ class Retriever:
         tokens = np.zeros((k, len(chunks)), np.int32)
         logprobs = np.zeros((k, len(chunks)), np.float32)
         ran = np.zeros((k, len(chunks)), bool)
+        top = None  # the alternatives of requests that asked for them (never retrieval requests)
         for policy, idx in groups.items():
             sub = [chunks[i] for i in idx]
-            t, lp, r = self._dispatch(policy, sub, eng._build_decode(sub), k).result()
+            pending = self._dispatch(policy, sub, eng._build_decode(sub), k)
+            t, lp, r = pending.result()
             n = len(sub)
             tokens[:, idx], logprobs[:, idx], ran[:, idx] = t[:, :n], lp[:, :n], r[:, :n]
-        return PendingDecode(tokens, logprobs, ran, None)
+            alts = pending.top_result()
+            if alts is not None:
+                if top is None:
+                    top = tuple(np.zeros((k, len(chunks), a.shape[-1]), a.dtype) for a in alts)
+                top[0][:, idx], top[1][:, idx] = alts[0][:, :n], alts[1][:, :n]
+        return PendingDecode(tokens, logprobs, ran, None, top=top)
 
     def _dispatch(self, policy, chunks, b, k: int) -> PendingDecode:
         for f in ("slots", "lengths", "prev_lengths", "active"):

@@ -30,6 +30,7 @@ from jaxkv.engine.request import Request, Status
 from jaxkv.engine.runner import StepBatch
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
 from jaxkv.policies.reuse.apply import reuse_prefill
+from jaxkv.sampling import top_logprobs_host
 
 # Probe queries (the new text after the first segment) are padded to at least this many: questions of up
 # to 64 tokens share one compiled variant.
@@ -492,8 +493,15 @@ class Reuser:
             head_windows=self.head_windows)
         eng.runner.pool = pool
         # One sync for the token, its logprob and the stats (a fetch each cost ~0.5-0.9 ms on an H200).
-        tok, logprob, st, logits = jax.device_get((tok, logprob, st, logits if self.keep_logits else None))
+        alts = req.sampling.logprobs  # the first token's alternatives come from its logits, on the host
+        tok, logprob, st, logits = jax.device_get((tok, logprob, st,
+                                                   logits if self.keep_logits or alts else None))
         tok, logprob = int(tok[0]), float(logprob[0])
+        top = None
+        if alts:
+            ids, lps = top_logprobs_host(logits, alts)
+            top = [[(int(i), float(x)) for i, x in zip(ids, lps)]]
+            logits = logits if self.keep_logits else None
         elapsed = time.perf_counter() - t0
         ints = lambda name: [int(round(float(x))) for x in st[name]]  # noqa: E731
         self.stats[req.request_id] = ReuseStats(
@@ -506,7 +514,7 @@ class Reuser:
         req.output_ids.append(tok)
         req.output_logprobs.append(logprob)
         eng._check_stop(req)
-        out = eng._output(req, [tok], [logprob])
+        out = eng._output(req, [tok], [logprob], top)
         if req.finished:
             eng.tables.release(req.request_id)
             eng._requests.pop(req.request_id, None)

@@ -29,7 +29,7 @@ import numpy as np
 from jaxkv.cache.pool import init_pool, write_kv
 from jaxkv.models import llama
 from jaxkv.parallel import shard as tp_shard
-from jaxkv.sampling import sample
+from jaxkv.sampling import sample, top_logprobs
 from pallas_kernels.head_class_prefill.api import head_class_prefill
 from pallas_kernels.paged_attention.api import (
     paged_attention,
@@ -55,6 +55,10 @@ class StepBatch:
     seeds: np.ndarray  # [S] uint32
     counters: np.ndarray  # [S] int32, output index being sampled (PRNG stream position)
     fresh: bool = False  # the step is one fresh prompt at positions 0..n-1 (row 0): head_class_prefill
+    top_width: int = 0  # static: > 0 returns the top-`top_width` alternatives of every row (logprobs)
+    # [T] int32, or None: the prompt token after each position whose log-probability the step returns
+    # (-1: none); a static variant of its own (prompt logprobs, jaxkv.sampling.SamplingParams)
+    prompt_next: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -74,6 +78,7 @@ class DecodeBatch:
     top_p: np.ndarray  # [S] float32
     seeds: np.ndarray  # [S] uint32
     counters: np.ndarray  # [S] int32, output index sampled at step 0
+    top_width: int = 0  # static: > 0 returns the top-`top_width` alternatives of every row and step
 
 
 @dataclasses.dataclass
@@ -88,6 +93,10 @@ class PendingDecode:
     ran: jax.Array
     last: jax.Array | None
     on_result: object = None  # callable(ran) or None
+    top: tuple | None = None  # (ids, logprobs) [K, S, W]: the top-W alternatives, when the call computed them
+
+    def top_result(self) -> tuple[np.ndarray, np.ndarray] | None:
+        return None if self.top is None else jax.device_get(self.top)
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tokens, logprobs, ran = np.asarray(self.tokens), np.asarray(self.logprobs), np.asarray(self.ran)
@@ -110,6 +119,45 @@ def _sample(logits, b, greedy: bool):
     if greedy:
         return _greedy(logits)
     return sample(logits, b["temperature"], b["top_k"], b["top_p"], b["seeds"], b["counters"])
+
+
+# Prompt positions whose logits one pass of the prompt-logprobs map computes ([C, V] float32 at a time, never
+# [T, V]: a 32K prompt of a 128K vocabulary would be 16 GiB).
+PROMPT_LOGITS_CHUNK = 256
+
+
+def _extras(params, cfg, hidden, b, logits, top_width: int, prompt_lp: bool, tp: bool) -> dict:
+    """What a step returns beyond the sampled tokens, only in the variants that ask (static): the rows' top
+    alternatives (`top`) and, with `prompt_lp`, log p(next prompt token) at every position (`prompt`, [T])
+    plus its alternatives (`prompt_top`, [T, W]). Empty for ordinary steps: their program is unchanged."""
+    out = {}
+    if top_width:
+        out["top"] = top_logprobs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), top_width)
+    if prompt_lp:
+        out.update(_prompt_logprobs(params, cfg, hidden, b["prompt_next"], top_width, tp))
+    return out
+
+
+def _prompt_logprobs(params, cfg, hidden, next_ids, top_width: int, tp: bool) -> dict:
+    """log p(next_ids[t] | tokens up to t) for every position t (hidden [T, D]; next_ids [T], -1: none),
+    PROMPT_LOGITS_CHUNK positions of logits at a time."""
+    t = hidden.shape[0]
+    c = min(t, PROMPT_LOGITS_CHUNK)
+    pad = -t % c
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, c, hidden.shape[-1])
+    n = jnp.pad(next_ids, (0, pad), constant_values=-1).reshape(-1, c)
+
+    def one(args):
+        h, n = args
+        lp = jax.nn.log_softmax(_logits(params, cfg, h, tp).astype(jnp.float32), axis=-1)
+        tok = jnp.take_along_axis(lp, jnp.maximum(n, 0)[:, None], axis=-1)[:, 0]
+        return (tok, top_logprobs(lp, top_width)) if top_width else (tok, None)
+
+    tok, top = jax.lax.map(one, (h, n))
+    out = {"prompt": tok.reshape(-1)[:t]}
+    if top is not None:
+        out["prompt_top"] = tuple(x.reshape(-1, top_width)[:t] for x in top)
+    return out
 
 
 def _layer_meta(b, lengths_key="lengths") -> dict:
@@ -139,10 +187,10 @@ def fresh_attend(fresh_heads, scale: float, tp: bool):
 
 
 def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None,
-                    tp: bool = False):
+                    tp: bool = False, top_width: int = 0, prompt_lp: bool = False):
     """Shared body of a step: per layer (under the layer scan) write K/V then attend; sample one token per
     row. `tp`: runs per shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple
-    per shard."""
+    per shard. -> tokens, logprobs, extras (`_extras`), pool."""
     scale = cfg.head_dim ** -0.5
     meta = _layer_meta(b)
     plan = None
@@ -166,8 +214,9 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
 
     hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool,
                                  reduce=tp_shard.reduce if tp else None, layer_xs=meta)
-    tokens, logprobs = _sample(_logits(params, cfg, hidden[0, b["logits_index"]], tp), b, greedy)
-    return tokens, logprobs, pool
+    logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
+    tokens, logprobs = _sample(logits, b, greedy)
+    return tokens, logprobs, _extras(params, cfg, hidden[0], b, logits, top_width, prompt_lp, tp), pool
 
 
 def _with_plan(plan, layer, q, pool, pt_layers, pt_layer, scale):
@@ -205,7 +254,7 @@ def _merge_own(out, lse, q, k, v, scale):
     return merged.astype(q.dtype)
 
 
-def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
+def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False, top_width: int = 0):
     """A decode step (one token per row) that writes every layer's K/V with one scatter after the forward.
 
     Each layer attends the pool as it was before the step (`prev_lengths`: the new slot is not yet valid)
@@ -231,26 +280,30 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False):
     rows = n_layers * t  # layer-major: row l * T + i is token i of layer l
     pool = write_kv(pool, ks.reshape(rows, hkv, d), vs.reshape(rows, hkv, d),
                     jnp.tile(b["positions"], n_layers), meta["slots"].reshape(rows, hkv))
-    tokens, logprobs = _sample(_logits(params, cfg, hidden[0, b["logits_index"]], tp), b, greedy)
-    return tokens, logprobs, pool
+    logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
+    tokens, logprobs = _sample(logits, b, greedy)
+    return tokens, logprobs, _extras(params, cfg, None, b, logits, top_width, False, tp), pool
 
 
 def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None,
-               mesh=None):
+               mesh=None, top_width=0, prompt_lp=False):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
     `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin
     elsewhere); `fresh_heads` (static per-layer (sink, window) tuples) routes a fresh prompt through
     head_class_prefill. `mesh`: tensor parallel over KV heads, the body runs per shard (jaxkv.parallel).
+    `top_width` / `prompt_lp`: the logprob variants (`_extras`); 0 / False compile the ordinary step.
     """
     if mesh is not None:
         body = functools.partial(_tp_sample, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy,
-                                 fresh_heads=fresh_heads)
-        return tp_shard.tp_call(body, mesh, params, pool, b, cfg, (None, None, "pool"))
-    return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads)
+                                 fresh_heads=fresh_heads, top_width=top_width, prompt_lp=prompt_lp)
+        return tp_shard.tp_call(body, mesh, params, pool, b, cfg, (None, None, None, "pool"))
+    return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads,
+                           top_width=top_width, prompt_lp=prompt_lp)
 
 
-_STEP_STATIC = dict(static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh"),
+_STEP_STATIC = dict(static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh",
+                                     "top_width", "prompt_lp"),
                     donate_argnames=("pool",))
 _step = jax.jit(_step_body, **_STEP_STATIC)
 # Steps of at least GRAPHLESS_TOKENS tokens compile without XLA:GPU command buffers (CUDA graphs). A prompt's
@@ -262,22 +315,26 @@ GRAPHLESS_TOKENS = 1024
 _step_graphless = jax.jit(_step_body, **_STEP_STATIC, compiler_options={"xla_gpu_enable_command_buffer": ""})
 
 
-def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads):
-    return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=True)
+def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads, top_width, prompt_lp):
+    return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=True,
+                           top_width=top_width, prompt_lp=prompt_lp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "mesh"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "mesh", "top_width"),
                    donate_argnames=("pool",))
-def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False, mesh=None):
+def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False, mesh=None, top_width=0):
     """K decode steps in one lax.scan; -> tokens [K, S], logprobs [K, S], ran [K, S] bool, last [S] (each
-    row's last sampled token: the next call's input), pool."""
+    row's last sampled token: the next call's input), extras ({"top": (ids, logprobs) [K, S, W]} with
+    `top_width`, else empty), pool."""
     if mesh is not None:
-        body = functools.partial(_decode_body, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy, tp=True)
-        return tp_shard.tp_call(body, mesh, params, pool, d, cfg, (None, None, None, None, "pool"))
-    return _decode_body(params, pool, d, cfg, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy)
+        body = functools.partial(_decode_body, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy, tp=True,
+                                 top_width=top_width)
+        return tp_shard.tp_call(body, mesh, params, pool, d, cfg, (None, None, None, None, None, "pool"))
+    return _decode_body(params, pool, d, cfg, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy,
+                        top_width=top_width)
 
 
-def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False):
+def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False, top_width=0):
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
 
@@ -291,17 +348,18 @@ def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False)
              "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
              "counters": d["counters"] + k, "sink": d["sink"], "window": d["window"]}
         if use_plan:
-            tokens, logprobs, pool = _forward_deferred(params, pool, b, cfg, greedy, tp)
+            tokens, logprobs, extras, pool = _forward_deferred(params, pool, b, cfg, greedy, tp, top_width)
         else:
-            tokens, logprobs, pool = _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, tp=tp)
+            tokens, logprobs, extras, pool = _forward_sample(
+                params, pool, b, cfg, attn_impl, use_plan, greedy, tp=tp, top_width=top_width)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
-        return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live)
+        return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live, extras)
 
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     carry = (pool, d["tokens"], jnp.zeros((s,), bool))
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    (pool, last, _), (tokens, logprobs, ran) = jax.lax.scan(body, carry, xs)
-    return tokens, logprobs, ran, last, pool
+    (pool, last, _), (tokens, logprobs, ran, extras) = jax.lax.scan(body, carry, xs)
+    return tokens, logprobs, ran, last, extras, pool
 
 
 def num_compilations() -> int:
@@ -348,27 +406,40 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
-        tokens, logprobs, self.pool = self._dispatch(*self._step_call(batch))
-        return jax.device_get((tokens, logprobs))  # one sync for both (two fetches: ~1 ms more on an H200)
+        tokens, logprobs, _ = self.run_extras(batch)
+        return tokens, logprobs
+
+    def run_extras(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, dict]:
+        """`run`, plus what the batch's logprob fields asked for (host arrays, `_extras`; empty when none)."""
+        tokens, logprobs, extras, self.pool = self._dispatch(*self._step_call(batch))
+        return jax.device_get((tokens, logprobs, extras))  # one sync (two fetches: ~1 ms more on an H200)
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
         """Dispatches K decode steps and returns at once (nothing waits for the device). Every input goes
         up as a device array in one `device_put`: `tokens` may already be one (a previous call's `last`),
         and jit keeps numpy and device inputs as separate variants, so all calls must agree on one."""
-        tokens, logprobs, ran, last, self.pool = self._dispatch(*self._decode_call(batch))
-        return PendingDecode(tokens, logprobs, ran, last)
+        tokens, logprobs, ran, last, extras, self.pool = self._dispatch(*self._decode_call(batch))
+        return PendingDecode(tokens, logprobs, ran, last, top=extras.get("top"))
 
     def _step_call(self, batch: StepBatch):
-        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "fresh"}
+        skip = ("fresh", "top_width", "prompt_next")
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in skip}
+        prompt_lp = batch.prompt_next is not None
+        if prompt_lp:
+            arrays["prompt_next"] = batch.prompt_next
         fresh = self.fresh_heads if batch.fresh and self.use_plan else None
         step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
+        # Ordinary steps pass neither: the same compiled variant as a server that never saw logprobs.
+        extra = {**({"top_width": batch.top_width} if batch.top_width else {}),
+                 **({"prompt_lp": True} if prompt_lp else {})}
         return step, (self.params, self.pool, {**arrays, **self._heads}), dict(
-            fresh_heads=fresh, **self._kw(not batch.temperature.any()))
+            fresh_heads=fresh, **self._kw(not batch.temperature.any()), **extra)
 
     def _decode_call(self, batch: DecodeBatch):
-        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-        return _decode, (self.params, self.pool, jax.device_put({**arrays, **self._heads})), self._kw(
-            not batch.temperature.any())
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "top_width"}
+        extra = {"top_width": batch.top_width} if batch.top_width else {}
+        return _decode, (self.params, self.pool, jax.device_put({**arrays, **self._heads})), dict(
+            **self._kw(not batch.temperature.any()), **extra)
 
     def _dispatch(self, fn, args, static):
         """A program compiled ahead of time (`lower` + `install`) when one matches, else jit's own path."""
@@ -390,10 +461,11 @@ class ModelRunner:
 
 
 def _signature(fn, args, static) -> tuple:
-    """What tells one compiled step program from another within a runner: the function, the sampling and
-    fresh-prompt branches, and the batch arrays' shapes and dtypes (params and pool are fixed per runner)."""
-    return (fn, static["greedy"], static.get("fresh_heads") is not None,
-            tuple((k, v.shape, v.dtype) for k, v in args[2].items()))
+    """What tells one compiled step program from another within a runner: the function, its static
+    branches (sampling, fresh prompt, logprob extras) and the batch arrays' shapes and dtypes (params and
+    pool are fixed per runner)."""
+    return (fn, static["greedy"], static.get("fresh_heads") is not None, static.get("top_width", 0),
+            static.get("prompt_lp", False), tuple((k, v.shape, v.dtype) for k, v in args[2].items()))
 
 
 def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):

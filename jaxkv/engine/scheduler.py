@@ -145,6 +145,9 @@ class Scheduler:
         return chunks
 
     def _adopt_prefix(self, req: Request) -> None:
+        if req.wants_prompt_logprobs:  # cached prompt pages have no logits: prefill the whole prompt
+            req.num_computed = req.num_cached = 0
+            return
         num_cached, blocks = self.prefix.match(req.all_ids, req.extra_key)
         if num_cached:
             self.tables.adopt_prefix(req.request_id, blocks, num_cached)

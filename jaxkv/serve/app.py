@@ -91,7 +91,10 @@ class _Job:
     kv_policy: object = K.DEFAULT  # K.DEFAULT (the server's), None (full cache) or a CompressPolicy
     reuse: tuple | None = None  # (prefix ids, segment ids, suffix ids, ReusePolicy) of a reuse request
     want_logprobs: bool = False  # the request asked for the generated tokens' log-probabilities
-    logprobs: list = field(default_factory=list)  # [(token text, logprob)] so far
+    num_alternatives: int = 0  # completions `logprobs` / chat `top_logprobs`: alternatives per token
+    echo_logprobs: bool = False  # completions echo + logprobs: the prompt tokens' logprobs come first
+    no_output: bool = False  # completions max_tokens 0 (with echo): the engine's one token is dropped
+    logprobs: list = field(default_factory=list)  # [(token text, logprob or None, alternatives)] so far
     logprobs_sent: int = 0  # of those, already streamed
     logprobs_offset: int = 0  # characters of text the streamed ones covered (completions text_offset)
 
@@ -187,6 +190,8 @@ def build_app(state: ServerState) -> FastAPI:
         P.check_completion_extras(req)
         _check_choices(state, _num_prompts(req.prompt) * (req.n or 1))
         policy = K.request_policy(req, state.max_model_len, merge_ok=state.kv_merge)
+        if (req.logprobs or (req.echo and req.logprobs is not None)) and req.reuse is None:
+            _check_logprobs_policy(state, policy, "logprobs")  # (reuse requests decode the full cache)
         key = _extra_key(tenant, req.cache_salt)
         reuse = None
         if req.reuse is not None:
@@ -225,9 +230,40 @@ def build_app(state: ServerState) -> FastAPI:
         elif req.reuse is not None:
             raise P.RequestError("reuse needs segment content parts ({'type': 'segment', 'id': ...}).",
                                  "reuse")
+        if req.logprobs and req.top_logprobs and reuse is None:
+            _check_logprobs_policy(state, policy, "top_logprobs")
         jobs = await asyncio.to_thread(_chat_jobs, state, req, messages, marker, reuse)
         _set_policy(jobs, policy)
         return await _serve(state, request, req, jobs, True, key, arrival)
+
+    # ------------------------------------------------------------------------------ tokenizer routes
+    # vLLM's shapes: lm-evaluation-harness (`local-completions`, tokenizer_backend=remote) tokenizes through
+    # them, so an evaluation needs no tokenizer files of its own (docs/lm_eval.md).
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _tenant(state, request)
+        req = P.parse(P.TokenizeRequest, await _read_body(request, state.limits.max_body_bytes))
+        ids = await asyncio.to_thread(_encode_within, state, req.prompt, req.add_special_tokens, "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _tenant(state, request)
+        req = P.parse(P.DetokenizeRequest, await _read_body(request, state.limits.max_body_bytes))
+        return {"prompt": state.decode(_token_ids(state, req.tokens, "tokens"))}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        _tenant(state, request)
+
+        def info(eng):
+            tok = eng.tokenizer
+            return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token,
+                    "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+                    "chat_template": tok.chat_template, "model_max_length": state.max_model_len}
+
+        return await state.loop.call(info)
 
     # ------------------------------------------------------------------------------------ segments
 
@@ -302,6 +338,18 @@ def build_app(state: ServerState) -> FastAPI:
 def _salt(cache_salt: str | None) -> str | None:
     P.check_cache_salt(cache_salt)
     return cache_salt
+
+
+def _check_logprobs_policy(state: ServerState, policy, param: str) -> None:
+    """Alternatives and prompt logprobs come from the ordinary step programs; a retrieval policy's decode
+    returns only the sampled token's logprob."""
+    from jaxkv.policies.retrieve import RetrievalPolicy
+
+    effective = state.kv_policy if policy is K.DEFAULT else policy
+    if isinstance(effective, RetrievalPolicy):
+        raise P.RequestError(f"{param} alternatives and echoed prompt logprobs are not available with the "
+                             f"retrieval KV policy {effective.name!r}; pass logprobs without alternatives, "
+                             "or kv_policy null for the full cache.", param)
 
 
 def _check_reuse_enabled(state: ServerState) -> None:
@@ -465,18 +513,22 @@ def _completion_jobs(state: ServerState, req, reuse: tuple | None = None) -> lis
         head = prefix_ids + [t for seg in seg_tokens for t in seg]
         spec = (prefix_ids, list(seg_ids), method)
     jobs = []
+    no_output = req.max_tokens == 0  # with echo (checked): the prompt alone, as lm-eval's loglikelihood asks
     for pi, (text, ids) in enumerate(prompts):
         full = head + ids
         if not full:
             raise P.RequestError("prompt is empty after tokenization.", "prompt")
-        max_tokens = P.resolve_max_tokens(req.max_tokens, explicit, len(full), state.max_model_len)
+        max_tokens = P.resolve_max_tokens(1 if no_output else req.max_tokens, explicit, len(full),
+                                          state.max_model_len)
         if req.echo:
             echo = text if text is not None and spec is None else state.decode(full)
         else:
             echo = ""
-        new = _jobs(state, req, pi, full, max_tokens, echo, len(jobs))
-        if spec is not None:
-            for j in new:
+        new = _jobs(state, req, pi, full, max_tokens, echo, len(jobs),
+                    prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+        for j in new:
+            j.no_output = no_output
+            if spec is not None:
                 j.reuse = (spec[0], spec[1], ids, spec[2])
         jobs += new
     return jobs
@@ -545,7 +597,7 @@ def _completion_prompts(prompt, state: ServerState, special: bool = True,
 
 
 def _jobs(state: ServerState, req, prompt_index: int, ids: list[int], max_tokens: int, echo: str,
-          first_index: int) -> list[_Job]:
+          first_index: int, prompt_logprobs: int | None = None) -> list[_Job]:
     stop = P.stop_list(req)
     stop_token_ids = tuple(req.stop_token_ids or ())
     bad = [t for t in stop_token_ids if not 0 <= t < state.vocab_size]
@@ -556,19 +608,27 @@ def _jobs(state: ServerState, req, prompt_index: int, ids: list[int], max_tokens
     pick = lambda value, name, fallback: value if value is not None else d.get(name, fallback)
     ignore_eos = bool(req.ignore_eos)
     stop_ids = frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(state.eos_token_ids))
+    want_logprobs = req.logprobs is not None and req.logprobs is not False
+    # completions: `logprobs` is the count; chat: `logprobs` is a flag and `top_logprobs` the count
+    alternatives = (req.top_logprobs or 0) if isinstance(req.logprobs, bool) else (req.logprobs or 0)
+    alternatives = alternatives if want_logprobs else 0
     jobs = []
     for i in range(req.n or 1):
         kwargs = dict(temperature=float(pick(req.temperature, "temperature", 1.0)),
                       top_p=float(pick(req.top_p, "top_p", 1.0)), top_k=int(pick(req.top_k, "top_k", 0)),
                       max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=stop_token_ids,
                       seed=P.engine_seed(req.seed, i), ignore_eos=ignore_eos)
+        if alternatives:
+            kwargs["logprobs"] = alternatives
+        if prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = prompt_logprobs
         try:
             sampling = state.make_sampling(**kwargs)
         except ValueError as e:
             raise P.RequestError(str(e)) from None
         jobs.append(_Job(first_index + i, prompt_index, ids, sampling, stop_ids,
-                         TextStream(state.decode, ids, stop), echo,
-                         want_logprobs=req.logprobs is not None and req.logprobs is not False))
+                         TextStream(state.decode, ids, stop), echo, want_logprobs=want_logprobs,
+                         num_alternatives=alternatives, echo_logprobs=prompt_logprobs is not None))
     return jobs
 
 
@@ -635,16 +695,33 @@ def _apply(state: ServerState, job: _Job, out) -> None:
     job.cached_tokens = max(job.cached_tokens, getattr(out, "num_cached_tokens", 0))
     if out.finished and out.finish_reason == "stop" and new and new[-1] in job.stop_ids:
         new = new[:-1]  # the stop token itself is not part of the text
+    if job.echo_logprobs and out.prompt_logprobs is not None:
+        job.logprobs[:0] = _prompt_items(state, job.prompt_ids, out)
+    if job.no_output:  # max_tokens 0: the token the engine had to sample is not part of the answer
+        new, job.output_tokens = [], 0
     if job.want_logprobs:
-        job.logprobs += [(state.decode([t]), float(lp)) for t, lp in zip(new, out.new_logprobs)]
+        tops = out.new_top_logprobs or [None] * len(new)
+        job.logprobs += [(state.decode([t]), float(lp), _alternatives(state, top))
+                         for t, lp, top in zip(new, out.new_logprobs, tops)]
     job.text.add(new, final=out.finished)
     if out.finished:
         job.finished = True
-        job.output_tokens = max(job.output_tokens, out.num_output_tokens)
-        job.finish_reason = "stop" if job.text.stopped else out.finish_reason
+        job.output_tokens = 0 if job.no_output else max(job.output_tokens, out.num_output_tokens)
+        job.finish_reason = "length" if job.no_output else "stop" if job.text.stopped else out.finish_reason
     elif job.text.stopped:  # the stop string matched here first; the engine need not go on
         state.loop.abort(job.request_id, "stop_string")
         job.finished, job.finish_reason = True, "stop"
+
+
+def _alternatives(state: ServerState, top) -> list[tuple[str, float]] | None:
+    return None if top is None else [(state.decode([t]), float(lp)) for t, lp in top]
+
+
+def _prompt_items(state: ServerState, prompt_ids: list[int], out) -> list[tuple]:
+    """The echoed prompt's logprob items: (token text, logprob, alternatives); the first token has none."""
+    tops = out.prompt_top_logprobs or [None] * len(prompt_ids)
+    return [(state.decode([t]), None if lp is None else float(lp), _alternatives(state, top))
+            for t, lp, top in zip(prompt_ids, out.prompt_logprobs, tops)]
 
 
 async def _events(state: ServerState, jobs: list[_Job], q: asyncio.Queue,
@@ -711,7 +788,7 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
             choices.append({"index": j.index, "message": {"role": "assistant", "content": text},
                             "logprobs": lp, "finish_reason": j.finish_reason})
         else:
-            lp = P.completion_logprobs(j.logprobs, len(j.echo)) if j.want_logprobs else None
+            lp = P.completion_logprobs(j.logprobs, 0, j.num_alternatives > 0) if j.want_logprobs else None
             choices.append({"index": j.index, "text": text, "logprobs": lp, "finish_reason": j.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name, "system_fingerprint": None, "choices": choices, "usage": _usage(jobs)}
@@ -764,8 +841,8 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
         job.logprobs_sent = len(job.logprobs)
         if chat:
             return P.chat_logprobs(items)
-        out = P.completion_logprobs(items, job.logprobs_offset)
-        job.logprobs_offset += sum(len(t) for t, _ in items)
+        out = P.completion_logprobs(items, job.logprobs_offset, job.num_alternatives > 0)
+        job.logprobs_offset += sum(len(t) for t, _, _ in items)
         return out
 
     def choice(job: _Job, text: str, finish: str | None, first: bool = False) -> dict:
@@ -783,10 +860,12 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
     try:
         if chat:
             yield chunk([choice(j, "", None, first=True) for j in jobs])
-        elif any(j.echo for j in jobs):
-            yield chunk([choice(j, j.echo, None) for j in jobs if j.echo])
+        elif any(j.echo and not j.echo_logprobs for j in jobs):
+            yield chunk([choice(j, j.echo, None) for j in jobs if j.echo and not j.echo_logprobs])
         async for job in _events(state, jobs, q, deadline):
             text = job.text.take(final=job.finished)
+            if job.echo_logprobs and job.echo:  # the echo goes out with the prompt's logprobs
+                text, job.echo = job.echo + text, ""
             if job.finished:
                 yield chunk([choice(job, text, job.finish_reason)])
             elif text:

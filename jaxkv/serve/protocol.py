@@ -3,7 +3,7 @@
 Everything a client can get wrong is checked here and raised as `RequestError` (HTTP 400 with an
 OpenAI-style body). Parsing is strict: a string where a number belongs is an error, not a coercion.
 Unknown fields are ignored (clients send many optional OpenAI fields); fields we know but do not
-implement (logprobs, penalties, tools, ...) are rejected with a message saying so.
+implement (penalties, tools, ...) are rejected with a message saying so.
 """
 
 from __future__ import annotations
@@ -148,6 +148,21 @@ class ChatCompletionRequest(_CommonRequest):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Closed):
+    """POST /tokenize (vLLM's shape): text -> token ids."""
+
+    prompt: str
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeRequest(_Closed):
+    """POST /detokenize (vLLM's shape): token ids -> text (special tokens skipped)."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
 def parse(model_cls: type[_Strict], body: bytes):
     """Parse a JSON body into `model_cls`, turning every problem into a `RequestError`."""
     if not body.strip():
@@ -241,14 +256,15 @@ def check_cache_salt(cache_salt: str | None) -> None:
 def check_completion_extras(req: CompletionRequest) -> None:
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise RequestError(f"logprobs must lie in [0, {MAX_COMPLETION_LOGPROBS}].", "logprobs")
-        if req.logprobs > 0:
-            raise RequestError("logprobs above 0 (alternatives per position) is not supported by this "
-                               "server; logprobs: 0 returns each generated token's log-probability.",
+            raise RequestError(f"logprobs must lie in [0, {MAX_COMPLETION_LOGPROBS}] (got {req.logprobs}).",
                                "logprobs")
-        if req.echo:
-            raise RequestError("echo with logprobs (log-probabilities of the prompt) is not supported by "
-                               "this server.", "echo")
+        if req.echo and req.reuse is not None:
+            raise RequestError("echo with logprobs (the prompt's log-probabilities) cannot be combined with "
+                               "segment reuse: reused segment tokens are not recomputed, so they have no "
+                               "logits. Drop echo or logprobs, or send the prompt without reuse.", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError("max_tokens must be at least 1 (0 is allowed only with echo: true, which returns "
+                           "the prompt).", "max_tokens")
     if req.suffix:
         raise RequestError("suffix is not supported by this server.", "suffix")
     n = req.n or 1
@@ -265,13 +281,10 @@ def check_completion_extras(req: CompletionRequest) -> None:
 def check_chat_extras(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}].", "top_logprobs")
+            raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs}).",
+                               "top_logprobs")
         if not req.logprobs:
             raise RequestError("top_logprobs needs logprobs: true.", "top_logprobs")
-        if req.top_logprobs > 0:
-            raise RequestError("top_logprobs above 0 (alternatives per position) is not supported by this "
-                               "server; logprobs: true returns each generated token's log-probability.",
-                               "top_logprobs")
     if req.tools:
         raise RequestError("tools (function calling) are not supported by this server.", "tools")
     if req.tool_choice not in (None, "none", "auto"):
@@ -368,22 +381,41 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def chat_logprobs(items: list[tuple[str, float]]) -> dict:
-    """OpenAI chat `logprobs` of generated tokens [(token text, logprob)] (no alternatives)."""
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in items], "refusal": None}
+def chat_logprobs(items: list[tuple]) -> dict:
+    """OpenAI chat `logprobs` of generated tokens [(token text, logprob, alternatives)], the alternatives
+    [(token text, logprob)] most likely first (`top_logprobs` of the request; empty for 0)."""
+    def entry(t: str, lp: float) -> dict:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts or ()]}
+                        for t, lp, alts in items], "refusal": None}
 
 
-def completion_logprobs(items: list[tuple[str, float]], offset: int = 0) -> dict:
-    """OpenAI completions `logprobs` of generated tokens; `text_offset` counts from `offset` (characters of
-    the choice's text before them)."""
-    tokens, lps, offsets = [], [], []
-    for t, lp in items:
+def completion_logprobs(items: list[tuple], offset: int = 0, alternatives: bool = False) -> dict:
+    """OpenAI completions `logprobs` [(token text, logprob or None, alternatives or None)]: echoed prompt
+    tokens first (the first one has neither), then the generated ones. `text_offset` counts from `offset`
+    (characters of the choice's text before them). With `alternatives` (`logprobs` > 0) `top_logprobs`
+    holds per token a {token text: logprob} of its alternatives plus the token itself (as OpenAI: up to
+    `logprobs` + 1 entries), else it is null."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, lp, alts in items:
         tokens.append(t)
         lps.append(lp)
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+        if alternatives:
+            tops.append(None if lp is None else _top_dict(t, lp, alts))
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if alternatives else None,
+            "text_offset": offsets}
+
+
+def _top_dict(token: str, logprob: float, alts) -> dict[str, float]:
+    """Alternatives as {text: logprob}: two tokens with one text keep the likelier; the token itself last."""
+    out: dict[str, float] = {}
+    for text, lp in alts or ():
+        out.setdefault(text, lp)
+    out.setdefault(token, logprob)
+    return out
 
 
 def now() -> int:
