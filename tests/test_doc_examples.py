@@ -64,7 +64,7 @@ def _logical_lines(code: str) -> list[str]:
     return code.replace("\\\n", " ").splitlines()
 
 
-def extract_blocks(path: Path) -> list[Block]:
+def extract_blocks(path: Path, root: Path = REPO) -> list[Block]:
     """The fenced blocks of one Markdown file that run (or are skipped by a marker)."""
     lines = path.read_text().splitlines()
     out, i = [], 0
@@ -82,7 +82,7 @@ def extract_blocks(path: Path) -> list[Block]:
         if kind is not None:
             marker = _SKIP.match(lines[i - 1]) if i else None
             skip = (marker["reason"] or "marked skip") if marker else None
-            out.append(Block(str(path.relative_to(REPO)), i + 1, kind, body + "\n", skip))
+            out.append(Block(str(path.relative_to(root)), i + 1, kind, body + "\n", skip))
         i = j + 1
     return out
 
@@ -124,17 +124,17 @@ class Session:
         if block.page != self.page:
             self.page, self.ports, self.namespace, self.done = block.page, {}, {}, set()
             later = {tuple(_serve_args(self._local(line))[1]) for b in BLOCKS[BLOCKS.index(block):]
-                     for line in b.server_lines()}
+                     if not b.skip for line in b.server_lines()}
             for key in [k for k in self.servers if k not in later]:
                 self.servers.pop(key).stop()
         for b in BLOCKS[:BLOCKS.index(block)]:
             if b.page != block.page or b.skip or b.id in self.done:
                 continue
+            self.done.add(b.id)  # once, even when it fails (its own test reports that)
             if b.kind == "python":
                 self.run_python(b)
             else:
                 self.start_servers(b)
-            self.done.add(b.id)
 
     def _local(self, text: str) -> str:
         return text.replace("/tmp/", f"{self.tmp}/")
@@ -186,6 +186,24 @@ def session(tmp_path_factory):
     s.close()
 
 
+def test_the_convention(tmp_path):
+    """What runs, what is skipped with its reason, what is output; server lines and their ports."""
+    page = tmp_path / "page.md"
+    page.write_text("\n".join([
+        "# t", "", "```python", "print(1)", "```", "", "```text", "1", "```", "",
+        "<!-- doc-test: skip (GPU only) -->", "```bash", "nvidia-smi", "```", "",
+        "```sh", "python -m jaxkv.serve --model synthetic \\", "    --port 8001   # serves", "curl -s x",
+        "```",
+        "```json", "{}", "```", "```", "plain", "```"]) + "\n")
+    blocks = extract_blocks(page, tmp_path)
+    assert [(b.line, b.kind, b.skip) for b in blocks] == [(3, "python", None), (12, "shell", "GPU only"),
+                                                          (16, "shell", None)]
+    assert blocks[0].code == "print(1)\n"
+    serve, = blocks[2].server_lines()
+    assert _serve_args(serve) == (8001, ["--model", "synthetic"])
+    assert _serve_args("python -m jaxkv.serve") == (8000, [])
+
+
 def test_the_documents_have_runnable_examples():
     """The extractor sees the fences: README's client examples are collected and not skipped."""
     readme = [b for b in BLOCKS if b.page == "README.md" and not b.skip]
@@ -198,8 +216,8 @@ def test_the_documents_have_runnable_examples():
                                                 else []) for b in BLOCKS])
 def test_doc_example(block: Block, session: Session):
     session.enter(block)
+    session.done.add(block.id)
     if block.kind == "python":
         session.run_python(block)
     else:
         session.run_shell(block)
-    session.done.add(block.id)
