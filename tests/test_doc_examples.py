@@ -5,10 +5,11 @@ Convention for documentation authors:
 * ```bash / ```sh and ```python blocks run; ```text (output), ```json and unlabeled blocks never run.
 * `<!-- doc-test: skip (reason) -->` on the line just before a block's fence skips it with that reason
   (GPU-only, installs, long benchmarks, placeholder paths, signature listings).
-* A shell line `python -m jaxkv.serve ...` starts that server (on a free port) and waits for its ready line
-  instead of blocking; later blocks of the same page talk to it: `127.0.0.1:N` / `localhost:N` in their
-  text becomes the real port, where N is the line's `--port` (8000 when left out). The rest of such a block
-  runs after the server is up. A server stops once no later page starts the same command line.
+* A shell line `python -m jaxkv.serve ...` starts that server (on a free port) and waits for its ready
+  line and `/health` instead of blocking; later blocks of the same page talk to it: `127.0.0.1:N` /
+  `localhost:N` in their text becomes the real port, where N is the line's `--port` (8000 when left out).
+  The rest of such a block runs after the server is up. A server stops once no later page starts the same
+  command line (servers of equal command lines are one server).
 * Python blocks of one page share one namespace, as a reader pasting them into one interpreter (run in
   this process, in page order). Shell blocks run with `bash -e -o pipefail` from the repository root, with
   `curl` failing on an HTTP error status. `/tmp/` in a block is a fresh temporary directory.
@@ -27,6 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
 from jaxkv.serve.launch import ServerProcess
@@ -144,7 +146,9 @@ class Session:
             port, args = _serve_args(self._local(line))
             key = tuple(args)
             if key not in self.servers:
-                self.servers[key] = ServerProcess(args, timeout=BLOCK_TIMEOUT_S)
+                server = ServerProcess(args, timeout=BLOCK_TIMEOUT_S)
+                self.servers[key] = server
+                assert httpx.get(server.base + "/health", timeout=30).json() == {"status": "ok"}
             self.ports[port] = self.servers[key]
 
     def substitute(self, code: str) -> str:
