@@ -213,7 +213,15 @@ def body(**kw):
     return {"model": "tiny", "prompt": "the old river", "max_tokens": 4, "ignore_eos": True, **kw}
 
 
+def settled(app) -> None:
+    """Returns once the engine thread has finished the loop turn that answered the last request: its
+    gauges (pages in use, ...) are refreshed after the answers are handed out, so a client can see its
+    answer a moment before /metrics reflects the pages it freed. A no-op command runs only between turns."""
+    asyncio.run(app[1].loop.call(lambda engine: None))
+
+
 def metric(app, name: str, **labels) -> float:
+    settled(app)
     text = run(app, ("GET", "/metrics", None))[0].text
     total = 0.0
     for line in text.splitlines():

@@ -322,18 +322,18 @@ def test_non_adjacent_segment_parts_are_400(server):
     assert r.status_code == 400 and "adjacent" in r.json()["error"]["message"], r.text
 
 
-def test_reuse_request_the_engine_drops_is_400_not_a_hang(server):
+def test_reuse_request_beyond_its_page_aligned_layout_is_400_naming_max_tokens(server):
     # Every reused segment starts on a page boundary: twelve 1-token segments lay the prompt out over 13 pages
-    # per head, and 64 more tokens need 4 more: beyond the 16 pages of a 256-token context. The server's
-    # token count (14 + 64) fits, so the request is queued and the engine drops it at admission.
+    # per head, and 64 more tokens need 4 more: beyond the 16 pages of a 256-token context. The token count
+    # (14 + 64) fits, so only the layout tells: refused before anything is queued, naming max_tokens.
     segs = [register(server, tokens=[100 + i]) for i in range(12)]
     body = {"model": server.name, "prompt": [7], "max_tokens": 64, "ignore_eos": True,
             "reuse": {"segments": segs, "prefix": [1]}}
-    r = http(server, "POST", "completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "request_failed", r.text
-    assert "pages" in r.json()["error"]["message"]
-    r = http(server, "POST", "completions", json={**body, "stream": True})
-    assert '"code": "request_failed"' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
+    for stream in (False, True):
+        r = http(server, "POST", "completions", json={**body, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert "page boundaries" in r.json()["error"]["message"]
+    assert complete(server, prompt=[7], reuse={"segments": segs, "prefix": [1]})  # 12 tokens fit the layout
     assert complete(server, prompt=[7], reuse={"segments": segs[:2], "prefix": [1]})  # still serving
     assert server.metric("jaxkv_kv_pages_in_use") == 0
     for s in segs:

@@ -129,7 +129,7 @@ class HeadPageTables:
 
     # ---- mutation -----------------------------------------------------------------------------
     def append(self, seq_id, positions, through_pool: bool = True,
-               return_slots: bool = True) -> np.ndarray | None:
+               return_slots: bool = True, sequential: bool = False) -> np.ndarray | None:
         """Reserves slots for new tokens of ``seq_id`` (created if unknown).
 
         ``positions`` is np.int32[n], strictly increasing and after the sequence's last position.
@@ -139,6 +139,9 @@ class HeadPageTables:
         ring slot a later token of the same append takes gets slot -1 (never written).
         ``return_slots=False`` skips the slot array (the engine computes slots on the device) and returns
         None; host work is then O(L x H + new pages).
+        ``sequential=True``: the tokens go through the model one forward each (a multi-step decode call
+        reserves its K tokens at once but writes and attends them one step at a time), so only one token at
+        a time must fit a local head's ring, not all ``n``; later tokens overwrite ring slots in order.
         """
         positions = np.asarray(positions)
         if positions.ndim != 1:
@@ -148,7 +151,7 @@ class HeadPageTables:
         if new:
             seq = _Seq(self.num_layers, self.num_kv_heads, 0)
         n = positions.shape[0]
-        if through_pool and n > self.max_step_tokens and self.local.any():
+        if through_pool and not sequential and n > self.max_step_tokens and self.local.any():
             raise ValueError(f"append: {n} tokens in one step exceed max_step_tokens={self.max_step_tokens}, "
                              "which sizes the local heads' rings")
         if n and (positions[0] <= seq.last_pos or (np.diff(positions) <= 0).any()):

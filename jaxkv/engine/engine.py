@@ -408,7 +408,7 @@ class Engine:
         for c, n in zip(chunks, sizes):
             start = c.start + c.num_tokens
             slots = self.tables.append(c.request.request_id, np.arange(start, start + n, dtype=np.int32),
-                                       return_slots=False)
+                                       return_slots=False, sequential=True)
             following.append(Chunk(c.request, start, n, slots, steps=n))
         prev = (pending.last, [c.num_tokens for c in chunks])
         return following, self._dispatch_decode(following, prev)

@@ -443,9 +443,11 @@ class Reuser:
         tokens, storage = np.concatenate(tokens), np.concatenate(storage)
         n = start
         npg = -(-slot // ps)
-        if npg + -(-req.sampling.max_tokens // ps) > eng.max_pages_per_head:
-            raise SegmentError(f"the prompt laid out with page-aligned segments needs {npg} pages per head; "
-                               f"the context holds {eng.max_pages_per_head}")
+        room = generation_room(npg, ps, eng.max_pages_per_head)
+        if req.sampling.max_tokens > room:
+            raise SegmentError(f"max_tokens={req.sampling.max_tokens} does not fit: the prompt laid out with "
+                               f"page-aligned segments takes {npg} of the context's {eng.max_pages_per_head} "
+                               f"pages per head, which leaves room for {max(room, 0)} generated tokens")
         lay = Layout(n, np.concatenate(is_new), np.concatenate(seg_index), np.concatenate(seg_offset),
                      tuple(bounds), ps)
         forced = pol.forced(lay)
@@ -521,6 +523,23 @@ class Reuser:
         else:
             eng.scheduler.add_running(req)
         return out
+
+
+def prompt_pages(pieces, page_size: int) -> int:
+    """Pages per head of a reuse prompt laid out as `_prefill` does: `pieces` are (length, is_segment) in
+    prompt order; every segment starts on a page boundary, so the padding before it takes slots too."""
+    slot = 0
+    for n, is_segment in pieces:
+        if is_segment:
+            slot = -(-slot // page_size) * page_size
+        slot += n
+    return -(-slot // page_size)
+
+
+def generation_room(npg: int, page_size: int, max_pages_per_head: int) -> int:
+    """Tokens a reuse request may generate after a prompt of `npg` pages per head: its completion starts on
+    a fresh page and the whole must stay within the context's pages per head (<= 0: none)."""
+    return (max_pages_per_head - npg) * page_size
 
 
 def _nbytes(a) -> int:

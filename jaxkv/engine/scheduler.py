@@ -139,7 +139,7 @@ class Scheduler:
             if req not in self.running:  # preempted while making room for an older request
                 continue
             n = max(1, min(decode_steps, room(req) if room is not None else decode_steps))
-            slots = self._reserve(req, n)
+            slots = self._reserve(req, n, sequential=True)
             if slots is not _PREEMPTED:
                 chunks.append(Chunk(req, req.num_computed, n, slots, steps=n))
         return chunks
@@ -154,13 +154,15 @@ class Scheduler:
         req.num_computed = num_cached
         req.num_cached = num_cached
 
-    def _reserve(self, req: Request, n: int):
-        """Slots of ``n`` more tokens of ``req`` (None without host slots), or _PREEMPTED."""
+    def _reserve(self, req: Request, n: int, sequential: bool = False):
+        """Slots of ``n`` more tokens of ``req`` (None without host slots), or _PREEMPTED. ``sequential``:
+        a multi-step decode chunk, one token per forward (HeadPageTables.append)."""
         need = self.tables.pages_needed(req.request_id, n)
         if not self._make_room(need, protect=req):
             self._preempt(req)
             return _PREEMPTED
-        return self.tables.append(req.request_id, _positions(req, n), return_slots=self.host_slots)
+        return self.tables.append(req.request_id, _positions(req, n), return_slots=self.host_slots,
+                                  sequential=sequential)
 
     def _make_room(self, need: int, protect: Request | None) -> bool:
         """Frees pages until `need` fit: idle prefix-cache pages, idle segments, offload to host memory, then

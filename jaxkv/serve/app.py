@@ -520,6 +520,9 @@ def _completion_jobs(state: ServerState, req, reuse: tuple | None = None) -> lis
             raise P.RequestError("prompt is empty after tokenization.", "prompt")
         max_tokens = P.resolve_max_tokens(1 if no_output else req.max_tokens, explicit, len(full),
                                           state.max_model_len)
+        if spec is not None:
+            layout = [(len(prefix_ids), False)] + [(len(t), True) for t in seg_tokens] + [(len(ids), False)]
+            max_tokens = _fit_reuse_layout(state, layout, max_tokens, explicit, "max_tokens", "prompt")
         if req.echo:
             echo = text if text is not None and spec is None else state.decode(full)
         else:
@@ -558,10 +561,35 @@ def _chat_jobs(state: ServerState, req, messages: list[dict], marker: str = "",
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = P.resolve_max_tokens(requested, requested is not None, len(ids), state.max_model_len,
                                       param, "messages")
+    if spec is not None:
+        layout = [(len(spec[0]), False)] + [(len(t), True) for t in seg_tokens] + [(len(spec[2]), False)]
+        max_tokens = _fit_reuse_layout(state, layout, max_tokens, requested is not None, param, "messages")
     jobs = _jobs(state, req, 0, ids, max_tokens, "", 0)
     for j in jobs:
         j.reuse = spec
     return jobs
+
+
+def _fit_reuse_layout(state: ServerState, layout, max_tokens: int, explicit: bool, param: str,
+                      prompt_param: str) -> int:
+    """`max_tokens` within what a reuse prompt leaves: its segments start on page boundaries, so their
+    padding takes context too. A default is clamped to it; an explicit value beyond it is a 400."""
+    from jaxkv.engine.reuse import generation_room, prompt_pages
+
+    ps = state.info["page_size"]
+    npg = prompt_pages(layout, ps)
+    room = generation_room(npg, ps, -(-state.max_model_len // ps))
+    if max_tokens <= room:
+        return max_tokens
+    why = (f"The prompt with its segments starting on page boundaries (page size {ps}) takes {npg * ps} of "
+           f"the {state.max_model_len}-token context")
+    if room < 1:
+        raise P.RequestError(f"{why}, which leaves no room for a completion. Please reduce the prompt or the "
+                             "segments.", prompt_param, code="context_length_exceeded")
+    if explicit:
+        raise P.RequestError(f"{why}, which leaves room for {room} completion tokens; {param} is "
+                             f"{max_tokens}. Please reduce {param}.", param, code="context_length_exceeded")
+    return room
 
 
 def _check_ids(state: ServerState, ids: list[int], param: str) -> None:

@@ -69,6 +69,7 @@ def build_state(model, engine, served_model_name: str, use_generation_config: bo
     tok = model.tokenizer
     if tok is None:
         raise ValueError(f"{model.path} has no tokenizer.json; the server needs a tokenizer")
+    check_servable(engine)
     metrics = ServeMetrics(served_model_name)
     limits = limits or ServeLimits()
     limits.max_num_seqs = engine.scheduler.max_num_seqs
@@ -95,11 +96,37 @@ def build_state(model, engine, served_model_name: str, use_generation_config: bo
     )
 
 
+def _smallest_request_pages(engine) -> int:
+    """KV pages a request of one prompt token and one generated token holds: a page per (layer, KV head)."""
+    cfg = engine.model.config
+    return cfg.num_layers * cfg.num_kv_heads * -(-2 // engine.page_size)
+
+
+def check_servable(engine) -> None:
+    """Refuses, at startup, sizes with which no request could ever be answered (a ValueError naming the
+    flag to change), instead of a server that fails every request."""
+    if engine.max_model_len < 2:
+        raise ValueError(f"--max-model-len {engine.max_model_len} leaves no room for a prompt token and a "
+                         "generated one; it must be at least 2")
+    need = _smallest_request_pages(engine)
+    if engine.allocator.num_pages < need:
+        cfg = engine.model.config
+        raise ValueError(f"--num-pages {engine.allocator.num_pages} is less than one page per (layer, KV "
+                         f"head) ({cfg.num_layers} x {cfg.num_kv_heads} = {need}), so no request fits; "
+                         f"raise --num-pages to at least {need} (more to serve longer requests)")
+
+
 def warm_up(engine, prompt_len: int = 8) -> None:
-    """Run one tiny request through the engine so the first client does not pay for compilation."""
+    """Run one tiny request through the engine so the first client does not pay for compilation; sized
+    to fit a small context or pool (check_servable guarantees room for 2 tokens)."""
     from jaxkv.sampling import SamplingParams
 
-    rid = engine.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=2, temperature=0.0),
+    cfg = engine.model.config
+    fit = engine.allocator.num_pages // (cfg.num_layers * cfg.num_kv_heads) * engine.page_size  # per head
+    total = max(2, min(prompt_len + 2, engine.max_model_len, fit))
+    prompt_len = total - min(2, total - 1)
+    rid = engine.add_request(list(range(1, prompt_len + 1)),
+                             SamplingParams(max_tokens=total - prompt_len, temperature=0.0),
                              request_id="jaxkv-serve-warmup")
     while engine.has_unfinished():
         engine.step()
