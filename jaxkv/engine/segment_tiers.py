@@ -90,6 +90,8 @@ class SegmentTiers:
         self.bytes_promoted = 0  # bytes copied to the device
         self.bytes_promoted_all_heads = 0  # what those promotions would have copied with every head
         self.bytes_demoted = 0  # bytes copied from the device to host memory
+        self._moves = 0  # tier changes so far: `totals` recomputes only after one (it runs every step)
+        self._totals: tuple | None = None
 
     @property
     def persist(self):
@@ -120,11 +122,15 @@ class SegmentTiers:
 
     def totals(self) -> dict[str, int]:
         """Bytes per tier over every live segment (all namespaces)."""
+        key = (self._moves, len(self.store), len(self.persist.ids) if self.persist is not None else 0)
+        if self._totals is not None and self._totals[0] == key:
+            return dict(self._totals[1])
         out = dict.fromkeys(TIERS, 0)
         for e in self.store.entries(all_namespaces=True):
             for t, b in self.tier_bytes(e).items():
                 out[t] += b
-        return out
+        self._totals = (key, out)
+        return dict(out)
 
     @property
     def host_used(self) -> int:
@@ -212,6 +218,7 @@ class SegmentTiers:
         else:
             self._host.move_to_end(sid)
         n = int(on.sum())
+        self._moves += 1
         self.engine.allocator.decref(e.pages[on])
         e.pages = np.full_like(e.pages, -1)
         self.demotions += 1
@@ -229,6 +236,7 @@ class SegmentTiers:
             if self.pins.get(sid) == "host" or e is None or not self.stored(e):
                 continue
             used -= self._host.pop(sid).nbytes
+            self._moves += 1
         return used + size <= self.host_bytes or hard
 
     def _copy_out(self, e: SegmentEntry) -> HostCopy:
@@ -252,6 +260,7 @@ class SegmentTiers:
         """A segment left the store (deleted): its host copy and pin go with it."""
         self._host.pop(e.segment_id, None)
         self.pins.pop(e.segment_id, None)
+        self._moves += 1
 
     # ---- promotion ------------------------------------------------------------------------------
     def promote(self, entries, heads: np.ndarray) -> None:
@@ -277,6 +286,7 @@ class SegmentTiers:
             if e.segment_id in self._host:
                 self._host.move_to_end(e.segment_id)
             self.promotions += 1
+            self._moves += 1
             self.bytes_promoted += m * self.head_bytes(e)
             self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
 
