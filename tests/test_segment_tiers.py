@@ -248,3 +248,34 @@ def test_host_copies_in_pinned_host_memory(model, docs):
     assert isinstance(copy.k, list) and copy.k[0].sharding.memory_kind.endswith("host")
     assert ask(eng, ids) == want
     assert all(where(eng, s) == ["device", "host"] for s in ids)
+
+
+def test_a_store_read_of_some_heads_reads_and_checks_only_theirs(tmp_path):
+    import json
+
+    from jaxkv.cache.segment_store import CorruptSegmentError, SegmentStore, StoredSegment
+
+    store = SegmentStore(tmp_path, {"model": "tiny"})
+    L, H, S, D = 2, 2, 8, 4
+    k = np.random.default_rng(0).normal(size=(L, H, S, D)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(S, dtype=np.int32), (L, H, S)).copy()
+    store.put(StoredSegment("seg-x", (1, 2), None, k, -k, pos, np.ones((L, H), bool)))
+    chunk = tmp_path / "segments" / "seg-x" / "k" / "c" / "0" / "1" / "0" / "0"  # layer 0, KV head 1
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    local = np.zeros((L, H), bool)
+    local[:, 0] = True  # e.g. the heads a method reads: the damaged chunk is not among them
+    got = store.get("seg-x", heads=local)
+    np.testing.assert_array_equal(got.k[:, 0], k[:, 0])
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        store.get("seg-x")
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        store.get("seg-x", heads=~local)
+    # A segment written before per-chunk checksums: every stored head is read against the segment's one.
+    meta_path = tmp_path / "segments" / "seg-x" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["chunk_checksums"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        store.get("seg-x", heads=local)
