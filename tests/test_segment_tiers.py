@@ -126,15 +126,27 @@ def test_frozen_segments_stay_in_their_pinned_tier(model, docs):
         eng.register_segment(docs[3], frozen=True, tier="disk")
 
 
-def test_without_a_store_host_memory_is_the_floor(model, docs):
+def test_without_a_store_ordinary_segments_past_host_memory_go_and_frozen_ones_are_refused(model, docs):
     eng = engine(model, 2000)
-    per_segment = eng.reuser.tiers.L * eng.reuser.tiers.H * SEG * eng.reuser.tiers.slot_bytes
-    eng.reuser.tiers.host_bytes = 2 * per_segment
-    eng.register_segment(docs[0])
-    eng.register_segment(docs[1], frozen=True)  # pinned to the device: never needs host memory
-    eng.register_segment(docs[2])
+    tiers = eng.reuser.tiers
+    tiers.host_bytes = 2 * tiers.L * tiers.H * SEG * tiers.slot_bytes  # two segments
+    ids = [eng.register_segment(d) for d in docs]  # ordinary segments are always admitted
+    assert tiers.evict(eng.allocator.num_pages) == 4 * seg_pages(model)  # every one leaves the device
+    # Host memory keeps the two most recently used; the two oldest had no tier left and were dropped.
+    assert [where(eng, s) for s in ids[2:]] == [["host"], ["host"]] and tiers.drops == 2
+    for s in ids[:2]:
+        with pytest.raises(SegmentError, match="unknown"):
+            eng.reuser.store.get(s)
+    prefilled = eng.reuser.segments_prefilled
+    ask(eng, [docs[0]])  # a request that gives the tokens registers the segment again
+    assert eng.reuser.segments_prefilled == prefilled + 1
+    # Frozen segments are never dropped: pinned in host memory, they must fit it together.
+    eng.register_segment(docs[1], frozen=True, tier="host")
+    eng.register_segment(docs[2], frozen=True, tier="host")  # drops the ordinary copies to fit
+    assert tiers.host_used == tiers.host_bytes and tiers.drops == 4
     with pytest.raises(SegmentCapacityError, match="--segment-host-bytes"):
-        eng.register_segment(docs[3])
+        eng.register_segment(docs[3], frozen=True, tier="host")
+    eng.register_segment(docs[3], frozen=True)  # pinned to the device: no host memory needed
     with pytest.raises(ValueError, match="segment_host_bytes"):
         SegmentTiers(eng.reuser, host_bytes=-1)
 

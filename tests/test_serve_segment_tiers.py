@@ -22,7 +22,7 @@ def server(tmp_path_factory):
     s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "4",
                        "--num-pages", "112", "--max-num-seqs", "2", "--max-step-tokens", "64",
                        "--head-classes", "global", "--no-precompile",
-                       "--segment-host-bytes", str(5 * PER_SEGMENT + 100)])
+                       "--segment-host-bytes", str(2 * PER_SEGMENT + 100)])
     yield s
     s.stop()
 
@@ -49,7 +49,7 @@ def cards(s) -> dict:
 
 def test_segments_move_between_tiers_and_cards_show_it(server):
     rng = np.random.default_rng(0)
-    docs = [rng.integers(3, 300, SEG).tolist() for _ in range(6)]
+    docs = [rng.integers(3, 300, SEG).tolist() for _ in range(7)]
     ids = [register(server, d)["id"] for d in docs[:4]]
     first = ask(server, ids[:2])  # every segment fits on the device beside this request
     assert all(c["tiers"] == ["device"] and c["bytes"]["device"] == PER_SEGMENT
@@ -69,12 +69,14 @@ def test_segments_move_between_tiers_and_cards_show_it(server):
     # A frozen segment pinned to host memory lives there; its card says so.
     pinned = register(server, docs[4], frozen=True, tier="host")
     assert pinned["tiers"] == ["host"] and pinned["tier_pin"] == "host"
-    # Without a store nothing is ever dropped: past the host budget a registration is refused clearly.
+    register(server, docs[5], frozen=True, tier="host")
+    # Without a store a frozen segment is never dropped: past the host budget one is refused clearly.
     with pytest.raises(openai.APIStatusError) as err:
-        register(server, docs[5])
+        register(server, docs[6], frozen=True, tier="host")
     assert err.value.status_code == 507 and "--segment-host-bytes" in err.value.message
     with pytest.raises(openai.BadRequestError, match="frozen"):
-        register(server, docs[5], tier="host")
+        register(server, docs[6], tier="host")
+    assert ids[0] in cards(server)  # an ordinary segment another tier held whole was kept
 
 
 def test_host_bytes_flag():

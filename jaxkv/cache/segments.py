@@ -184,6 +184,14 @@ class SegmentStore:
                 self.evictions += 1
         return freed
 
+    def drop(self, e: SegmentEntry) -> None:
+        """Drops an idle entry now (no tier had room for it): its id becomes unknown, its tokens register
+        again on their next use."""
+        if e.refcount:
+            raise ValueError(f"drop: segment {e.segment_id} is in use")
+        self._drop(e)
+        self.evictions += 1
+
     def clear(self) -> None:
         """Drops every entry nobody uses (all namespaces)."""
         for e in [e for e in self._entries.values() if e.refcount == 0]:

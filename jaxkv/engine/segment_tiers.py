@@ -14,9 +14,13 @@ Every segment is complete (every head) in at least one tier. **Demotion**: when 
 pages, a registration, a promotion) finds the pool short, the least recently used segments nobody is
 using and nobody pinned leave the device: copied to host memory while the host budget (`host_bytes`,
 ``--segment-host-bytes``) holds them, else (with a store) dropped to the store; past the budget, host
-copies the store also holds go, least recently used first. Without a store host memory is the lowest
-tier and a segment is never dropped: a registration is admitted only while every segment that may leave
-the device fits in host memory together (`SegmentError` naming the budget otherwise).
+copies another tier holds whole go first, least recently used first.
+
+**Without a store** host memory is the lowest tier. A frozen segment is never dropped: a frozen
+registration is refused (`SegmentCapacityError`, naming the budget) unless every segment pinned in host
+memory fits its budget together. An ordinary segment is a cache entry: when no tier has room for it, the
+least recently used one is dropped (its id becomes unknown; a request that gives its tokens registers it
+again), which is what happens to ordinary segments without tiers too, only later.
 
 **Promotion**: before a reuse request's prefill, the heads its method reads (`ReusePolicy.segment_heads`:
 every head for naive / SparseX / CacheBlend / EPIC, the local heads only for RedKnot, which recomputes its
@@ -90,6 +94,7 @@ class SegmentTiers:
         self.bytes_promoted = 0  # bytes copied to the device
         self.bytes_promoted_all_heads = 0  # what those promotions would have copied with every head
         self.bytes_demoted = 0  # bytes copied from the device to host memory
+        self.drops = 0  # ordinary segments dropped because no tier had room (no store, host memory full)
         self._moves = 0  # tier changes so far: `totals` recomputes only after one (it runs every step)
         self._totals: tuple | None = None
 
@@ -146,9 +151,10 @@ class SegmentTiers:
         return (tier or "device") if frozen else None
 
     def admit(self, num_tokens: int, pin: str | None, existing: SegmentEntry | None = None) -> None:
-        """Refuses (SegmentError) a registration the tiers could not hold: without a store, every segment
-        that may leave the device must fit in host memory together (none is ever dropped); a segment
-        pinned to the device may not leave the pool without room for one request of the full context."""
+        """Refuses (SegmentCapacityError) a frozen registration the tiers could not keep: without a store,
+        the segments pinned in host memory must fit its budget together; the segments pinned to the device
+        may not leave the pool without room for one request of the full context. Ordinary segments are
+        always admitted (they may be dropped when no tier has room)."""
         npg = -(-num_tokens // self.page_size)
         size = self.L * self.H * npg * self.page_size * self.slot_bytes
         others = [e for e in self.store.entries(all_namespaces=True) if e is not existing]
@@ -163,14 +169,14 @@ class SegmentTiers:
                     f"segments frozen on the device would hold {want} of the pool's {total} pages, leaving "
                     "no room for a request of the full context; freeze it with tier='host' or delete frozen "
                     "segments")
-        elif self.persist is None:
-            movable = sum(self.L * self.H * self.head_bytes(e) for e in others
-                          if self.pins.get(e.segment_id) != "device")
-            if movable + size > self.host_bytes:
+        elif pin == "host" and self.persist is None:
+            pinned = sum(self.L * self.H * self.head_bytes(e) for e in others
+                         if self.pins.get(e.segment_id) == "host")
+            if pinned + size > self.host_bytes:
                 raise SegmentCapacityError(
-                    f"segments that may leave the device would need {movable + size} bytes of host memory; "
-                    f"the budget is {self.host_bytes} (--segment-host-bytes) and no segment store is "
-                    "configured to spill to (--segment-store)")
+                    f"segments frozen in host memory would need {pinned + size} bytes; the budget is "
+                    f"{self.host_bytes} (--segment-host-bytes) and no segment store is configured "
+                    "(--segment-store)")
 
     def pin(self, e: SegmentEntry, pin: str | None) -> None:
         """Applies a registration's pin: a device pin brings every head to the pool, a host pin moves the
@@ -207,14 +213,21 @@ class SegmentTiers:
         if sid not in self._host:
             size = self.L * self.H * self.head_bytes(e)
             complete = bool(self.device_heads(e).all())
-            must_keep = keep_host or self.pins.get(sid) == "host" or not self.stored(e)
-            if complete and self._make_host_room(size, hard=must_keep):
+            pinned = keep_host or self.pins.get(sid) == "host"
+            if complete and self._make_host_room(size, hard=pinned, before=sid):
                 self._host[sid] = self._copy_out(e)
                 self.bytes_demoted += size
-            elif must_keep:
-                log.warning("jaxkv: segment %s stays on the device: host memory (%d bytes) is full and no "
-                            "segment store holds it", sid, self.host_bytes)
+            elif self.stored(e):
+                pass  # the store holds it: the pages just go
+            elif pinned or not complete:
+                log.warning("jaxkv: segment %s stays on the device: no lower tier holds it", sid)
                 return 0
+            else:  # no tier has room: an ordinary segment goes (its tokens register again on use)
+                n = int(on.sum())
+                self.store.drop(e)
+                self.drops += 1
+                self._moves += 1
+                return n
         else:
             self._host.move_to_end(sid)
         n = int(on.sum())
@@ -224,19 +237,28 @@ class SegmentTiers:
         self.demotions += 1
         return n
 
-    def _make_host_room(self, size: int, hard: bool) -> bool:
-        """Drops least recently used host copies the store also holds (pinned ones stay) until `size` more
-        bytes fit the budget. `hard`: the copy is needed (its segment has no other tier), so a copy that
-        exceeds the budget is made anyway rather than lose the segment."""
+    def _make_host_room(self, size: int, hard: bool, before: str | None = None) -> bool:
+        """Frees host memory until `size` more bytes fit the budget, least recently used first: copies of
+        segments another tier holds whole (the store, or the device), then ordinary idle segments held
+        nowhere else, if used less recently than segment `before` (they are dropped). Pinned copies stay.
+        `hard`: the copy is needed (a pinned segment), so it is made even past the budget."""
         used = self.host_used
+        order = {sid: i for i, sid in enumerate(self.store._entries)}
+        limit = order.get(before, len(order))
         for sid in list(self._host):
             if used + size <= self.host_bytes:
                 break
             e = self.store._entries.get(sid)
-            if self.pins.get(sid) == "host" or e is None or not self.stored(e):
+            if e is None or self.pins.get(sid) == "host":
                 continue
-            used -= self._host.pop(sid).nbytes
-            self._moves += 1
+            if self.stored(e) or self.device_heads(e).all():
+                used -= self._host.pop(sid).nbytes
+                self._moves += 1
+            elif not e.frozen and e.refcount == 0 and order[sid] < limit:
+                used -= self._host[sid].nbytes
+                self.store.drop(e)  # its host copy goes with it (`_forget`)
+                self.drops += 1
+                self._moves += 1
         return used + size <= self.host_bytes or hard
 
     def _copy_out(self, e: SegmentEntry) -> HostCopy:

@@ -72,7 +72,9 @@ class ServeMetrics:
                                      ["direction"])
         self.segment_bytes_skipped = c("jaxkv_segment_bytes_not_promoted", "Bytes of KV heads left off the "
                                        "device because the request's reuse method does not read them.")
-        self._last_tiers = (0, 0, 0, 0, 0)
+        self.segment_drops = c("jaxkv_segment_drops", "Ordinary segments dropped because no tier had room "
+                               "(no segment store and host memory full); registered again on next use.")
+        self._last_tiers = (0, 0, 0, 0, 0, 0)
         self._last_kv = (0, 0)
         self.step_compilations = c("jaxkv_step_compilations", "Step-program variants compiled (or loaded "
                                    "from the persistent compilation cache) since start: the engine's "
@@ -134,11 +136,11 @@ class ServeMetrics:
             for tier, n in tiers.totals().items():
                 self.segment_bytes.labels(m, tier).set(n)
             now = (tiers.promotions, tiers.demotions, tiers.bytes_promoted, tiers.bytes_demoted,
-                   tiers.bytes_promoted_all_heads - tiers.bytes_promoted)
+                   tiers.bytes_promoted_all_heads - tiers.bytes_promoted, tiers.drops)
             moved = self.segment_bytes_moved
             targets = (self.segment_promotions.labels(m), self.segment_demotions.labels(m),
                        moved.labels(m, "promote"), moved.labels(m, "demote"),
-                       self.segment_bytes_skipped.labels(m))
+                       self.segment_bytes_skipped.labels(m), self.segment_drops.labels(m))
             for counter, new, old in zip(targets, now, self._last_tiers):
                 if new > old:
                     counter.inc(new - old)
