@@ -6,10 +6,11 @@ A store is a tensorstore key-value store (a local directory by default; any tens
     store.json                      identity: model id, KV dtype, page size, layers, KV heads, head dim
     segments/<id>/k, v              zarr3 arrays [L, Hkv, slots, D], one chunk per (layer, KV head)
     segments/<id>/pos               zarr3 array  [L, Hkv, slots] int32 (original positions, -1 = empty)
-    segments/<id>/meta.json         tokens, namespace, context, frozen, start, stored heads, checksum
+    segments/<id>/meta.json         tokens, namespace, context, frozen, start, stored heads, checksums
 
 **Per-head placement.** Only the (layer, KV head) pairs a method will read are written (`heads` mask);
-the others have no chunks at all, so bytes on disk and bytes moved scale with the heads kept.
+the others have no chunks at all, so bytes on disk and bytes moved scale with the heads kept. A read may
+ask for some heads only (`get(heads=...)`): each chunk has its own checksum, so only those are read.
 
 **Crash safety.** `meta.json` is written last and is the commit: a segment whose meta is missing was never
 committed and is invisible (`list` skips it, `sweep` removes its leftovers). The meta holds a blake2b
@@ -123,6 +124,7 @@ class SegmentStore:
         arrays = {"k": seg.k, "v": seg.v, "pos": seg.pos.astype(np.int32)}
         self.delete(seg.segment_id)  # a rewrite starts uncommitted
         written, digest = 0, hashlib.blake2b(digest_size=16)
+        chunks = {name: [[None] * H for _ in range(L)] for name in arrays}
         for name, data in arrays.items():
             arr = self._array(seg.segment_id, name, data.shape, data.dtype, create=True)
             futures = []
@@ -132,6 +134,7 @@ class SegmentStore:
                         block = np.ascontiguousarray(data[layer, head])
                         futures.append(arr[layer, head].write(block))
                         digest.update(block.tobytes())
+                        chunks[name][layer][head] = _chunk_digest(block)
                         written += block.nbytes
             for f in futures:
                 f.result()
@@ -139,6 +142,7 @@ class SegmentStore:
                 "context": list(seg.context), "frozen": bool(seg.frozen), "start": int(seg.start),
                 "heads": seg.heads.astype(int).tolist(), "shape": list(seg.k.shape),
                 "dtype": np.dtype(seg.k.dtype).name, "checksum": digest.hexdigest(), "bytes": written,
+                "chunk_checksums": chunks,
                 "extra": seg.extra}
         self._write_json(f"segments/{seg.segment_id}/meta.json", meta)  # the commit
         return written
@@ -158,7 +162,9 @@ class SegmentStore:
 
     def get(self, segment_id: str, heads: np.ndarray | None = None) -> StoredSegment:
         """Reads a committed segment (only `heads` if given, a subset of the stored ones) and checks its
-        checksum over every stored head (CorruptSegmentError on mismatch or unreadable data)."""
+        checksums (CorruptSegmentError on mismatch or unreadable data): each chunk read against its own,
+        so a read of some heads reads only theirs (stores written before per-chunk checksums: every
+        stored head is read and checked against the whole-segment checksum)."""
         m = self.meta(segment_id)
         if m is None:
             raise KeyError(segment_id)
@@ -169,18 +175,23 @@ class SegmentStore:
         out = {"k": np.zeros((L, H, slots, D), dtype), "v": np.zeros((L, H, slots, D), dtype),
                "pos": np.full((L, H, slots), -1, np.int32)}
         digest = hashlib.blake2b(digest_size=16)
+        chunks = m.get("chunk_checksums")
+        read = want if chunks is not None else stored
+        bad = []
         try:
             for name in ("k", "v", "pos"):
                 arr = self._array(segment_id, name)
-                reads = {(l_, h): arr[l_, h].read() for l_ in range(L) for h in range(H) if stored[l_, h]}
+                reads = {(l_, h): arr[l_, h].read() for l_ in range(L) for h in range(H) if read[l_, h]}
                 for (l_, h), f in reads.items():
-                    block = np.asarray(f.result())
-                    digest.update(np.ascontiguousarray(block).tobytes())
+                    block = np.ascontiguousarray(np.asarray(f.result()))
+                    digest.update(block.tobytes())
+                    if chunks is not None and _chunk_digest(block) != chunks[name][l_][h]:
+                        bad.append((name, l_, h))
                     if want[l_, h]:
                         out[name][l_, h] = block
         except Exception as e:  # tensorstore raises ValueError subclasses for missing / undecodable chunks
             raise CorruptSegmentError(f"segment {segment_id} in {self.url} cannot be read: {e}") from e
-        if digest.hexdigest() != m["checksum"]:
+        if bad or (chunks is None and digest.hexdigest() != m["checksum"]):
             raise CorruptSegmentError(f"segment {segment_id} in {self.url} failed its checksum: the stored "
                                       "KV was changed or truncated after it was written")
         return StoredSegment(segment_id, tuple(m["tokens"]), m["extra_key"], out["k"], out["v"], out["pos"],
@@ -228,6 +239,10 @@ class SegmentStore:
     def _segment_dirs(self) -> list[str]:
         keys = self._kv.list(self._ts.KvStore.KeyRange("segments/", "segments0")).result()
         return sorted({bytes(k).decode().split("/")[1] for k in keys if bytes(k).count(b"/") >= 2})
+
+
+def _chunk_digest(block: np.ndarray) -> str:
+    return hashlib.blake2b(block.tobytes(), digest_size=16).hexdigest()
 
 
 def _kvstore_base(kv) -> dict:

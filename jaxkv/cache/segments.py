@@ -57,7 +57,8 @@ class SegmentEntry:
     segment_id: str
     tokens: tuple[int, ...]
     extra_key: str | None
-    pages: np.ndarray  # [L, H, num_pages] int32, position order, one store reference each
+    pages: np.ndarray  # [L, H, num_pages] int32, position order, one store reference each; -1: that head is
+    # not on the device (jaxkv.engine.segment_tiers keeps it in host memory or the persistent store)
     frozen: bool = False
     refcount: int = 0  # requests currently using the entry
     deleted: bool = False  # a frozen entry deleted while in use (pages freed at refcount zero)
@@ -79,6 +80,8 @@ class SegmentStore:
         self._entries: OrderedDict[str, SegmentEntry] = OrderedDict()  # LRU first
         self._deleted: set[str] = set()  # ids of deleted frozen entries (for a clear error)
         self.evictions = 0
+        self.on_drop = None  # called with each entry that leaves the store (its other tiers go with it)
+        self.on_miss = None  # seg_id -> entry or None: a lower tier (the persistent store) may hold it
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -100,12 +103,14 @@ class SegmentStore:
     @property
     def num_pages(self) -> int:
         """Pages the store references (shared ones counted once per entry)."""
-        return int(sum(e.pages.size for e in self._entries.values()))
+        return int(sum((e.pages >= 0).sum() for e in self._entries.values()))
 
     # ---- lookup -----------------------------------------------------------------------------------
     def get(self, seg_id: str, extra_key: str | None = None) -> SegmentEntry:
         """The live entry `seg_id` in namespace `extra_key`; SegmentError naming the problem otherwise."""
         e = self._entries.get(seg_id)
+        if e is None and seg_id not in self._deleted and self.on_miss is not None:
+            e = self.on_miss(seg_id)
         if e is None or e.deleted:
             if seg_id in self._deleted:
                 raise SegmentError(f"segment {seg_id!r} was deleted")
@@ -179,6 +184,14 @@ class SegmentStore:
                 self.evictions += 1
         return freed
 
+    def drop(self, e: SegmentEntry) -> None:
+        """Drops an idle entry now (no tier had room for it): its id becomes unknown, its tokens register
+        again on their next use."""
+        if e.refcount:
+            raise ValueError(f"drop: segment {e.segment_id} is in use")
+        self._drop(e)
+        self.evictions += 1
+
     def clear(self) -> None:
         """Drops every entry nobody uses (all namespaces)."""
         for e in [e for e in self._entries.values() if e.refcount == 0]:
@@ -186,5 +199,7 @@ class SegmentStore:
 
     def _drop(self, e: SegmentEntry) -> None:
         self._entries.pop(e.segment_id, None)
-        self.allocator.decref(e.pages)
+        self.allocator.decref(e.pages[e.pages >= 0])
+        if self.on_drop is not None:
+            self.on_drop(e)
         e.ffn = None  # its cached FFN outputs (device memory outside the pool) go with it

@@ -46,12 +46,15 @@ class SegmentConfig:
     anchor). ffn_cache_bytes: device memory for RedKnot's per-segment FFN outputs (None: a quarter of the
     pool). store: a directory or tensorstore URL where registered segments persist (restored into the pool
     when the engine starts; jaxkv/engine/segment_persist.py); None: they live as long as the engine.
+    host_bytes: host memory for segments moved off the device when the pool runs short
+    (jaxkv/engine/segment_tiers.py).
     """
 
     anchor: Any = "bos"
     start: int | None = None
     ffn_cache_bytes: int | None = None
     store: str | None = None
+    host_bytes: int = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)

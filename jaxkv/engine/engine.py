@@ -253,10 +253,11 @@ class Engine:
         return request_id
 
     def register_segment(self, token_ids, extra_key: str | None = None, frozen: bool = False,
-                         context=None) -> str:
+                         context=None, tier: str | None = None) -> str:
         """Prefills `token_ids` once into the segment store (after the anchor, and after `context` tokens
-        when given, whose K/V are dropped: the segment as it was in an earlier prompt); returns its id."""
-        return self.reuser.register(token_ids, extra_key, frozen, context=context).segment_id
+        when given, whose K/V are dropped: the segment as it was in an earlier prompt); returns its id.
+        `tier` ("device" or "host"): where a frozen segment stays (jaxkv/engine/segment_tiers.py)."""
+        return self.reuser.register(token_ids, extra_key, frozen, context=context, tier=tier).segment_id
 
     def delete_segment(self, segment_id: str, extra_key: str | None = None) -> None:
         self.reuser.store.delete(segment_id, extra_key)

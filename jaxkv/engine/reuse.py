@@ -28,6 +28,7 @@ from jaxkv.cache.segments import SegmentEntry, SegmentError, SegmentStore
 from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.runner import StepBatch
+from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
 from jaxkv.policies.reuse.apply import reuse_prefill
 from jaxkv.sampling import top_logprobs_host
@@ -117,7 +118,13 @@ class Reuser:
         if self.start != len(self.anchor):
             model_id += f"+start{self.start}"
         self.store = SegmentStore(engine.allocator, engine.page_size, model_id)
-        engine.scheduler.segments = self.store
+        self.persist = None  # PersistentSegments when the engine has a segment store (segment_persist.py)
+        # Device / host / store placement of the segments (jaxkv/engine/segment_tiers.py); the scheduler
+        # demotes idle ones through it when the pool runs short.
+        seg_cfg = getattr(getattr(engine, "config", None), "segments", None)
+        self.tiers = SegmentTiers(self, DEFAULT_HOST_BYTES if seg_cfg is None else seg_cfg.host_bytes)
+        engine.scheduler.segments = self.tiers
+        self.segments_prefilled = 0  # registrations that ran the engine's prefill (not found in any tier)
         hc = reuse_head_classes
         if hc is None:
             path = getattr(engine.model, "path", None)
@@ -133,7 +140,6 @@ class Reuser:
                                    tuple(int(x) for x in self.heads["window"][i])) for i in range(len(kinds)))
         self.impl = "reference" if engine.runner.attn_impl == "reference" else None
         self.waiting: deque[_Pending] = deque()
-        self.persist = None  # PersistentSegments when the engine has a segment store (segment_persist.py)
         self.stats: dict[str, ReuseStats] = {}
         self.keep_logits = keep_logits
         # RedKnot ffn_reuse's per-segment FFN outputs live outside the page pool, so they get their own
@@ -148,9 +154,10 @@ class Reuser:
 
     # ---- segments -----------------------------------------------------------------------------
     def register(self, tokens, extra_key: str | None = None, frozen: bool = False,
-                 context=None) -> SegmentEntry:
+                 context=None, tier: str | None = None) -> SegmentEntry:
         """The entry for `tokens` in namespace `extra_key`, prefilled by the engine if new (after the anchor
-        and `context`, if given: the segment's K/V then carry that text, whose own K/V are dropped)."""
+        and `context`, if given: the segment's K/V then carry that text, whose own K/V are dropped).
+        `tier` ("device" or "host", frozen segments only): where it stays (jaxkv/engine/segment_tiers.py)."""
         tokens = [int(t) for t in tokens]
         context = [int(t) for t in (context or ())]
         self._check_tokens(tokens, "segment")
@@ -160,13 +167,19 @@ class Reuser:
             what = f"segment has {len(tokens)} tokens"
             what += f" after {len(context)} of context" if context else ""
             raise SegmentError(f"{what}; the context holds {self.engine.max_model_len}")
+        pin = self.tiers.check_pin(frozen, tier)
         e = self.store.find(tokens, extra_key, context)
+        if e is None and self.persist is not None:  # committed by another server on the same store
+            e = self.persist.find(self.store.id_for(tokens, extra_key, context))
         if e is not None:
-            if frozen and not e.frozen:
+            if frozen and (not e.frozen or self.tiers.pins.get(e.segment_id) != pin):
+                self.tiers.admit(len(tokens), pin, existing=e)
                 self.store.freeze(e)
+                self.tiers.pin(e, pin)
                 if self.persist is not None:
                     self.persist.save(e)
             return e
+        self.tiers.admit(len(tokens), pin)
         L, H, ps = self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
         n = len(tokens)
         npg = -(-n // ps)
@@ -181,10 +194,12 @@ class Reuser:
         finally:
             if scratch is not None:
                 self.engine.allocator.decref(scratch)
+        self.segments_prefilled += 1
         e = self.store.insert(tokens, extra_key, ids, frozen=frozen, start=self.start + len(context),
                               context=context)
         if self.persist is not None:
             self.persist.save(e)
+        self.tiers.pin(e, pin)
         return e
 
     def _prefill_segment(self, tokens, pages, scratch=None, context=()) -> None:
@@ -285,7 +300,7 @@ class Reuser:
         alloc = self.engine.allocator
         while not alloc.can_allocate(n):
             short = n - alloc.num_free
-            if self.store.evict(short) > 0:
+            if self.tiers.evict(short) > 0:
                 continue
             if self.engine.prefix is not None and self.engine.prefix.evict(short) > 0:
                 continue
@@ -413,6 +428,8 @@ class Reuser:
             if e is not None:
                 self.store.acquire(e)
         try:
+            # the heads the method reads come to the device (from host memory or the store) first
+            self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]))
             return self._prefill(p, entries, seg_tokens)
         finally:
             for e in entries:
@@ -475,10 +492,11 @@ class Reuser:
         b["page_table"][0, :, :, :npg] = table
         b["probe"][:probe.size] = probe
         at = 0
-        for e, page0, d in copies:
+        for e, page0, d in copies:  # heads the method does not read may be off the device (-1: no copy)
             m, size = e.pages.shape[2], e.pages.size
-            b["src"][at:at + size] = e.pages.ravel()
-            b["dst"][at:at + size] = table[:, :, page0:page0 + m].ravel()
+            src = e.pages.ravel()
+            b["src"][at:at + size] = src
+            b["dst"][at:at + size] = np.where(src >= 0, table[:, :, page0:page0 + m].ravel(), -1)
             b["delta"][at:at + size] = d
             at += size
         b["clear"][:table.size] = table.ravel()

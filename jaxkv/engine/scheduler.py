@@ -46,7 +46,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
-        self.segments = None  # a jaxkv.cache.segments.SegmentStore whose idle entries may be evicted
+        self.segments = None  # segment tiers (jaxkv/engine/segment_tiers.py): evict(n) moves idle ones off
         # offload(n) -> device pages freed by moving running requests' pages to host memory (SpeContext's
         # progressive offload, jaxkv/engine/retrieval.py), tried before preempting; None: no offload.
         self.offload = None
@@ -165,8 +165,8 @@ class Scheduler:
                                   sequential=sequential)
 
     def _make_room(self, need: int, protect: Request | None) -> bool:
-        """Frees pages until `need` fit: idle prefix-cache pages, idle segments, offload to host memory, then
-        the newest running request."""
+        """Frees pages until `need` fit: idle prefix-cache pages, idle segments (moved to host memory or the
+        store), offload to host memory, then the newest running request."""
         while not self.allocator.can_allocate(need):
             if self.prefix is not None and self.prefix.evict(need - self.allocator.num_free) > 0:
                 continue

@@ -1,9 +1,10 @@
-"""Registered segments that survive a restart: the engine's segment entries mirrored to a tensorstore
-`jaxkv.cache.segment_store.SegmentStore` and restored into the page pool when an engine starts.
+"""Registered segments that survive a restart: the store tier of jaxkv/engine/segment_tiers.py, the
+engine's segment entries mirrored to a tensorstore `jaxkv.cache.segment_store.SegmentStore`.
 
-A registration copies the segment's pages from the pool to the store (every (layer, KV head); the store
-can hold fewer); an engine opened on the same store (after a restart, or a second server sharing it)
-allocates pages for each committed segment and writes its K/V back, with no prefill. The store's identity
+A registration writes every (layer, KV head) of the segment to the store; an engine opened on the same
+store (after a restart, or a second server sharing it) registers each committed segment again with no
+prefill: into the pool while it has room, else left in the store until a request promotes it. A segment
+another server commits later is found on its first use by id (`find`). The store's identity
 is the segment id namespace of this engine (model id, anchor, start) plus the KV layout (dtype, page size,
 layers, KV heads, head dim): another model or layout is refused with `StoreMismatchError`.
 """
@@ -14,8 +15,9 @@ import logging
 
 import numpy as np
 
-from jaxkv.cache.pool import write_kv_donated
+from jaxkv.cache.allocator import OutOfPages
 from jaxkv.cache.segment_store import CorruptSegmentError, SegmentStore, StoredSegment
+from jaxkv.cache.segments import SegmentError
 
 log = logging.getLogger("jaxkv.engine")
 
@@ -29,62 +31,90 @@ class PersistentSegments:
                          "page_size": int(pool.page_size), "num_layers": cfg.num_layers,
                          "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
         self.disk = SegmentStore(url, self.identity)
+        reuser.store.on_miss = self.find
+        self.ids: set[str] = set()  # segments of this engine committed to the store
         self.bytes_written = 0
         self.bytes_read = 0
 
     def save(self, entry) -> None:
-        """Copies a registered entry's pages [L, H, n] from the pool to the store."""
-        pool = self.reuser.engine.runner.pool
-        L, H, n = entry.pages.shape
-        ps = pool.page_size
-        ids = entry.pages.reshape(-1)
-        k = np.asarray(pool.k[ids]).reshape(L, H, n * ps, -1)
-        v = np.asarray(pool.v[ids]).reshape(L, H, n * ps, -1)
-        pos = np.asarray(pool.pos[ids]).reshape(L, H, n * ps)
+        """Writes a registered entry (every (layer, KV head), from the fastest tier holding it) to the
+        store. A segment another server already committed with the same flags is not written again: the
+        id covers the model, its tokens, namespace and context, so the K/V are the same."""
+        tiers = self.reuser.tiers
+        pin = tiers.pins.get(entry.segment_id)
+        extra = {"tier": pin} if pin == "host" else {}
+        m = self.disk.meta(entry.segment_id)
+        if m is not None and m["frozen"] == entry.frozen and m.get("extra", {}) == extra:
+            self.ids.add(entry.segment_id)
+            return
+        k, v, pos = tiers.arrays(entry)
+        L, H = pos.shape[:2]
         self.bytes_written += self.disk.put(StoredSegment(
             entry.segment_id, entry.tokens, entry.extra_key, k, v, pos, np.ones((L, H), bool),
-            context=entry.context, frozen=entry.frozen, start=entry.start))
+            context=entry.context, frozen=entry.frozen, start=entry.start, extra=extra))
+        self.ids.add(entry.segment_id)
 
     def delete(self, segment_id: str) -> None:
         self.disk.delete(segment_id)
+        self.ids.discard(segment_id)
 
     def restore(self) -> int:
-        """Loads every committed segment of the store into the pool (no prefill); returns how many. A
-        corrupted entry is logged and skipped, never served."""
-        store, engine = self.reuser.store, self.reuser.engine
+        """Registers every committed segment of the store (no prefill): frozen ones in their pinned tier,
+        the others loaded into the pool while it has room beside a request of the full context, the rest
+        left in the store until a request uses them. Returns how many. A corrupted entry is logged and
+        skipped, never served."""
+        store, engine, tiers = self.reuser.store, self.reuser.engine, self.reuser.tiers
+        L, H = self.reuser.cfg.num_layers, self.reuser.cfg.num_kv_heads
         n = 0
         self.disk.sweep()
-        for meta in self.disk.list():
+        metas = sorted(self.disk.list(), key=lambda m: not m["frozen"])  # pinned segments place first
+        reserve = engine.tables.pages_needed(None, engine.max_model_len)
+        for meta in metas:
             sid = meta["segment_id"]
             if sid in store:
                 continue
-            try:
-                seg = self.disk.get(sid)
-                if store.id_for(seg.tokens, seg.extra_key, seg.context) != sid:
-                    raise CorruptSegmentError("its tokens do not hash to its id")
-                if not (seg.pos == seg.pos[:, :1]).all():
-                    raise CorruptSegmentError("its stored positions differ between KV heads")
-            except CorruptSegmentError as e:
-                log.error("jaxkv: skipping segment %s: %s", sid, e)
+            e = self.adopt(meta)
+            if e is None:
                 continue
-            L, H, slots, _ = seg.k.shape
-            ps = engine.page_size
-            pages = self.reuser._allocate(L * H * (slots // ps)).reshape(L, H, slots // ps)
-            engine.runner.pool = _write_pages(engine.runner.pool, pages, seg.k, seg.v, seg.pos)
-            store.insert(seg.tokens, seg.extra_key, pages, frozen=seg.frozen, start=seg.start,
-                         context=seg.context)
-            self.bytes_read += sum(a.nbytes for a in (seg.k, seg.v, seg.pos))
             n += 1
+            pin = tiers.pins.get(sid)
+            room = engine.allocator.num_free - reserve >= e.pages.size
+            try:
+                if pin == "device" or (pin is None and room):
+                    tiers.promote([e], np.ones((L, H), bool))
+                elif pin == "host":
+                    tiers.promote([e], np.ones((L, H), bool))
+                    tiers.pin(e, "host")
+            except (OutOfPages, SegmentError) as err:
+                log.error("jaxkv: segment %s stays in the store: %s", sid, err)
         return n
 
+    def adopt(self, meta: dict):
+        """A committed segment of the store registered in this engine's segment store with no pages (its
+        K/V stay in the store until promoted), or None when its metadata does not check out."""
+        store, tiers, ps = self.reuser.store, self.reuser.tiers, self.reuser.page_size
+        sid = meta["segment_id"]
+        try:
+            tokens, context = tuple(meta["tokens"]), tuple(meta["context"])
+            if store.id_for(tokens, meta["extra_key"], context) != sid:
+                raise CorruptSegmentError("its tokens do not hash to its id")
+            L, H, slots, _ = meta["shape"]
+            if (L, H) != (self.identity["num_layers"], self.identity["num_kv_heads"]) or slots % ps or (
+                    slots // ps != -(-len(tokens) // ps)) or not np.asarray(meta["heads"], bool).all():
+                raise CorruptSegmentError(f"its shape {meta['shape']} does not fit its {len(tokens)} tokens")
+        except (CorruptSegmentError, KeyError, TypeError, ValueError) as err:
+            log.error("jaxkv: skipping segment %s: %s", sid, err)
+            return None
+        e = store.insert(tokens, meta["extra_key"], np.full((L, H, slots // ps), -1, np.int32),
+                         frozen=bool(meta["frozen"]), start=int(meta["start"]), context=context)
+        self.ids.add(sid)
+        if e.frozen:
+            tiers.pins[sid] = meta.get("extra", {}).get("tier", "device")
+        return e
 
-def _write_pages(pool, pages, k, v, pos):
-    """Writes K/V [L, H, slots, D] and positions [L, H, slots] into `pages` [L, H, slots / page_size]: rows
-    are (layer, slot), columns KV heads, each (layer, head) at its own flat slot ids."""
-    L, H, slots, D = k.shape
-    ps = pool.page_size
-    j = np.arange(slots)
-    flat = pages[:, :, j // ps] * ps + j % ps  # [L, H, slots]
-    rows = lambda a: np.swapaxes(a, 1, 2).reshape(L * slots, H, *a.shape[3:])
-    return write_kv_donated(pool, rows(k), rows(v), pos[:, 0].reshape(L * slots),
-                            rows(flat).astype(np.int32))
+    def find(self, segment_id: str):
+        """The entry of a segment another server committed after this one started (None if none)."""
+        if segment_id in self.ids:
+            return None
+        meta = self.disk.meta(segment_id)
+        return None if meta is None else self.adopt(meta)

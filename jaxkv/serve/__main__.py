@@ -9,6 +9,19 @@ import time
 from pathlib import Path
 
 
+def _byte_size(text: str) -> int:
+    """A byte count: an integer with an optional K, M, G or T suffix (binary: 4G = 4 * 2**30)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4G, 512M, 1000000)") from None
+    if not n >= 0:
+        raise argparse.ArgumentTypeError(f"a byte size must be >= 0 (got {text!r})")
+    return int(n)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxkv.serve", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -102,6 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="directory or tensorstore URL (gs://, s3://, file://) where registered segments "
                         "persist: they survive a restart and are shared by servers of the same model and "
                         "KV layout, loaded at startup without prefill; default: segments live in memory")
+    p.add_argument("--segment-host-bytes", type=_byte_size, default=None, metavar="BYTES",
+                   help="host memory for registered segments moved off the device when the KV pool runs "
+                        "short (e.g. 4G, 512M; least recently used move first, copied back on use); beyond "
+                        "it they spill to --segment-store, and without a store registrations that would not "
+                        "fit are refused (docs/segments.md); default: 4G")
     p.add_argument("--precompile-reuse", default="", metavar="METHODS",
                    help="comma-separated segment-reuse methods whose pass is compiled for every token bucket "
                         "before the server is ready (methods that recompute every token, e.g. redknot; "
@@ -217,6 +235,8 @@ def main(argv=None) -> int:
                         retrieval_host_pages=args.retrieval_host_pages,
                         retrieval_host_overlap=args.retrieval_host_overlap,
                         segment_anchor=args.segment_anchor, segment_store=args.segment_store,
+                        **({} if args.segment_host_bytes is None
+                           else {"segment_host_bytes": args.segment_host_bytes}),
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
                         else int(args.segment_ffn_cache_mb * 2**20))
         name = args.served_model_name or _served_name(Path(args.model))

@@ -295,16 +295,24 @@ def build_app(state: ServerState) -> FastAPI:
                                  f"prompt holds at most {state.max_model_len - 1}.", "context",
                                  "context_length_exceeded")
         key = _extra_key(tenant, req.cache_salt)
-        frozen = req.frozen
+        frozen, tier = req.frozen, req.tier
+        if tier is not None and not frozen:
+            raise P.RequestError("tier pins a frozen segment where it stays; pass \"frozen\": true with it.",
+                                 "tier")
 
         def register(eng):
             from jaxkv.cache.allocator import OutOfPages
+            from jaxkv.engine.segment_tiers import SegmentCapacityError
 
             try:
-                return _segment_card(eng.reuser.register(tokens, key, frozen, context=context))
+                e = eng.reuser.register(tokens, key, frozen, context=context, tier=tier)
+                return _segment_card(eng, e)
             except OutOfPages as e:
                 raise P.RequestError(f"The KV pool has no room for this segment now ({e}); retry later or "
                                      "delete segments.", None, "kv_pool_full", 503) from None
+            except SegmentCapacityError as e:
+                raise P.RequestError(f"No segment tier has room for this segment: {e}.", None,
+                                     "segment_memory_full", 507) from None
             except ValueError as e:
                 raise P.RequestError(_public(str(e)), param) from None
 
@@ -313,13 +321,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/segments")
     async def list_segments(request: Request, cache_salt: str | None = None):
         key = _extra_key(_tenant(state, request), _salt(cache_salt))
-        data = await state.loop.call(lambda eng: [_segment_card(e) for e in eng.reuser.store.entries(key)])
+        data = await state.loop.call(
+            lambda eng: [_segment_card(eng, e) for e in eng.reuser.store.entries(key)])
         return {"object": "list", "data": data}
 
     @app.get("/v1/segments/{segment_id}")
     async def get_segment(segment_id: str, request: Request, cache_salt: str | None = None):
         key = _extra_key(_tenant(state, request), _salt(cache_salt))
-        return await state.loop.call(lambda eng: _segment_card(_lookup(eng, segment_id, key, None, 404)))
+        return await state.loop.call(lambda eng: _segment_card(eng, _lookup(eng, segment_id, key, None, 404)))
 
     @app.delete("/v1/segments/{segment_id}")
     async def delete_segment(segment_id: str, request: Request, cache_salt: str | None = None):
@@ -382,10 +391,8 @@ def _token_ids(state: ServerState, ids, param: str) -> list[int]:
     return ids
 
 
-def _segment_card(e) -> dict:
-    ffn = 0 if e.ffn is None else int(e.ffn.size * e.ffn.dtype.itemsize)
-    return {"id": e.segment_id, "object": "segment", "num_tokens": e.length, "frozen": e.frozen,
-            "in_use": e.refcount, "hits": e.hits, "ffn_cache_bytes": ffn, "context_tokens": len(e.context)}
+def _segment_card(eng, e) -> dict:
+    return K.segment_card(eng.reuser.tiers, e)
 
 
 async def _segment_tokens(state: ServerState, seg_ids: list[str], key: str | None,

@@ -162,3 +162,12 @@ def segment_not_found(seg_id: str, param: str | None = None, status: int = 400) 
     # business, not the caller's.
     return RequestError(f"Segment {seg_id!r} does not exist (unknown, deleted, or registered under another "
                         "API key or cache_salt).", param, "segment_not_found", status)
+
+
+def segment_card(tiers, e) -> dict:
+    """A segment as /v1/segments shows it: its tiers (fastest first) and the bytes of K/V + positions it
+    holds in each (docs/segments.md)."""
+    ffn = 0 if e.ffn is None else int(e.ffn.size * e.ffn.dtype.itemsize)
+    return {"id": e.segment_id, "object": "segment", "num_tokens": e.length, "frozen": e.frozen,
+            "tier_pin": tiers.pins.get(e.segment_id), "tiers": tiers.tiers(e), "bytes": tiers.tier_bytes(e),
+            "in_use": e.refcount, "hits": e.hits, "ffn_cache_bytes": ffn, "context_tokens": len(e.context)}

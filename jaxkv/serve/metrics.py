@@ -60,6 +60,21 @@ class ServeMetrics:
         self.segment_pages = g("jaxkv_segment_pages", "KV pages referenced by the segment store.")
         self.reuse_requests = c("jaxkv_reuse_requests", "Generations that reused segments, by method.",
                                 ["method"])
+        # Segment tiers (docs/segments.md).
+        self.segment_bytes = g("jaxkv_segment_bytes", "Bytes of segment K/V + positions per tier (device "
+                               "pool pages, host memory, persistent store).", ["tier"])
+        self.segment_promotions = c("jaxkv_segment_promotions", "Segments (or some of their KV heads) "
+                                    "copied to the device for a request, from host memory or the store.")
+        self.segment_demotions = c("jaxkv_segment_demotions", "Segments moved off the device to make "
+                                   "room in the KV pool.")
+        self.segment_bytes_moved = c("jaxkv_segment_bytes_moved", "Segment bytes copied between tiers, by "
+                                     "direction (promote: to the device; demote: device to host memory).",
+                                     ["direction"])
+        self.segment_bytes_skipped = c("jaxkv_segment_bytes_not_promoted", "Bytes of KV heads left off the "
+                                       "device because the request's reuse method does not read them.")
+        self.segment_drops = c("jaxkv_segment_drops", "Ordinary segments dropped because no tier had room "
+                               "(no segment store and host memory full); registered again on next use.")
+        self._last_tiers = (0, 0, 0, 0, 0, 0)
         self._last_kv = (0, 0)
         self.step_compilations = c("jaxkv_step_compilations", "Step-program variants compiled (or loaded "
                                    "from the persistent compilation cache) since start: the engine's "
@@ -116,6 +131,20 @@ class ServeMetrics:
         if reuser is not None:
             self.segments.labels(m).set(len(reuser.store))
             self.segment_pages.labels(m).set(reuser.store.num_pages)
+        tiers = getattr(reuser, "tiers", None)
+        if tiers is not None:
+            for tier, n in tiers.totals().items():
+                self.segment_bytes.labels(m, tier).set(n)
+            now = (tiers.promotions, tiers.demotions, tiers.bytes_promoted, tiers.bytes_demoted,
+                   tiers.bytes_promoted_all_heads - tiers.bytes_promoted, tiers.drops)
+            moved = self.segment_bytes_moved
+            targets = (self.segment_promotions.labels(m), self.segment_demotions.labels(m),
+                       moved.labels(m, "promote"), moved.labels(m, "demote"),
+                       self.segment_bytes_skipped.labels(m), self.segment_drops.labels(m))
+            for counter, new, old in zip(targets, now, self._last_tiers):
+                if new > old:
+                    counter.inc(new - old)
+            self._last_tiers = tuple(max(a, b) for a, b in zip(now, self._last_tiers))
 
     def set_compilations(self) -> None:
         """Advances the compilation counters to the process's counts (jaxkv.engine.compilations)."""

@@ -84,7 +84,8 @@ class SegmentRequest(_Closed):
     tokens: list[int] | None = None
     add_special_tokens: bool = False  # text only: a segment sits mid-prompt, so no BOS by default
     cache_salt: str | None = None  # a namespace within the caller's tenant, as on the generation routes
-    frozen: bool = False  # a knowledge-base entry: evicted only when nothing else can go
+    frozen: bool = False  # a knowledge-base entry: pinned in its tier (device unless `tier` says host)
+    tier: Literal["device", "host"] | None = None  # where a frozen segment stays (docs/segments.md)
     # what preceded the segment in the prompt it comes from (text, tokenized like `text`, or token ids): the
     # segment is prefilled after it, its own K/V dropped, and it is part of the segment's id (SparseX's
     # cache-building request; docs/policies.md, "Segment context")

@@ -175,6 +175,12 @@ class ReusePolicy:
         """[Hkv] bool heads to recompute for every row in this layer (RedKnot's restore), or None."""
         return None
 
+    def segment_heads(self, is_global: np.ndarray) -> np.ndarray:
+        """[L, Hkv] bool: the (layer, KV head) pairs whose cached segment K/V this method reads; the others
+        need not be on the device (segment tiers copy only these up). `is_global` [L, Hkv] is the reuse
+        head-class map. Default: every head (a method that keeps any reused K/V of a head reads it)."""
+        return np.ones(np.shape(is_global), bool) if self.reuses else np.zeros(np.shape(is_global), bool)
+
 
 REUSE_POLICIES: dict[str, type] = {}
 

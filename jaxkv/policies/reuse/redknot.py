@@ -114,6 +114,14 @@ class RedKnot(ReusePolicy):
         mean = jnp.sum(jnp.mean(mass, axis=1), axis=-1) / nprobe  # [Hkv]
         return ~view.is_global & (mean > self.edge_thresh)
 
+    def segment_heads(self, is_global):
+        """A global head's K/V are recomputed for every token in every layer before anything attends to
+        them, so only local heads read cached segment K/V (global ones too with ffn_select="deviation",
+        which compares fresh and cached keys of every head)."""
+        if self.ffn_select == "deviation":
+            return np.ones(np.shape(is_global), bool)
+        return ~np.asarray(is_global, bool)
+
     def head_writes(self, view: LayerView, selected):
         pos, off = view.positions[:, None], view.seg_offset[:, None]
         repaired = view.is_new[:, None] | (pos < view.sink[None]) | ((off >= 0) & (off < view.window[None]))

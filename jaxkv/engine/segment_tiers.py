@@ -1,0 +1,378 @@
+"""Segment tiers: where a registered segment's K/V live (device pool pages, host memory, the persistent
+store) and the moves between them, per (layer, KV head).
+
+* **device**: ``entry.pages[l, h]`` are pool pages; -1 where that head is not on the device (a segment
+  promoted for a method that reads some heads only).
+* **host**: a copy of every head: numpy on the CPU; on an accelerator that offers a host memory kind
+  (JAX memory kinds, ``pinned_host``), one pinned host array per (layer, KV head), so a promotion moves
+  only the heads it needs. Segments never change once registered, so a copy is kept when its segment is
+  promoted and a later demotion moves nothing.
+* **store**: the tensorstore store of ``--segment-store`` (jaxkv/engine/segment_persist.py). Every
+  registration is written there, so leaving host memory moves nothing either.
+
+Every segment is complete (every head) in at least one tier. **Demotion**: when an allocation (a request's
+pages, a registration, a promotion) finds the pool short, the least recently used segments nobody is
+using and nobody pinned leave the device: copied to host memory while the host budget (`host_bytes`,
+``--segment-host-bytes``) holds them, else (with a store) dropped to the store; past the budget, host
+copies another tier holds whole go first, least recently used first.
+
+**Without a store** host memory is the lowest tier. A frozen segment is never dropped: a frozen
+registration is refused (`SegmentCapacityError`, naming the budget) unless every segment pinned in host
+memory fits its budget together. An ordinary segment is a cache entry: when no tier has room for it, the
+least recently used one is dropped (its id becomes unknown; a request that gives its tokens registers it
+again), which is what happens to ordinary segments without tiers too, only later.
+
+**Promotion**: before a reuse request's prefill, the heads its method reads (`ReusePolicy.segment_heads`:
+every head for naive / SparseX / CacheBlend / EPIC, the local heads only for RedKnot, which recomputes its
+global heads' K/V for every token) and the device lacks are copied into newly allocated pages, from host
+memory or the store. Nothing is prefilled again. The copy is dispatched before the prefill pass (JAX runs
+both asynchronously), so host-side work of the pass overlaps the transfer.
+
+**Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
+leaves the pool; ``"host"`` is kept in host memory (its pool pages freed right after registration,
+promoted for a request like any other, never dropped to the store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.pool import write_kv_donated
+from jaxkv.cache.segments import SegmentEntry, SegmentError
+from jaxkv.engine.config import SegmentConfig
+
+log = logging.getLogger("jaxkv.engine")
+
+
+class SegmentCapacityError(SegmentError):
+    """A registration the tiers cannot hold now (host budget without a store, device pins)."""
+
+TIERS = ("device", "host", "store")
+PINS = ("device", "host")
+DEFAULT_HOST_BYTES = SegmentConfig.host_bytes  # host memory for demoted segments (--segment-host-bytes)
+
+
+@dataclasses.dataclass
+class HostCopy:
+    """Every (layer, KV head) of one segment in host memory: k, v [L * H, slots, D] (numpy) or a list of
+    L * H pinned host arrays [slots, D]; pos [L * H, slots] int32 (numpy)."""
+
+    k: object
+    v: object
+    pos: np.ndarray
+    nbytes: int
+
+
+class SegmentTiers:
+    def __init__(self, reuser, host_bytes: int = DEFAULT_HOST_BYTES, memory_kinds: bool | None = None):
+        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int | np.integer) or host_bytes < 0:
+            raise ValueError(f"segment_host_bytes must be an integer >= 0 (got {host_bytes!r})")
+        self.reuser = reuser
+        self.engine = reuser.engine
+        self.store = reuser.store
+        self.store.on_drop = self._forget
+        self.host_bytes = int(host_bytes)
+        cfg, pool = reuser.cfg, reuser.engine.runner.pool
+        self.L, self.H, self.page_size = cfg.num_layers, cfg.num_kv_heads, reuser.page_size
+        # bytes of one slot of one (layer, KV head): K + V + its int32 position
+        self.slot_bytes = 2 * cfg.head_dim * pool.k.dtype.itemsize + 4
+        if memory_kinds is None:
+            from jaxkv.engine.host_tier import host_memory_kind
+
+            memory_kinds = jax.default_backend() != "cpu" and host_memory_kind() is not None
+        self.memory_kinds = bool(memory_kinds)
+        self._host: OrderedDict[str, HostCopy] = OrderedDict()  # least recently used first
+        self.pins: dict[str, str] = {}  # segment id -> "device" | "host" (frozen segments)
+        self.promotions = 0  # segments (or some of their heads) copied up to the device
+        self.demotions = 0  # segments moved off the device
+        self.bytes_promoted = 0  # bytes copied to the device
+        self.bytes_promoted_all_heads = 0  # what those promotions would have copied with every head
+        self.bytes_demoted = 0  # bytes copied from the device to host memory
+        self.drops = 0  # ordinary segments dropped because no tier had room (no store, host memory full)
+        self._moves = 0  # tier changes so far: `totals` recomputes only after one (it runs every step)
+        self._totals: tuple | None = None
+
+    @property
+    def persist(self):
+        return self.reuser.persist
+
+    # ---- where a segment is ---------------------------------------------------------------------
+    def head_bytes(self, e: SegmentEntry) -> int:
+        return e.pages.shape[2] * self.page_size * self.slot_bytes
+
+    def device_heads(self, e: SegmentEntry) -> np.ndarray:
+        """[L, H] bool: heads whose pages are in the pool."""
+        return (e.pages >= 0).all(axis=2) if e.pages.shape[2] else np.ones(e.pages.shape[:2], bool)
+
+    def stored(self, e: SegmentEntry) -> bool:
+        return self.persist is not None and e.segment_id in self.persist.ids
+
+    def tier_bytes(self, e: SegmentEntry) -> dict[str, int]:
+        """Bytes of the segment's K/V + positions in each tier (0 = not there)."""
+        full = self.L * self.H * self.head_bytes(e)
+        return {"device": int(self.device_heads(e).sum()) * self.head_bytes(e) if e.pages.shape[2] else 0,
+                "host": self._host[e.segment_id].nbytes if e.segment_id in self._host else 0,
+                "store": full if self.stored(e) else 0}
+
+    def tiers(self, e: SegmentEntry) -> list[str]:
+        """The tiers holding any of the segment, fastest first."""
+        b = self.tier_bytes(e)
+        return [t for t in TIERS if b[t] or (t == "device" and e.pages.shape[2] == 0)]
+
+    def totals(self) -> dict[str, int]:
+        """Bytes per tier over every live segment (all namespaces)."""
+        key = (self._moves, len(self.store), len(self.persist.ids) if self.persist is not None else 0)
+        if self._totals is not None and self._totals[0] == key:
+            return dict(self._totals[1])
+        out = dict.fromkeys(TIERS, 0)
+        for e in self.store.entries(all_namespaces=True):
+            for t, b in self.tier_bytes(e).items():
+                out[t] += b
+        self._totals = (key, out)
+        return dict(out)
+
+    @property
+    def host_used(self) -> int:
+        return sum(c.nbytes for c in self._host.values())
+
+    # ---- registration ---------------------------------------------------------------------------
+    def check_pin(self, frozen: bool, tier: str | None) -> str | None:
+        """The pin of a registration: "device" for a frozen segment unless `tier` says "host"."""
+        if tier is not None and tier not in PINS:
+            raise ValueError(f"tier must be one of {list(PINS)} (got {tier!r})")
+        if tier is not None and not frozen:
+            raise ValueError("tier pins a frozen segment where it stays; pass frozen=True with it")
+        return (tier or "device") if frozen else None
+
+    def admit(self, num_tokens: int, pin: str | None, existing: SegmentEntry | None = None) -> None:
+        """Refuses (SegmentCapacityError) a frozen registration the tiers could not keep: without a store,
+        the segments pinned in host memory must fit its budget together; the segments pinned to the device
+        may not leave the pool without room for one request of the full context. Ordinary segments are
+        always admitted (they may be dropped when no tier has room)."""
+        npg = -(-num_tokens // self.page_size)
+        size = self.L * self.H * npg * self.page_size * self.slot_bytes
+        others = [e for e in self.store.entries(all_namespaces=True) if e is not existing]
+        if pin == "device":
+            pinned = sum(e.pages.shape[2] for e in others if self.pins.get(e.segment_id) == "device")
+            reserve = self.engine.tables.pages_needed(None, self.engine.max_model_len)
+            room = self.engine.allocator.num_pages - reserve
+            want = (pinned + npg) * self.L * self.H
+            if want > room:
+                total = self.engine.allocator.num_pages
+                raise SegmentCapacityError(
+                    f"segments frozen on the device would hold {want} of the pool's {total} pages, leaving "
+                    "no room for a request of the full context; freeze it with tier='host' or delete frozen "
+                    "segments")
+        elif pin == "host" and self.persist is None:
+            pinned = sum(self.L * self.H * self.head_bytes(e) for e in others
+                         if self.pins.get(e.segment_id) == "host")
+            if pinned + size > self.host_bytes:
+                raise SegmentCapacityError(
+                    f"segments frozen in host memory would need {pinned + size} bytes; the budget is "
+                    f"{self.host_bytes} (--segment-host-bytes) and no segment store is configured "
+                    "(--segment-store)")
+
+    def pin(self, e: SegmentEntry, pin: str | None) -> None:
+        """Applies a registration's pin: a device pin brings every head to the pool, a host pin moves the
+        segment to host memory now."""
+        if pin is None:
+            return
+        self.pins[e.segment_id] = pin
+        if pin == "device":
+            self.promote([e], np.ones((self.L, self.H), bool))
+        elif e.refcount == 0:
+            self._demote(e, keep_host=True)
+
+    # ---- demotion -------------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Moves idle, unpinned segments off the device, least recently used first, until at least
+        `num_pages` pages are free again (or nothing more can go); returns pages freed. The scheduler and
+        the reuse path call it when an allocation comes up short."""
+        freed = 0
+        for e in self.store.entries(all_namespaces=True):
+            if freed >= num_pages:
+                break
+            if e.refcount or self.pins.get(e.segment_id) == "device" or not (e.pages >= 0).any():
+                continue
+            freed += self._demote(e)
+        return freed
+
+    def _demote(self, e: SegmentEntry, keep_host: bool = False) -> int:
+        """Frees the segment's pool pages, first copying it to host memory unless a lower tier holds it
+        (and, with a store, only while the host budget allows); returns pages freed, 0 when it must stay."""
+        on = e.pages >= 0
+        if not on.any():
+            return 0
+        sid = e.segment_id
+        if sid not in self._host:
+            size = self.L * self.H * self.head_bytes(e)
+            complete = bool(self.device_heads(e).all())
+            pinned = keep_host or self.pins.get(sid) == "host"
+            if complete and self._make_host_room(size, hard=pinned, before=sid):
+                self._host[sid] = self._copy_out(e)
+                self.bytes_demoted += size
+            elif self.stored(e):
+                pass  # the store holds it: the pages just go
+            elif pinned or not complete:
+                log.warning("jaxkv: segment %s stays on the device: no lower tier holds it", sid)
+                return 0
+            else:  # no tier has room: an ordinary segment goes (its tokens register again on use)
+                n = int(on.sum())
+                self.store.drop(e)
+                self.drops += 1
+                self._moves += 1
+                return n
+        else:
+            self._host.move_to_end(sid)
+        n = int(on.sum())
+        self._moves += 1
+        self.engine.allocator.decref(e.pages[on])
+        e.pages = np.full_like(e.pages, -1)
+        self.demotions += 1
+        return n
+
+    def _make_host_room(self, size: int, hard: bool, before: str | None = None) -> bool:
+        """Frees host memory until `size` more bytes fit the budget, least recently used first: copies of
+        segments another tier holds whole (the store, or the device), then ordinary idle segments held
+        nowhere else, if used less recently than segment `before` (they are dropped). Pinned copies stay.
+        `hard`: the copy is needed (a pinned segment), so it is made even past the budget."""
+        used = self.host_used
+        order = {sid: i for i, sid in enumerate(self.store._entries)}
+        limit = order.get(before, len(order))
+        for sid in list(self._host):
+            if used + size <= self.host_bytes:
+                break
+            e = self.store._entries.get(sid)
+            if e is None or self.pins.get(sid) == "host":
+                continue
+            if self.stored(e) or self.device_heads(e).all():
+                used -= self._host.pop(sid).nbytes
+                self._moves += 1
+            elif not e.frozen and e.refcount == 0 and order[sid] < limit:
+                used -= self._host[sid].nbytes
+                self.store.drop(e)  # its host copy goes with it (`_forget`)
+                self.drops += 1
+                self._moves += 1
+        return used + size <= self.host_bytes or hard
+
+    def _copy_out(self, e: SegmentEntry) -> HostCopy:
+        """Every head's pages of a segment complete on the device, read into host memory."""
+        L, H, npg = e.pages.shape
+        pool, ps = self.engine.runner.pool, self.page_size
+        ids = jnp.asarray(e.pages.reshape(L * H, npg))
+        k = pool.k[ids].reshape(L * H, npg * ps, -1)
+        v = pool.v[ids].reshape(L * H, npg * ps, -1)
+        pos = np.asarray(pool.pos[ids].reshape(L * H, npg * ps))
+        if self.memory_kinds:
+            from jaxkv.engine.host_tier import host_sharding
+
+            k = [jax.device_put(k[i], host_sharding()) for i in range(L * H)]
+            v = [jax.device_put(v[i], host_sharding()) for i in range(L * H)]
+        else:
+            k, v = np.asarray(k), np.asarray(v)
+        return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
+
+    def _forget(self, e: SegmentEntry) -> None:
+        """A segment left the store (deleted): its host copy and pin go with it."""
+        self._host.pop(e.segment_id, None)
+        self.pins.pop(e.segment_id, None)
+        self._moves += 1
+
+    # ---- promotion ------------------------------------------------------------------------------
+    def promote(self, entries, heads: np.ndarray) -> None:
+        """Brings heads [L, H] of every entry (in use by the caller, so none of them is demoted meanwhile)
+        to the device: from host memory, else from the store. Raises OutOfPages when the pool has no room
+        (nothing changed for the entry that failed), SegmentError when the store's copy is unreadable."""
+        heads = np.asarray(heads, bool)
+        for e in {x.segment_id: x for x in entries if x is not None}.values():
+            absent = ~self.device_heads(e)
+            missing = heads & absent
+            if not missing.any():
+                continue
+            npg = e.pages.shape[2]
+            m = int(missing.sum())
+            ids = self.reuser._allocate(m * npg).reshape(m, npg)
+            try:
+                k, v, pos = self._source(e, missing)
+            except Exception:
+                self.engine.allocator.decref(ids)
+                raise
+            self._write(ids, k, v, pos)
+            e.pages[missing] = ids
+            if e.segment_id in self._host:
+                self._host.move_to_end(e.segment_id)
+            self.promotions += 1
+            self._moves += 1
+            self.bytes_promoted += m * self.head_bytes(e)
+            self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
+
+    def _source(self, e: SegmentEntry, missing: np.ndarray):
+        """K, V [m, slots, D] (device arrays) and positions [m, slots] of the `missing` heads."""
+        flat = np.nonzero(missing.reshape(-1))[0]
+        c = self._host.get(e.segment_id)
+        if c is not None:
+            if isinstance(c.k, list):
+                from jaxkv.engine.host_tier import device_sharding
+
+                k = jnp.stack(jax.device_put([c.k[i] for i in flat], device_sharding()))
+                v = jnp.stack(jax.device_put([c.v[i] for i in flat], device_sharding()))
+            else:
+                k, v = jnp.asarray(c.k[flat]), jnp.asarray(c.v[flat])
+            return k, v, c.pos[flat]
+        if not self.stored(e):
+            raise SegmentError(f"segment {e.segment_id!r} is in no tier that holds its heads")
+        from jaxkv.cache.segment_store import CorruptSegmentError
+
+        try:
+            seg = self.persist.disk.get(e.segment_id, heads=missing)
+        except (CorruptSegmentError, KeyError) as err:
+            raise SegmentError(f"segment {e.segment_id!r} cannot be read from the segment store: {err}") \
+                from None
+        L, H, slots = seg.pos.shape
+        self.persist.bytes_read += len(flat) * slots * self.slot_bytes
+        k = seg.k.reshape(L * H, slots, -1)[flat]
+        v = seg.v.reshape(L * H, slots, -1)[flat]
+        return jnp.asarray(k), jnp.asarray(v), seg.pos.reshape(L * H, slots)[flat]
+
+    def _write(self, ids: np.ndarray, k, v, pos: np.ndarray) -> None:
+        """Writes heads' K/V [m, slots, D] and positions [m, slots] into their pages `ids` [m, npg]: one
+        scatter of m x slots rows (padded to a power of two, so few sizes compile)."""
+        m, slots = pos.shape
+        ps = self.page_size
+        j = np.arange(slots)
+        flat = (ids[:, j // ps] * ps + j % ps).reshape(-1).astype(np.int32)
+        n = m * slots
+        T = 1 << max(n - 1, 0).bit_length()
+        pad = T - n
+        kk = jnp.pad(k.reshape(n, 1, -1), ((0, pad), (0, 0), (0, 0)))
+        vv = jnp.pad(v.reshape(n, 1, -1), ((0, pad), (0, 0), (0, 0)))
+        slot = np.concatenate([flat, np.full(pad, -1, np.int32)])[:, None]
+        positions = np.concatenate([pos.reshape(-1), np.full(pad, -1, np.int32)]).astype(np.int32)
+        self.engine.runner.pool = write_kv_donated(self.engine.runner.pool, kk, vv, positions, slot)
+
+    # ---- reads for the store --------------------------------------------------------------------
+    def arrays(self, e: SegmentEntry):
+        """Every head's K, V [L, H, slots, D] and positions [L, H, slots] as numpy, from the fastest tier
+        holding the whole segment (for writing it to the store)."""
+        L, H, npg = e.pages.shape
+        slots = npg * self.page_size
+        if self.device_heads(e).all():
+            pool = self.engine.runner.pool
+            ids = e.pages.reshape(-1)
+            return (np.asarray(pool.k[ids]).reshape(L, H, slots, -1),
+                    np.asarray(pool.v[ids]).reshape(L, H, slots, -1),
+                    np.asarray(pool.pos[ids]).reshape(L, H, slots))
+        c = self._host.get(e.segment_id)
+        if c is None:
+            seg = self.persist.disk.get(e.segment_id)
+            return seg.k, seg.v, seg.pos
+        k = np.stack([np.asarray(x) for x in c.k]) if isinstance(c.k, list) else c.k
+        v = np.stack([np.asarray(x) for x in c.v]) if isinstance(c.v, list) else c.v
+        return k.reshape(L, H, slots, -1), v.reshape(L, H, slots, -1), c.pos.reshape(L, H, slots)
+

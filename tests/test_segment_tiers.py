@@ -1,0 +1,293 @@
+"""Segment tiers on the real engine (tiny random llama, CPU): a pool too small for every registered segment
+serves requests over all of them with the tokens of a large pool and no segment prefilled twice; least
+recently used segments leave the device first; frozen ones stay where they were pinned; RedKnot's promotion
+moves only the heads it reads; the store tier; cards and metrics show the tiers."""
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
+from jaxkv.cache.segments import SegmentError
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.segment_tiers import SegmentCapacityError, SegmentTiers
+from jaxkv.policies.reuse import get_reuse_policy
+from jaxkv.sampling import SamplingParams
+from jaxkv.serve import kv as K
+from jaxkv.serve.metrics import ServeMetrics
+from tests.hf_tiny import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SEG = 16  # tokens per segment: 4 pages per (layer, KV head) at page size 4
+PREFIX, SUFFIX = [5, 6, 7], [9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-tiers")))
+
+
+@pytest.fixture(scope="module")
+def docs(model):
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, model.config.vocab_size, SEG).tolist() for _ in range(4)]
+
+
+def engine(model, num_pages, **kw):
+    cfg = model.config
+    return Engine(model, page_size=4, max_model_len=64, num_pages=num_pages, attn_impl="reference",
+                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), **kw)
+
+
+def seg_pages(model) -> int:
+    return model.config.num_layers * model.config.num_kv_heads * SEG // 4
+
+
+def ask(eng, segments, method="naive"):
+    rid = eng.add_reuse_request(PREFIX, segments, SUFFIX, reuse=method, sampling=GREEDY)
+    out = []
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert len(out) == GREEDY.max_tokens, "the request never ran"
+    return out
+
+
+def where(eng, sid):
+    return eng.reuser.tiers.tiers(eng.reuser.store.get(sid))
+
+
+COMBOS = [[0, 1], [2, 3, 1], [0, 2], [0, 2, 3], [3, 1], [1, 2, 0]]
+
+
+def test_a_small_pool_serves_every_segment_like_a_large_one(model, docs):
+    # 7 segments' pages: every segment, or three beside a request over three, never both
+    big, small = engine(model, 2000), engine(model, 7 * seg_pages(model))
+    ids_big = [big.register_segment(d) for d in docs]
+    ids = [small.register_segment(d) for d in docs]
+    assert ids == ids_big
+    tiers = small.reuser.tiers
+    for combo in COMBOS:
+        for method in ("naive", "redknot"):
+            want = ask(big, [ids[i] for i in combo], method)
+            assert ask(small, [ids[i] for i in combo], method) == want, (combo, method)
+    # The small pool cannot hold every segment beside a request: segments moved, none was prefilled again.
+    assert tiers.demotions > 0 and tiers.promotions > 0 and tiers.bytes_promoted > 0
+    assert small.reuser.segments_prefilled == len(docs) == big.reuser.segments_prefilled
+    assert big.reuser.tiers.demotions == 0
+    assert any("host" in where(small, s) and "device" not in where(small, s) for s in ids)
+    # Registering a segment again finds it in whatever tier holds it.
+    assert small.register_segment(docs[0]) == ids[0] and small.reuser.segments_prefilled == len(docs)
+    # Pages: every device page a segment holds is one the allocator counts as taken, none leaked.
+    small.reuser.store.clear()
+    assert small.allocator.num_free == small.allocator.num_pages
+
+
+def test_least_recently_used_segments_leave_the_device_first(model, docs):
+    P = seg_pages(model)
+    # Room for three segments and a request over one of them, not for a fourth (longer) segment.
+    eng = engine(model, 3 * P + 28)
+    a, b, c = (eng.register_segment(d) for d in docs[:3])
+    ask(eng, [a])  # a is now the most recently used; b the least
+    assert all(where(eng, s) == ["device"] for s in (a, b, c))
+    d = eng.register_segment(docs[3] + docs[0][:12])  # needs pages: the least recently used idle one goes
+    assert where(eng, b) == ["host"] and where(eng, d) == ["device"]
+    assert where(eng, a) == ["device"] and where(eng, c) == ["device"]
+    assert eng.reuser.tiers.evict(1) == P and where(eng, c) == ["host"]  # next: c, then a
+    assert eng.reuser.tiers.evict(1) == P and where(eng, a) == ["host"]
+    ask(eng, [b])  # promoted back; its host copy stays (a later demotion copies nothing)
+    assert where(eng, b) == ["device", "host"]
+    demoted = eng.reuser.tiers.bytes_demoted
+    eng.reuser.tiers.evict(eng.allocator.num_pages)
+    assert eng.reuser.tiers.bytes_demoted == demoted + eng.reuser.tiers.tier_bytes(
+        eng.reuser.store.get(d))["host"]  # only d (never demoted before) was copied
+
+
+def test_frozen_segments_stay_in_their_pinned_tier(model, docs):
+    P = seg_pages(model)
+    probe = engine(model, 100)
+    full = probe.tables.pages_needed(None, 64)  # one request of the full context (64 tokens)
+    eng = engine(model, full + P + 8)  # room for one device pin beside it
+    pinned = eng.register_segment(docs[0], frozen=True)
+    kept = eng.register_segment(docs[1], frozen=True, tier="host")
+    assert where(eng, pinned) == ["device"] and where(eng, kept) == ["host"]
+    other = eng.register_segment(docs[2])
+    assert eng.reuser.tiers.evict(eng.allocator.num_pages) == P  # only the unpinned one can go
+    assert where(eng, pinned) == ["device"] and where(eng, other) == ["host"]
+    ask(eng, [kept, other])  # a host-pinned segment is promoted for a request like any other
+    eng.reuser.tiers.evict(eng.allocator.num_pages)
+    assert where(eng, pinned) == ["device"] and where(eng, kept) == ["host"]
+    with pytest.raises(SegmentCapacityError, match="frozen on the device"):
+        eng.register_segment(docs[3], frozen=True)  # a second device pin would crowd out a full request
+    with pytest.raises(ValueError, match="frozen=True"):
+        eng.register_segment(docs[3], tier="host")
+    with pytest.raises(ValueError, match="tier must be one of"):
+        eng.register_segment(docs[3], frozen=True, tier="disk")
+
+
+def test_without_a_store_ordinary_segments_past_host_memory_go_and_frozen_ones_are_refused(model, docs):
+    eng = engine(model, 2000)
+    tiers = eng.reuser.tiers
+    tiers.host_bytes = 2 * tiers.L * tiers.H * SEG * tiers.slot_bytes  # two segments
+    ids = [eng.register_segment(d) for d in docs]  # ordinary segments are always admitted
+    assert tiers.evict(eng.allocator.num_pages) == 4 * seg_pages(model)  # every one leaves the device
+    # Host memory keeps the two most recently used; the two oldest had no tier left and were dropped.
+    assert [where(eng, s) for s in ids[2:]] == [["host"], ["host"]] and tiers.drops == 2
+    for s in ids[:2]:
+        with pytest.raises(SegmentError, match="unknown"):
+            eng.reuser.store.get(s)
+    prefilled = eng.reuser.segments_prefilled
+    ask(eng, [docs[0]])  # a request that gives the tokens registers the segment again
+    assert eng.reuser.segments_prefilled == prefilled + 1
+    # Frozen segments are never dropped: pinned in host memory, they must fit it together.
+    eng.register_segment(docs[1], frozen=True, tier="host")
+    eng.register_segment(docs[2], frozen=True, tier="host")  # drops the ordinary copies to fit
+    assert tiers.host_used == tiers.host_bytes and tiers.drops == 4
+    with pytest.raises(SegmentCapacityError, match="--segment-host-bytes"):
+        eng.register_segment(docs[3], frozen=True, tier="host")
+    eng.register_segment(docs[3], frozen=True)  # pinned to the device: no host memory needed
+    with pytest.raises(ValueError, match="segment_host_bytes"):
+        SegmentTiers(eng.reuser, host_bytes=-1)
+
+
+def redknot_engine(model, num_pages):
+    cfg = model.config
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    hc = HeadClassMap(L, H, tuple(tuple(HeadClass.global_() if h == 0 else HeadClass.local(2, 4)
+                                        for h in range(H)) for _ in range(L)))
+    eng = engine(model, num_pages)
+    eng.reuser.__init__(eng, reuse_head_classes=hc)
+    return eng
+
+
+def test_redknot_promotes_only_the_heads_it_reads(model, docs):
+    redknot = get_reuse_policy("redknot")
+    resident = redknot_engine(model, 2000)
+    ids = [resident.register_segment(d) for d in docs[:2]]
+    want = ask(resident, ids, redknot)
+    moved = {}
+    for method in (redknot, "naive"):
+        eng = redknot_engine(model, 2000)
+        assert [eng.register_segment(d) for d in docs[:2]] == ids
+        tiers = eng.reuser.tiers
+        tiers.evict(eng.allocator.num_pages)  # every segment off the device
+        assert all(where(eng, s) == ["host"] for s in ids)
+        got = ask(eng, ids, method)
+        if method is redknot:  # global heads recomputed, not copied: the same tokens as all heads resident
+            assert got == want
+            heads = eng.reuser.store.get(ids[0]).pages[..., 0] >= 0
+            assert heads.tolist() == [[False, True]] * model.config.num_layers  # the local heads only
+        moved[getattr(method, "name", method)] = (tiers.bytes_promoted, tiers.bytes_promoted_all_heads)
+    every = moved["naive"][1]
+    assert moved["naive"] == (every, every)
+    assert moved["redknot"] == (every // 2, every)  # one of two KV heads per layer is local
+    ask(eng, ids, redknot)  # eng: the naive one; every head is already on the device, nothing moves
+    assert eng.reuser.tiers.bytes_promoted == every
+
+
+def test_the_store_tier_and_a_second_engine_on_it(model, docs, tmp_path):
+    big = engine(model, 2000)
+    ids = [big.register_segment(d) for d in docs]
+    want = {tuple(c): ask(big, [ids[i] for i in c]) for c in COMBOS[:3]}
+    # No host memory: demoted segments are only in the store and come back from it per head.
+    small = engine(model, 7 * seg_pages(model), segment_store=str(tmp_path), segment_host_bytes=0)
+    peer = engine(model, 2000, segment_store=str(tmp_path))  # started before the segments existed
+    assert [small.register_segment(d) for d in docs] == ids
+    for c, tokens in want.items():
+        assert ask(small, [ids[i] for i in c]) == tokens
+    tiers = small.reuser.tiers
+    assert tiers.demotions > 0 and tiers.bytes_demoted == 0 and small.reuser.persist.bytes_read > 0
+    assert tiers.promotions > 0  # all from the store: host memory holds nothing
+    tiers.evict(small.allocator.num_pages)
+    assert all(where(small, s) == ["store"] for s in ids) and tiers.host_used == 0
+    assert small.reuser.segments_prefilled == len(docs)
+    # The peer finds them in the store on first use, without a prefill.
+    assert ask(peer, [ids[i] for i in COMBOS[0]]) == want[tuple(COMBOS[0])]
+    assert peer.reuser.segments_prefilled == 0 and peer.reuser.tiers.promotions > 0
+    # A restarted engine registers them without loading more than the pool holds beside a full request.
+    again = engine(model, 7 * seg_pages(model), segment_store=str(tmp_path))
+    assert again.segments_restored == len(docs) and again.reuser.segments_prefilled == 0
+    assert ask(again, [ids[i] for i in COMBOS[1]]) == want[tuple(COMBOS[1])]
+    small.delete_segment(ids[3])
+    with pytest.raises(SegmentError, match="deleted"):
+        small.reuser.store.get(ids[3])
+
+
+def test_cards_and_metrics_report_the_tiers(model, docs):
+    eng = engine(model, 7 * seg_pages(model))
+    ids = [eng.register_segment(d) for d in docs]
+    for c in COMBOS[:3]:
+        ask(eng, [ids[i] for i in c])
+    tiers = eng.reuser.tiers
+    tiers.evict(1)
+    cards = {s: K.segment_card(tiers, eng.reuser.store.get(s)) for s in ids}
+    per_segment = tiers.L * tiers.H * SEG * tiers.slot_bytes
+    for card in cards.values():
+        assert card["tiers"] and set(card["bytes"]) == {"device", "host", "store"}
+        assert card["bytes"]["store"] == 0  # no store configured
+        assert all(card["bytes"][t] == per_segment for t in card["tiers"])
+    assert any(c["tiers"] == ["host"] for c in cards.values())
+    m = ServeMetrics("tiny")
+    m.set_kv_stats(eng)
+    text = m.render().decode()
+    totals = tiers.totals()
+
+    def value(name, **labels):
+        lab = ",".join(f'{k}="{v}"' for k, v in sorted({"model_name": "tiny", **labels}.items()))
+        line = next(x for x in text.splitlines() if x.startswith(f"{name}{{{lab}}}"))
+        return float(line.split()[-1])
+
+    assert value("jaxkv_segment_bytes", tier="host") == totals["host"] > 0
+    assert value("jaxkv_segment_bytes", tier="device") == totals["device"] > 0
+    assert value("jaxkv_segment_promotions_total") == tiers.promotions > 0
+    assert value("jaxkv_segment_demotions_total") == tiers.demotions > 0
+    assert value("jaxkv_segment_bytes_moved_total", direction="promote") == tiers.bytes_promoted
+    assert value("jaxkv_segment_bytes_moved_total", direction="demote") == tiers.bytes_demoted > 0
+
+
+def test_host_copies_in_pinned_host_memory(model, docs):
+    """The accelerator path: host copies as JAX arrays in the host memory kind (one per KV head), which
+    the CPU backend offers too."""
+    resident = engine(model, 2000)
+    ids = [resident.register_segment(d) for d in docs[:2]]
+    want = ask(resident, ids)
+    eng = engine(model, 2000)
+    eng.reuser.tiers.memory_kinds = True
+    assert [eng.register_segment(d) for d in docs[:2]] == ids
+    eng.reuser.tiers.evict(eng.allocator.num_pages)
+    copy = eng.reuser.tiers._host[ids[0]]
+    assert isinstance(copy.k, list) and copy.k[0].sharding.memory_kind.endswith("host")
+    assert ask(eng, ids) == want
+    assert all(where(eng, s) == ["device", "host"] for s in ids)
+
+
+def test_a_store_read_of_some_heads_reads_and_checks_only_theirs(tmp_path):
+    import json
+
+    from jaxkv.cache.segment_store import CorruptSegmentError, SegmentStore, StoredSegment
+
+    store = SegmentStore(tmp_path, {"model": "tiny"})
+    L, H, S, D = 2, 2, 8, 4
+    k = np.random.default_rng(0).normal(size=(L, H, S, D)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(S, dtype=np.int32), (L, H, S)).copy()
+    store.put(StoredSegment("seg-x", (1, 2), None, k, -k, pos, np.ones((L, H), bool)))
+    chunk = tmp_path / "segments" / "seg-x" / "k" / "c" / "0" / "1" / "0" / "0"  # layer 0, KV head 1
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    local = np.zeros((L, H), bool)
+    local[:, 0] = True  # e.g. the heads a method reads: the damaged chunk is not among them
+    got = store.get("seg-x", heads=local)
+    np.testing.assert_array_equal(got.k[:, 0], k[:, 0])
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        store.get("seg-x")
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        store.get("seg-x", heads=~local)
+    # A segment written before per-chunk checksums: every stored head is read against the segment's one.
+    meta_path = tmp_path / "segments" / "seg-x" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["chunk_checksums"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        store.get("seg-x", heads=local)
