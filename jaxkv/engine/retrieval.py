@@ -823,7 +823,10 @@ class Retriever:
         for row, c in enumerate(chunks):
             if is_retrieval(c.request) and type(c.request.kv_policy) is key:
                 rows[row] = self._row(c.request)
-        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "fresh"}
+        # The logprob extras never reach a retrieval step (requests that ask for them run apart), so the
+        # step's inputs are those precompile warmed.
+        skip = ("fresh", "top_width", "prompt_next")
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
         fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
         tokens, logprobs, runner.pool, state, summary = _step_tap(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads, "head_rows": rows}),
@@ -882,7 +885,7 @@ class Retriever:
                 rows[row] = self._row(c.request)
         known = np.array([row < len(chunks) and rows[row] >= 0 and self._owner.get(
             (policy, int(rows[row]))) == chunks[row].request.request_id for row in range(len(rows))])
-        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__}
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "top_width"}  # never asked here
         arrays.update(head_rows=rows, known=known)
         inplace = self._reads_in_place(policy, chunks)
         decode = self._decode_fn(inplace)
