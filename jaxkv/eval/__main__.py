@@ -19,9 +19,10 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from jaxkv.eval import retrieval_eval  # noqa: F401  (registers specontext*)
-    from jaxkv.eval.methods import METHODS
+    from jaxkv.eval.registry import all_methods
     from jaxkv.eval.tasks import MIN_CONTEXT, TASKS
+
+    METHODS = all_methods()
 
     ap = argparse.ArgumentParser(prog="python -m jaxkv.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
