@@ -366,8 +366,8 @@ def fwe(tok, rng, context, num_segments=None, alpha: float = 1.3, vocab: int = 6
         return Instance("real_fwe", head + "Read the following coded text and track the frequency of each "
                         "coded word. Find the three most frequently appeared coded words.\n",
                         tuple(_segments_of(chunks, ns)),
-                        "Question: Do not provide any explanation. Please ignore the dots '....'. What are the "
-                        "three most frequently appeared words in the above coded text?" + tail
+                        "Question: Do not provide any explanation. Please ignore the dots '....'. What are "
+                        "the three most frequently appeared words in the above coded text?" + tail
                         + "Answer: According to the coded text above, the three most frequently appeared "
                         "words are:", ", ".join(top), top, "all", {"counts": [counts[w] for w in top]})
 
@@ -427,13 +427,16 @@ def make_instances(task: str, tok, context: int, num: int, seed: int = 0, **kwar
 
 # ---- next-token fidelity -------------------------------------------------------------------------------
 
+FIDELITY_TASK = "real_fidelity"
 
-def fidelity_sample(tok, context: int, continuation: int, seed: int, index: int) -> tuple[list[int], list[int]]:
+
+def fidelity_sample(tok, context: int, continuation: int, seed: int,
+                    index: int) -> tuple[list[int], list[int]]:
     """(prompt ids, continuation ids): `context` tokens of running prose from a random sentence, then the
     next `continuation` tokens of the same text (cut at token level, so the continuation is the real one)."""
-    rng = random.Random(f"real_fidelity:{context}:{seed}:{index}")
+    rng = random.Random(f"{FIDELITY_TASK}:{context}:{seed}:{index}")
     head, _ = chat_frame_plain(tok)
-    sents = _sentence_run(rng, int((context + continuation) / _tokens_per_sentence(tok) * 1.3) + 8)
+    sents = _sentence_run(rng, int((context + continuation) / _tokens_per_sentence(tok) * 1.5) + 8)
     ids = tok.encode(head + " ".join(sents), add_special_tokens=False)
     if len(ids) < context + continuation:
         raise ValueError(f"not enough prose for {context} + {continuation} tokens")
@@ -449,3 +452,69 @@ def chat_frame_plain(tok) -> tuple[str, str]:
             return getattr(tok, name)
 
     return chat_frame(_NoTemplate())
+
+
+def reference_logprobs(model, prompt: list[int], forced: list[int]):
+    """Full-attention log-probabilities [len(forced), V] of the token after prompt + forced[:j], j = 1..n:
+    one dense causal forward over prompt + forced[:-1] (float32 on the host)."""
+    import jax
+    import numpy as np
+
+    from jaxkv.models import llama
+
+    ids = np.asarray(prompt + forced[:-1], np.int32)[None]
+    logits = llama.dense_logits(model.params, model.config, jax.numpy.asarray(ids))[0, len(prompt):]
+    return np.asarray(jax.nn.log_softmax(logits.astype("float32"), axis=-1))
+
+
+def engine_forced_top(model, policy, head_classes, prompt: list[int], forced: list[int]):
+    """Per forced token after the first, the engine's top-`MAX_LOGPROBS` (ids, logprobs) of the next token,
+    with the request's cache as `policy` leaves it (prefill-time policies compress after the first token).
+
+    Teacher forcing: one decode step per call, no pipelining, and before each step the request's last
+    output token is set to the real one, so the next step's input is the real continuation (the engine
+    reads a decode step's input token from the request)."""
+    from jaxkv.engine.buckets import pow2_bucket
+    from jaxkv.engine.engine import Engine
+    from jaxkv.sampling import MAX_LOGPROBS, SamplingParams
+
+    eng = Engine(model, max_num_seqs=1, max_model_len=pow2_bucket(len(prompt) + len(forced) + 1),
+                 head_classes=head_classes, enable_prefix_caching=False, kv_policy=policy, decode_steps=1,
+                 pipeline_decode=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(forced), ignore_eos=True, logprobs=MAX_LOGPROBS)
+    rid = eng.add_request(prompt, sp)
+    req = eng._requests[rid]
+    tops = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            k = len(req.output_ids)
+            if k > 1:  # the first token comes from the prefill, before any compression
+                tops.append(out.new_top_logprobs[0])
+            if k <= len(forced):
+                req.output_ids[-1] = forced[k - 1]
+    return tops
+
+
+def forced_agreement(ref_logprobs, tops) -> dict[str, float]:
+    """Top-1 agreement and KL(full || method) per position, averaged.
+
+    The method's distribution is known on its top-K tokens only (the engine's alternatives), so the KL is
+    computed on the coarse-grained distributions over {full's top-K tokens} + {every other token}: exact
+    when the method's top-K holds full's top-K, else a token missing from it gets the method's K-th logprob
+    (an upper bound of its true value). Coarse-graining never raises a KL: this reads as an estimate from
+    below of the true KL."""
+    import numpy as np
+
+    agree, kls = [], []
+    for ref, top in zip(ref_logprobs, tops, strict=True):
+        ids = [int(i) for i, _ in top]
+        lps = dict(top)
+        agree.append(float(int(np.argmax(ref)) == ids[0]))
+        k = len(top)
+        ref_top = np.argsort(-ref)[:k]
+        floor = min(lps.values())
+        p = np.exp(ref[ref_top])
+        q = np.exp(np.asarray([lps.get(int(i), floor) for i in ref_top]))
+        p_rest, q_rest = max(1.0 - p.sum(), 1e-12), max(1.0 - q.sum(), 1e-12)
+        kls.append(float(np.sum(p * (np.log(p) - np.log(q))) + p_rest * (np.log(p_rest) - np.log(q_rest))))
+    return {"top1_agree": float(np.mean(agree)), "kl": float(np.mean(kls))}
