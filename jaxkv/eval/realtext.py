@@ -94,7 +94,8 @@ def words() -> tuple[str, ...]:
 
 def chat_frame(tok) -> tuple[str, str]:
     """(text before, text after) the user content: the chat template rendered around a placeholder as one
-    user turn with the generation prompt, or plain text (the BOS text when the tokenizer adds one)."""
+    user turn with the generation prompt, or plain text (the BOS text when the tokenizer adds one, a newline
+    between the question and the answer prefix)."""
     template = getattr(tok, "chat_template", None)
     if template:
         text = tok.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True)
@@ -105,7 +106,7 @@ def chat_frame(tok) -> tuple[str, str]:
     bos = getattr(tok, "bos_token", None)
     probe = tok.encode("a", add_special_tokens=True)
     adds_bos = bos and tok.token_to_id(bos) is not None and probe[:1] == [tok.token_to_id(bos)]
-    return (bos if adds_bos else ""), ""
+    return (bos if adds_bos else ""), "\n"
 
 
 def count(tok, text: str) -> int:
@@ -516,5 +517,6 @@ def forced_agreement(ref_logprobs, tops) -> dict[str, float]:
         p = np.exp(ref[ref_top])
         q = np.exp(np.asarray([lps.get(int(i), floor) for i in ref_top]))
         p_rest, q_rest = max(1.0 - p.sum(), 1e-12), max(1.0 - q.sum(), 1e-12)
-        kls.append(float(np.sum(p * (np.log(p) - np.log(q))) + p_rest * (np.log(p_rest) - np.log(q_rest))))
+        kl = np.sum(p * (np.log(p) - np.log(q))) + p_rest * (np.log(p_rest) - np.log(q_rest))
+        kls.append(max(float(kl), 0.0))  # >= 0 up to float rounding
     return {"top1_agree": float(np.mean(agree)), "kl": float(np.mean(kls))}
