@@ -186,7 +186,10 @@ def test_maintained_page_bounds_equal_the_pool(toy):
 
 def test_eval_method_quest_runs_through_the_engine(toy, tmp_path):
     from jaxkv.eval.__main__ import main
-    from jaxkv.eval.methods import METHODS, EngineMethod
+    from jaxkv.eval.methods import EngineMethod
+    from jaxkv.eval.registry import all_methods
+
+    METHODS = all_methods()
 
     out = tmp_path / "r.json"
     assert main(["--task", "mq_niah", "--context", "512", "--num", "1", "--model", str(toy.path),

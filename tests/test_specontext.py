@@ -371,7 +371,10 @@ def test_eval_method_specontext(toy, tmp_path):
     s = res["summary"]
     assert s["top1_agree"] == 1.0 and s["kv_bytes_loaded"] > 0
     assert res["policy"]["budget"] == 1024
-    from jaxkv.eval.methods import METHODS, EngineMethod
+    from jaxkv.eval.methods import EngineMethod
+    from jaxkv.eval.registry import all_methods
+
+    METHODS = all_methods()
 
     assert METHODS["specontext_256"].budget == 256 and METHODS["specontext_512"].budget == 512
     assert issubclass(METHODS["specontext"], EngineMethod) and issubclass(METHODS["quest"], EngineMethod)

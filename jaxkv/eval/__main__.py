@@ -1,9 +1,11 @@
-"""python -m jaxkv.eval --task T --method M --context N --num K --seed S --out results.json [--model DIR]
+"""python -m jaxkv.eval --task T --method M --context N --num K --seed S --out results.json [--model M]
 
-Runs K deterministic instances of a task at N tokens through a method (default model: the embedded one),
-prints a per-instance table and the summary, writes everything to --out, and ends with
-``accuracy=<value>``. For methods other than ``full`` the full-recompute run is made too, for the
-first-token logit agreement.
+Runs K deterministic instances of a task at N tokens through a method (default model: the embedded one;
+--model takes a Hugging Face directory, a GGUF file or a catalog name such as ``smollm2``), prints a
+per-instance table and the summary, writes everything to --out, and ends with ``accuracy=<value>``. For
+methods other than ``full`` the full-recompute run is made too, for the first-token logit agreement.
+``real_*`` tasks are built over real prose with the model's tokenizer and chat template;
+``--task real_fidelity`` instead compares next-token distributions with ``full`` on real continuations.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from jaxkv.eval import retrieval_eval  # noqa: F401  (registers specontext*)
-    from jaxkv.eval.methods import METHODS
+    from jaxkv.eval import realtext
+    from jaxkv.eval.registry import all_methods
     from jaxkv.eval.tasks import MIN_CONTEXT, TASKS
+
+    METHODS = all_methods()
+    TASKS = {**TASKS, **realtext.TASKS, realtext.FIDELITY_TASK: None}
 
     ap = argparse.ArgumentParser(prog="python -m jaxkv.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num", type=int, default=12, help="number of instances")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="results JSON path")
-    ap.add_argument("--model", help="Hugging Face model directory (default: the embedded model)")
+    ap.add_argument("--model", help="Hugging Face model directory, GGUF file or catalog name (smollm2, "
+                    "synthetic; default: the embedded model)")
+    ap.add_argument("--continuation", type=int, default=32,
+                    help=f"{realtext.FIDELITY_TASK}: teacher-forced positions compared per instance")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0 = from the reference answers")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--budget", type=float, help="KV policy methods: fraction of the prompt (<= 1) or tokens "
@@ -74,9 +82,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.budget > 0:
             ap.error(f"--budget must be > 0, got {args.budget}")
         args.policy_fields["budget"] = args.budget
-    model_dir = Path(args.model) if args.model else DEFAULT_MODEL
-    if not (model_dir / "config.json").is_file():
-        ap.error(f"--model {str(model_dir)!r} is not a model directory (no config.json)")
+    if args.continuation < 1:
+        ap.error(f"--continuation must be >= 1, got {args.continuation}")
+    if args.task == realtext.FIDELITY_TASK and args.method not in _fidelity_methods(METHODS):
+        ap.error(f"{realtext.FIDELITY_TASK} compares teacher-forced distributions, which only 'full' and "
+                 f"the engine methods give: choose from {sorted(_fidelity_methods(METHODS))}")
+    from jaxkv.models.catalog import resolve
+
+    try:
+        model_dir = resolve(args.model) if args.model else DEFAULT_MODEL
+    except FileNotFoundError as e:
+        ap.error(f"--model: {e}")
+    is_gguf = model_dir.is_file() and model_dir.suffix.lower() == ".gguf"
+    if not is_gguf and not (model_dir / "config.json").is_file():
+        ap.error(f"--model {str(model_dir)!r} is not a model directory (no config.json), a .gguf file "
+                 f"or a catalog name")
     args.model_dir = model_dir
     try:
         args.method_opts = _parse_opts(args.method_opts)
@@ -107,14 +127,65 @@ def _parse_opts(text: str) -> dict:
     return out
 
 
-def load_instances(args):
-    from jaxkv.eval import loaders, tasks
+def _fidelity_methods(methods) -> set[str]:
+    """`full` and the engine methods whose requests take top logprobs (not the retrieval policies)."""
+    from jaxkv.eval.methods import EngineMethod
+    from jaxkv.eval.retrieval_eval import RetrievalEngineMethod
+
+    return {"full"} | {n for n, cls in methods.items()
+                       if isinstance(cls, type) and issubclass(cls, EngineMethod)
+                       and not issubclass(cls, RetrievalEngineMethod)}
+
+
+def load_instances(args, tokenizer=None):
+    """The run's instances; `tokenizer` (the model's) builds the real-text tasks and frames loaded data in
+    its chat template."""
+    from jaxkv.eval import loaders, realtext, tasks
 
     if args.loader == "ruler":
-        return loaders.load_ruler_jsonl(args.task.split(":", 1)[1], limit=args.num)
+        return loaders.load_ruler_jsonl(args.task.split(":", 1)[1], limit=args.num, tokenizer=tokenizer)
     if args.loader == "longbench":
-        return loaders.load_longbench_jsonl(args.task.split(":", 1)[1], limit=args.num)
+        return loaders.load_longbench_jsonl(args.task.split(":", 1)[1], limit=args.num, tokenizer=tokenizer)
+    if args.task in realtext.TASKS:
+        return realtext.make_instances(args.task, tokenizer, args.context, args.num, seed=args.seed)
     return tasks.make_instances(args.task, args.context, args.num, seed=args.seed)
+
+
+def run_fidelity(args, model) -> dict:
+    """Teacher-forced next-token fidelity of a method against full attention on real prose continuations
+    (`jaxkv.eval.realtext.forced_agreement`)."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from jaxkv.eval import realtext
+    from jaxkv.eval.methods import get_method
+
+    fields = {**getattr(args, "method_opts", {}), **getattr(args, "policy_fields", {})}
+    method = get_method(args.method, model, **fields)
+    hc = None
+    if args.method != "full":
+        from jaxkv.cache.head_classes import all_global
+
+        cfg = model.config
+        hc = all_global(cfg.num_layers, cfg.num_kv_heads) if method.head_classes == "global" else None
+    rows = []
+    for i in tqdm(range(args.num), desc=f"{args.task}/{args.method}", file=sys.stderr):
+        prompt, cont = realtext.fidelity_sample(model.tokenizer, args.context, args.continuation + 1,
+                                                args.seed, i)
+        ref = realtext.reference_logprobs(model, prompt, cont)
+        if args.method == "full":
+            k = 20
+            tops = [[(int(t), float(r[t])) for t in np.argsort(-r)[:k]] for r in ref]
+        else:
+            tops = realtext.engine_forced_top(model, method.policy, hc, prompt, cont)
+        rows.append({"index": i, "prompt_tokens": len(prompt), "positions": len(tops),
+                     **realtext.forced_agreement(ref, tops)})
+    summary = {k: float(np.mean([r[k] for r in rows])) for k in ("top1_agree", "kl")}
+    return {"task": args.task, "method": args.method, "context": args.context, "num": args.num,
+            "continuation": args.continuation, "seed": args.seed, "model": str(args.model_dir),
+            "model_id": model.model_id,
+            "policy": dataclasses.asdict(method.policy) if getattr(method, "policy", None) else None,
+            "accuracy": summary["top1_agree"], "summary": summary, "instances": rows}
 
 
 def run(args) -> dict:
@@ -127,7 +198,9 @@ def run(args) -> dict:
 
     model = jaxkv.load(args.model_dir, dtype=args.dtype)
     tok = model.tokenizer
-    instances = load_instances(args)
+    if args.task == "real_fidelity":
+        return run_fidelity(args, model)
+    instances = load_instances(args, tok)
     fields = {**getattr(args, "method_opts", {}), **getattr(args, "policy_fields", {})}
     method = get_method(args.method, model, **fields)
     reference = get_method("full", model) if method.compare_to_full and args.method != "full" else None
@@ -166,6 +239,14 @@ def run(args) -> dict:
 
 
 def print_table(res: dict) -> None:
+    if "continuation" in res:  # real_fidelity
+        print(f"{'#':>3} {'tokens':>7} {'top1':>6} {'kl':>8}")
+        for r in res["instances"]:
+            print(f"{r['index']:>3} {r['prompt_tokens']:>7} {r['top1_agree']:>6.3f} {r['kl']:>8.4f}")
+        s = res["summary"]
+        print(f"task={res['task']} method={res['method']} context={res['context']} num={res['num']} "
+              f"continuation={res['continuation']} top1={s['top1_agree']:.3f} kl={s['kl']:.4f}")
+        return
     print(f"{'#':>3} {'tokens':>7} {'score':>6} {'f1':>5} {'cos':>6} {'ttft_s':>7}  prediction | target")
     for r in res["instances"]:
         pred, tgt = r["prediction"][:40], r["target"][:40]

@@ -1,12 +1,12 @@
-"""Methods the eval harness can run, assembled into one registry.
+"""The dense and engine methods of the eval harness.
 
 A method turns one prompt (given as its pieces: prefix ids, segment ids, suffix ids, so reuse methods can
 cache segments) into a greedy completion plus the numbers the harness reports. ``full`` is the reference:
 full recompute of the whole prompt, then greedy decoding over a dense KV cache, all jitted (prefill per
 power-of-two prompt bucket, one compiled decode step). The interface and the registry itself live in
-`jaxkv.eval.registry`; this module defines the dense and engine methods and imports the segment-reuse
-methods (`jaxkv.eval.reuse_methods`), so importing it gives the whole registry. Later methods register
-with `register_method`.
+`jaxkv.eval.registry`; this module defines the dense and engine methods. `all_methods()` gives the whole
+registry (these, the segment-reuse methods and the retrieval methods); new methods register with
+`register_method`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.engine.buckets import pow2_bucket
-from jaxkv.eval import metrics, reuse_methods  # noqa: F401  (reuse_methods: registers its methods)
-from jaxkv.eval.registry import METHODS, Method, MethodOutput, PromptPieces, get_method, register_method
+from jaxkv.eval import metrics
+from jaxkv.eval.registry import (
+    METHODS,
+    Method,
+    MethodOutput,
+    PromptPieces,
+    all_methods,
+    get_method,
+    register_method,
+)
 from jaxkv.models import llama
 from jaxkv.models.attention import dense_attention
 
 __all__ = ["METHODS", "DuoHeadClasses", "EngineMethod", "FullRecompute", "Method", "MethodOutput",
-           "PromptPieces", "RandomCopy", "get_method", "register_method"]
+           "PromptPieces", "RandomCopy", "all_methods", "get_method", "register_method"]
 
 
 def _cache_attend(cfg, write_pos):

@@ -2,13 +2,14 @@
 
 A method turns one prompt (given as its pieces: prefix ids, segment ids, suffix ids, so reuse methods can
 cache segments) into a greedy completion plus the numbers the harness reports. Modules that define methods
-import this one only (never each other); `jaxkv.eval.methods` assembles the full registry by importing
-every module that registers methods.
+import this one (and `jaxkv.eval.methods` for its engine base class), never register each other;
+`all_methods()` / `get_method()` import the modules listed in `METHOD_MODULES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -60,7 +61,20 @@ def register_method(name: str):
     return deco
 
 
+# The modules that define methods, imported in this order the first time the registry is read: one explicit
+# list, so no method module imports another to register it.
+METHOD_MODULES = ("jaxkv.eval.methods", "jaxkv.eval.reuse_methods", "jaxkv.eval.retrieval_eval")
+
+
+def all_methods() -> dict[str, Callable[..., Method]]:
+    """Every registered method by name (imports the method modules on first use)."""
+    for module in METHOD_MODULES:
+        importlib.import_module(module)
+    return METHODS
+
+
 def get_method(name: str, model, **kwargs) -> Method:
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
-    return METHODS[name](model, **kwargs)
+    methods = all_methods()
+    if name not in methods:
+        raise ValueError(f"unknown method {name!r}; choose from {sorted(methods)}")
+    return methods[name](model, **kwargs)

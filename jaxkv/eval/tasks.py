@@ -19,6 +19,8 @@ prompt plus reference completion. Tasks (RULER-style unless noted):
 * ``chat``     multi-turn memory: facts stated in early turns, asked at the end.
 * ``chain``    long generation: follow a word chain stored in the context for hundreds of steps; each
   output token retrieves the link of the token the model itself wrote just before.
+
+The ``real_*`` tasks over real prose, sized with a model's tokenizer, live in `jaxkv.eval.realtext`.
 """
 
 from __future__ import annotations
@@ -331,6 +333,9 @@ TASKS: dict[str, Callable[..., Instance]] = {
 
 
 def make_instance(task: str, context: int, seed: int, index: int, **kwargs) -> Instance:
+    if task.startswith("real_"):
+        raise ValueError(f"{task!r} is a real-text task: it needs the model's tokenizer "
+                         f"(jaxkv.eval.realtext.make_instances)")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
     if context < MIN_CONTEXT:

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._dispatch import dispatch
+from pallas_kernels._dispatch import dispatch, on_gpu, warn_once
 from pallas_kernels.lse_merge.api import lse_merge
 from pallas_kernels.paged_attention.api import paged_attention
 from pallas_kernels.rows_attention import reference
@@ -86,7 +86,10 @@ def _prefix(qc, k, v, kv_len, *, scale, impl):
     if impl is None:
         try:
             return impls["cudnn"]()
-        except NotImplementedError:
+        except NotImplementedError as e:  # off a GPU by design; on a GPU a lost fast path, said once
+            if on_gpu():
+                warn_once(("rows_attention prefix", str(e)), "rows_attention prefix: cuDNN attention cannot "
+                          "run (%s); the jnp reference computes it (slower)", e)
             impl = "reference"
     return dispatch("rows_attention prefix", impl, impls)
 
