@@ -16,12 +16,18 @@ first timed):
 * Each method runs once untimed (compiles its variant), then `--repeats` timed runs; the median is reported
   with the recompute shares from the engine's `ReuseStats`.
 
+`--tiers device,host,store` times every reuse method with its segments starting in each tier (placed there
+before every run, untimed; the request promotes the heads its method reads, which is timed) and reports
+the bytes each request moved. `--restart` then starts a second engine on the same store and times
+restart -> first reused token (no segment prefilled again).
+
 RedKnot reads the reuse head-class map next to the model: random-weight shapes get a synthetic one (KV head
 0 of every layer global, the rest sink 64 + window 256), the embedded model its profiled
 `head_classes.json`. Random-weight checkpoints are saved by transformers in bf16 (cached in `--ckpt-dir`).
 
     python -m benchmarks.reuse --shape 8b --out results.md --log reuse_8b.json     # GPU
     python -m benchmarks.reuse --shape embedded --out results.md                   # GPU
+    python -m benchmarks.reuse --shape 8b --tiers device,host,store --restart              # GPU, tiers
     python -m benchmarks.reuse --small                                                     # CPU smoke
 """
 
@@ -55,6 +61,9 @@ TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", 
           "small": "Small random model (CPU smoke)"}
 HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
           "query rows", "FFN rows", "notes"]
+TIER_HEADER = ["method", "segments in", "TTFT (s)", "speed-up vs full", "share of the device speed-up",
+               "moved to the device (MB)", "read from the store (MB)"]
+TIER_INDEPENDENT = {"full", "reuse_full"}  # read no segment: timed once, in the first tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +132,9 @@ def model_dir(shape: str, args, log) -> Path:
 
 # ------------------------------------------------------------------------------------------------ engine
 
-def make_engine(model, w: Workload, max_step_tokens: int, log):
-    """All heads global (segment reuse needs full history), one sequence, pool sized from the workload."""
+def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None = None):
+    """All heads global (segment reuse needs full history), one sequence, pool sized from the workload;
+    host memory for every segment, and the segment store `store` when given."""
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
 
@@ -133,9 +143,11 @@ def make_engine(model, w: Workload, max_step_tokens: int, log):
     itemsize = np.dtype(model.params["embed"].dtype).itemsize
     gb = num_pages * w.page_size * (2 * cfg.head_dim * itemsize + 4) / 2 ** 30
     log(f"  engine: {num_pages:,} pages of {w.page_size} ({gb:.2f} GiB), max_model_len {w.max_model_len}")
+    host = int(2 * gb * 2 ** 30)  # every segment fits host memory (the pool holds them once, plus a request)
     return Engine(model, num_pages=num_pages, page_size=w.page_size, max_num_seqs=1,
                   max_model_len=w.max_model_len, max_step_tokens=max_step_tokens,
-                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False)
+                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
+                  segment_store=store, segment_host_bytes=host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +158,16 @@ class Prompt:
     ids: list[int]  # the whole prompt as `full` sees it
 
 
-def register_segments(eng, w: Workload, rng, log) -> Prompt:
-    """Registers the segments (frozen: they stay cached) and returns the prompt around them."""
+def register_segments(eng, w: Workload, rng, log, frozen: bool = True) -> Prompt:
+    """Registers the segments (frozen: they stay on the device; not frozen when they are to move between
+    tiers) and returns the prompt around them."""
     vocab = eng.model.config.vocab_size
     draw = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731 (3..: clear of pad/BOS/EOS)
     segments, seg_ids = [], []
     for i in range(w.segments):
         t0 = time.perf_counter()
         segments.append(draw(w.segment_len))
-        seg_ids.append(eng.register_segment(segments[-1], frozen=True))
+        seg_ids.append(eng.register_segment(segments[-1], frozen=frozen))
         log(f"  segment {i + 1}/{w.segments} registered in {time.perf_counter() - t0:.2f} s")
     prefix, suffix = draw(w.prefix_len), draw(w.suffix_len)
     return Prompt(prefix, seg_ids, suffix, prefix + [t for s in segments for t in s] + suffix)
@@ -196,25 +209,49 @@ def ttft_once(eng, policy, prompt: Prompt) -> tuple[float, object]:
     return elapsed, eng.reuser.stats.pop(rid, None)
 
 
-def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, remaining, log) -> dict:
+def place_segments(eng, prompt: Prompt, tier: str | None) -> None:
+    """Every segment of the prompt wholly in `tier` (None: wherever it is), finished before any timing."""
+    import jax
+
+    if tier is None:
+        return
+    for sid in prompt.segment_ids:
+        eng.reuser.tiers.place(eng.reuser.store.get(sid), tier)
+    jax.block_until_ready(eng.runner.pool.k)
+
+
+def moved_bytes(eng) -> tuple[int, int]:
+    """(bytes promoted to the device, bytes read from the store) so far."""
+    persist = eng.reuser.persist
+    return eng.reuser.tiers.bytes_promoted, (persist.bytes_read if persist is not None else 0)
+
+
+def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, remaining, log,
+                 tier: str | None = None) -> dict:
     """Warm-up (compile) run, then up to `repeats` timed runs (fewer when `remaining()` seconds would not hold
-    another); one row dict."""
+    another); one row dict. With `tier`, the segments start every run there (placed untimed)."""
     policy = None if spec in ENGINE_PATHS else policy_for(spec)
+    place_segments(eng, prompt, tier)
     t0 = time.perf_counter()
     ttft_once(eng, policy, prompt)
     warm = time.perf_counter() - t0
-    times, stats = [], None
+    times, stats, moved = [], None, []
     for _ in range(repeats):
         if times and remaining() < times[-1]:
             log(f"  {spec}: deadline, {len(times)} timed run(s)")
             break
+        place_segments(eng, prompt, tier)
+        before = moved_bytes(eng)
         s, stats = ttft_once(eng, policy, prompt)
         times.append(s)
+        moved.append([a - b for a, b in zip(moved_bytes(eng), before)])
     expected = w.segments * w.segment_len if policy is not None and policy.reuses else 0
     if stats is not None and stats.reused_tokens != expected:
         raise RuntimeError(f"{spec}: reused {stats.reused_tokens} tokens, expected {expected}: segments lost")
     row = {"method": spec, "ttft_s": float(np.median(times)), "runs_s": times, "warm_s": warm,
-           "path": "engine prefill" if policy is None else "reuse prefill"}
+           "path": "engine prefill" if policy is None else "reuse prefill", "tier": tier or "device",
+           "promoted_bytes": int(np.median([m[0] for m in moved])),
+           "store_read_bytes": int(np.median([m[1] for m in moved]))}
     if stats is not None:
         n = stats.prompt_tokens
         row |= {"recompute_kv": stats.recompute_fraction,
@@ -222,7 +259,8 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
                 "ffn_rows": float(np.mean(stats.ffn_rows)) / n, "prefill_s": stats.prefill_s,
                 "promoted_heads": int(np.sum(stats.promoted_heads)),
                 "fields": dataclasses.asdict(policy)}
-    log(f"  {spec}: warm-up (compile) {warm:.2f} s, timed {', '.join(f'{t:.4f}' for t in times)} s "
+    log(f"  {spec}{'' if tier is None else ' @ ' + tier}: warm-up (compile) {warm:.2f} s, "
+        f"timed {', '.join(f'{t:.4f}' for t in times)} s "
         f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s)" if stats else ""))
     return row
 
@@ -250,6 +288,40 @@ def table(rows: list[dict], layers: int) -> str:
         out.append([r["method"], f"{r['ttft_s']:.4f}", ratio("full", r), ratio("reuse_full", r),
                     frac(r, "recompute_kv"), frac(r, "query_rows"), frac(r, "ffn_rows"), notes(r, layers)])
     return markdown_table(HEADER, out)
+
+
+def tier_table(rows: list[dict]) -> str:
+    """TTFT per (method, starting tier); a tier's speed-up over `full` as a share of the device tier's."""
+    timed = [r for r in rows if "ttft_s" in r]
+    full = next((r["ttft_s"] for r in timed if r["method"] == "full"), None)
+    on_device = {r["method"]: r["ttft_s"] for r in timed if r["tier"] == "device"}
+    out = []
+    for r in timed:
+        if r["method"] in TIER_INDEPENDENT:
+            continue
+        speedup = f"{full / r['ttft_s']:.2f}x" if full else "—"
+        dev = on_device.get(r["method"])
+        share = f"{dev / r['ttft_s']:.0%}" if dev and r["tier"] != "device" else ""
+        out.append([r["method"], r["tier"], f"{r['ttft_s']:.4f}", speedup, share,
+                    f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}"])
+    return markdown_table(TIER_HEADER, out)
+
+
+def restart_row(model, w: Workload, args, store: str, prompt: Prompt, spec: str, log) -> dict:
+    """A second engine on the store the first wrote: seconds from `Engine(...)` to its first reused token
+    (segments restored from the store, none prefilled again; compiles included: a cold process)."""
+    t0 = time.perf_counter()
+    eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    ready = time.perf_counter() - t0
+    restored = len(eng.reuser.store)
+    s, stats = ttft_once(eng, policy_for(spec), prompt)
+    if stats is None or stats.reused_tokens != w.segments * w.segment_len:
+        raise RuntimeError(f"restart: {spec} did not reuse every segment")
+    total = time.perf_counter() - t0
+    log(f"  restart: engine ready in {ready:.2f} s with {restored} segments restored; first {spec} token "
+        f"{s:.3f} s later ({total:.2f} s from the start, compiles included)")
+    del eng
+    return {"method": spec, "engine_s": ready, "first_token_s": s, "total_s": total, "restored": restored}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -294,27 +366,43 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
                               args.page_size), cfg.max_position_embeddings)
     if w.segment_len != args.segment_len:
         log(f"  segments shortened to {w.segment_len} tokens: the model holds {cfg.max_position_embeddings}")
-    eng = make_engine(model, w, args.max_step_tokens, log)
-    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log)
+    tiers = args.tier_list
+    store = args.store or (tempfile.mkdtemp(prefix="jaxkv-bench-store-")
+                           if "store" in tiers or args.restart else None)
+    eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    t0 = time.perf_counter()
+    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"])
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
-              "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers,
+              "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers, "tiers": tiers,
+              "register_s": time.perf_counter() - t0,
               "reuse_heads": describe_heads(eng.reuser.heads, shape), "rows": []}
     last_cost = 0.0
-    for spec in [m for m in args.methods.split(",") if m]:
-        if remaining() < last_cost:
-            log(f"  {spec}: skipped (deadline: the last method took {last_cost:.0f} s)")
-            result["rows"].append({"method": spec, "skipped": "deadline"})
-            continue
-        t0 = time.perf_counter()
-        result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log))
-        last_cost = time.perf_counter() - t0
-        emit(result)
+    methods = [m for m in args.methods.split(",") if m]
+    for tier in tiers:
+        for spec in methods:
+            if tier != tiers[0] and spec in TIER_INDEPENDENT:
+                continue
+            if remaining() < last_cost:
+                log(f"  {spec}: skipped (deadline: the last method took {last_cost:.0f} s)")
+                result["rows"].append({"method": spec, "tier": tier, "skipped": "deadline"})
+                continue
+            t0 = time.perf_counter()
+            place = None if tiers == ["device"] else tier
+            result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log, place))
+            last_cost = time.perf_counter() - t0
+            emit(result)
     for spec in [m for m in (args.profile or "").split(",") if m]:
         profile_method(eng, spec, prompt, log)
-    if eng.reuser.tiers.demotions:  # timings would include segment copies back to the device
+    if tiers == ["device"] and eng.reuser.tiers.demotions:  # timings would include copies to the device
         raise RuntimeError(f"{eng.reuser.tiers.demotions} segments left the device: the pool is too small")
-    del eng, model
+    del eng
     jax.clear_caches()
+    if args.restart:
+        spec = next((m for m in methods if m not in TIER_INDEPENDENT), "naive")
+        result["restart"] = restart_row(model, w, args, store, prompt, spec, log)
+        emit(result)
+        jax.clear_caches()
+    del model
     return result
 
 
@@ -336,7 +424,22 @@ def shape_section(result: dict, cmd: str, device: str) -> str:
             f"(cached) | {w['suffix_len']}-token suffix = {result['prompt_tokens']:,} tokens; "
             f"{result['dtype']}, page size {w['page_size']}. Reuse head classes: {result['reuse_heads']}. "
             f"Median of the timed runs; the first run of each method compiles and is not timed.\n\n"
-            f"{table(result['rows'], result['layers'])}\n")
+            f"{table([r for r in result['rows'] if r.get('tier', 'device') == 'device'], result['layers'])}\n"
+            + tier_section(result))
+
+
+def tier_section(result: dict) -> str:
+    if result.get("tiers", ["device"]) == ["device"] and "restart" not in result:
+        return ""
+    text = ("\nSegments starting in each tier (placed there before every run; the request promotes the heads "
+            "its method reads; share = this tier's speed-up over `full` / the device tier's):\n\n"
+            f"{tier_table(result['rows'])}\n")
+    r = result.get("restart")
+    if r:
+        text += (f"\nRestart: a second engine on the same store was ready in {r['engine_s']:.2f} s with "
+                 f"{r['restored']} segments restored (none prefilled again); its first `{r['method']}` token "
+                 f"came {r['first_token_s']:.2f} s later, compiles included ({r['total_s']:.2f} s in all).\n")
+    return text
 
 
 INTRO = """TTFT of every segment-reuse method against `full` dense prefill, in the same engine and the same
@@ -393,6 +496,12 @@ def parse_args(argv):
     ap.add_argument("--deadline-min", type=float, default=0.0,
                     help="start no method or repeat that would not end before this many minutes (judged by "
                          "the previous one's time; 0: no limit)")
+    ap.add_argument("--tiers", default="device",
+                    help="comma list of device, host, store: where the segments start each run")
+    ap.add_argument("--store", default=None, help="segment store directory or URL for the store tier and "
+                                                  "--restart (default: a fresh temporary directory)")
+    ap.add_argument("--restart", action="store_true",
+                    help="then time a second engine on the store: restart -> first reused token")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
     ap.add_argument("--log", default=None, help="JSON log (rewritten after every method)")
     ap.add_argument("--profile", default=None, help="comma list of methods to trace once more after timing "
@@ -400,6 +509,10 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    args.tier_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    bad = [t for t in args.tier_list if t not in ("device", "host", "store")]
+    if bad or not args.tier_list:
+        ap.error(f"--tiers: unknown tier(s) {bad}; choose from device, host, store")
     if args.small:
         args.segments, args.segment_len, args.suffix_len, args.max_step_tokens = 2, 64, 16, 64
     return args
@@ -436,7 +549,8 @@ def main(argv=None) -> list[dict]:
         results.append(bench_shape(shape, paths[shape], args, remaining, log, emit))
     for r in results:
         print(f"\n{TITLES.get(r['shape'], r['shape'])}: {r['prompt_tokens']:,}-token prompt\n")
-        print(table(r["rows"], r["layers"]), flush=True)
+        print(table([x for x in r["rows"] if x.get("tier", "device") == "device"], r["layers"]), flush=True)
+        print(tier_section(r), flush=True)
     return results
 
 

@@ -3,6 +3,8 @@
 Run with `-s` to print the measured max relative errors (recorded in docs/models.md).
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,56 @@ def test_stacked_layers_run_under_scan_and_match_the_list():
     assert _rel_err(got, want) < 1e-5
     assert _rel_err(got, np.asarray(llama.dense_logits({**params, "layers": params["layers"][::-1]},
                                                        cfg, tokens))) > 1e-3  # the layer order matters
+
+
+def test_shared_layers_trace_one_layer_body_and_match_the_list():
+    """`SharedLayers` run one jitted layer body: the lowered program holds one private layer function called
+    once per layer (tracing and lowering cost one layer), and the logits equal the unrolled loop's."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.config import ModelConfig
+    from jaxkv.models import llama
+
+    cfg = ModelConfig(family="mistral", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
+                      num_heads=4, num_kv_heads=2, head_dim=8, layer_windows=(0, 4, 0, 4, 0))
+    params = llama.init_params(cfg, jax.random.key(2), scale=0.2)
+    shared = llama.share_layers(params)
+    assert isinstance(shared["layers"], llama.SharedLayers) and len(shared["layers"]) == 5
+    tokens = jnp.asarray((np.arange(12) * 5 % 64)[None], jnp.int32)
+    logits = jax.jit(llama.dense_logits, static_argnums=1)
+    want = np.asarray(logits(params, cfg, tokens))
+    assert _rel_err(np.asarray(logits(shared, cfg, tokens)), want) < 1e-5
+    text = logits.lower(shared, cfg, tokens).as_text()
+    # one body, plus at most one copy for the last layer when its unused outputs are pruned
+    assert len(re.findall(r"call @layer(_\d+)?\(", text)) == cfg.num_layers
+    assert 1 <= len(re.findall(r"func\.func private @layer(_\d+)?\(", text)) <= 2
+    unrolled = logits.lower(params, cfg, tokens).as_text()
+    assert "@layer" not in unrolled and len(unrolled) > 2 * len(text)
+
+
+def test_engine_layer_loops_give_the_same_tokens(tmp_path):
+    """The engine's three layer loops (unrolled, shared body, scan) produce the same greedy tokens."""
+    from jaxkv.engine.engine import Engine
+    from jaxkv.models import llama
+    from jaxkv.sampling import SamplingParams
+
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path / "ckpt"))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[3, 9, 27, 81 % 50, 17], list(range(5, 40))]
+    out = {}
+    for loop in ("unrolled", "shared", "scan"):
+        eng = Engine(model, num_pages=256, page_size=4, max_model_len=64, max_num_seqs=2, max_step_tokens=16,
+                     layer_loop=loop)
+        form = eng.model.params["layers"]
+        assert {"unrolled": type(form) is list, "shared": isinstance(form, llama.SharedLayers),
+                "scan": isinstance(form, dict)}[loop]
+        ids = [eng.add_request(p, sp) for p in prompts]
+        toks = {i: [] for i in ids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        out[loop] = [toks[i] for i in ids]
+    assert out["unrolled"] == out["shared"] == out["scan"] and all(len(t) == 6 for t in out["shared"])
+    with pytest.raises(ValueError, match="layer_loop"):
+        Engine(model, num_pages=64, page_size=4, max_model_len=64, layer_loop="rolled")

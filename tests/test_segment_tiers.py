@@ -214,6 +214,35 @@ def test_the_store_tier_and_a_second_engine_on_it(model, docs, tmp_path):
         small.reuser.store.get(ids[3])
 
 
+def test_placing_a_segment_in_each_tier_keeps_the_answer(model, docs, tmp_path):
+    """`place` puts a segment wholly in one tier (what the tier benchmark starts every run from); the next
+    request promotes it from there and answers as with the segment on the device."""
+    eng = engine(model, 2000, segment_store=str(tmp_path))
+    ids = [eng.register_segment(d) for d in docs[:2]]
+    want = ask(eng, ids)
+    tiers, persist = eng.reuser.tiers, eng.reuser.persist
+    entries = [eng.reuser.store.get(s) for s in ids]
+    size = tiers.L * tiers.H * SEG * tiers.slot_bytes
+    for tier, source in [("host", "host"), ("store", "store"), ("device", None), ("host", "host")]:
+        for e in entries:
+            tiers.place(e, tier)
+            assert tiers.tiers(e)[0] == tier and (tier == "device") == bool(tiers.device_heads(e).all())
+        assert (tiers.host_used == 2 * size) == (tier == "host")
+        promoted, read = tiers.bytes_promoted, persist.bytes_read
+        assert ask(eng, ids) == want
+        assert tiers.bytes_promoted - promoted == (0 if source is None else 2 * size)
+        assert persist.bytes_read - read == (2 * size if source == "store" else 0)
+    with pytest.raises(ValueError, match="tier must be one of"):
+        tiers.place(entries[0], "disk")
+    plain = engine(model, 2000)
+    e = plain.reuser.store.get(plain.register_segment(docs[0]))
+    with pytest.raises(SegmentError, match="not in a segment store"):
+        plain.reuser.tiers.place(e, "store")
+    pinned = plain.reuser.store.get(plain.register_segment(docs[1], frozen=True))
+    with pytest.raises(SegmentError, match="pinned"):
+        plain.reuser.tiers.place(pinned, "host")
+
+
 def test_cards_and_metrics_report_the_tiers(model, docs):
     eng = engine(model, 7 * seg_pages(model))
     ids = [eng.register_segment(d) for d in docs]

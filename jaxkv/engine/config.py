@@ -77,10 +77,17 @@ class EngineConfig:
     kv_budget: float | None = None
     kv_merge: bool | None = None  # per-slot logit bias in the pool; None: iff the engine-wide policy merges
     pipeline_decode: bool = True  # dispatch decode call t+1 before reading call t
+    # "unrolled" (every layer traced), "shared" (one traced layer body called per layer; the same compiled
+    # step, a fraction of the tracing), "scan" (stacked weights under lax.scan). None: $JAXKV_LAYER_LOOP,
+    # else "shared" on the CPU and the model's own form elsewhere (docs/engine.md, "Layer loops").
+    layer_loop: str | None = None
     retrieval: RetrievalConfig = RetrievalConfig()
     segments: SegmentConfig = SegmentConfig()
 
     def __post_init__(self):
+        if self.layer_loop not in (None, "unrolled", "shared", "scan"):
+            raise ValueError("Engine: layer_loop must be 'unrolled', 'shared' or 'scan' "
+                             f"(got {self.layer_loop!r})")
         for name in ("page_size", "max_num_seqs", "max_step_tokens", "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -77,6 +77,34 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     return os.fspath(path)
 
 
+LAYER_LOOPS = ("unrolled", "shared", "scan")
+
+
+def _with_layer_loop(model, option: str | None):
+    """`model` with its layers in the form the layer loop wants (jaxkv/models/llama.py): a list (unrolled),
+    `SharedLayers` (one traced layer body) or stacked leaves (scan). The loop: `option`, else
+    $JAXKV_LAYER_LOOP, else "shared" on the CPU and the model's own form (a list from jaxkv.load) elsewhere."""
+    from jaxkv.models import llama
+
+    loop = option or os.environ.get("JAXKV_LAYER_LOOP") or None
+    if loop is not None and loop not in LAYER_LOOPS:
+        raise ValueError(f"layer loop must be one of {list(LAYER_LOOPS)} (got {loop!r}; JAXKV_LAYER_LOOP)")
+    layers = model.params["layers"]
+    form = ("shared" if isinstance(layers, llama.SharedLayers) else "unrolled"
+            if isinstance(layers, list | tuple) else "scan")
+    if loop is None:
+        loop = "shared" if jax.default_backend() == "cpu" and form == "unrolled" else form
+    if loop == form:
+        return model
+    if getattr(model, "mesh", None) is not None:
+        if option or os.environ.get("JAXKV_LAYER_LOOP"):
+            raise ValueError("layer_loop: a tensor-parallel model keeps the layer form it was placed with")
+        return model
+    convert = {"unrolled": llama.unshare_layers, "shared": llama.share_layers, "scan": llama.stack_layers}
+    params = model.params if form != "scan" else llama.unshare_layers(model.params)
+    return dataclasses.replace(model, params=convert[loop](params))
+
+
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, **options):
         """`config` (jaxkv.engine.config.EngineConfig), or its fields as keywords, section fields by their
@@ -91,6 +119,7 @@ class Engine:
         cfg = model.config
         enable_compilation_cache()
         compilations.install()
+        model = _with_layer_loop(model, c.layer_loop)
         self.model = model
         self.tokenizer = model.tokenizer
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

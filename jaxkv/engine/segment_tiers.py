@@ -203,6 +203,35 @@ class SegmentTiers:
             freed += self._demote(e)
         return freed
 
+    def place(self, e: SegmentEntry, tier: str) -> None:
+        """Puts an idle segment wholly in `tier` and in no faster one: "device" promotes every head; "host"
+        leaves a host copy and frees its pool pages; "store" keeps only the store's copy. For benchmarks and
+        operators that want a known starting tier; pins are not changed (a pinned segment refuses)."""
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {list(TIERS)} (got {tier!r})")
+        sid = e.segment_id
+        if e.refcount:
+            raise SegmentError(f"segment {sid!r} is in use by a request")
+        if sid in self.pins and self.pins[sid] != tier:
+            raise SegmentError(f"segment {sid!r} is pinned to {self.pins[sid]!r}")
+        if tier == "device":
+            self.promote([e], np.ones((self.L, self.H), bool))
+            return
+        if tier == "host":
+            if sid not in self._host:
+                self._make_host_room(self.L * self.H * self.head_bytes(e), hard=True, before=sid)
+                if not self.device_heads(e).all():
+                    self.promote([e], np.ones((self.L, self.H), bool))  # the copy is made from the pool
+                self._host[sid] = self._copy_out(e)
+                self.bytes_demoted += self.L * self.H * self.head_bytes(e)
+            self._demote(e)
+            return
+        if not self.stored(e):
+            raise SegmentError(f"segment {sid!r} is not in a segment store (--segment-store)")
+        if self._host.pop(sid, None) is not None:
+            self._moves += 1
+        self._free_device(e)  # the store holds it: the pages just go, no host copy is made
+
     def _demote(self, e: SegmentEntry, keep_host: bool = False) -> int:
         """Frees the segment's pool pages, first copying it to host memory unless a lower tier holds it
         (and, with a store, only while the host budget allows); returns pages freed, 0 when it must stay."""
@@ -230,11 +259,17 @@ class SegmentTiers:
                 return n
         else:
             self._host.move_to_end(sid)
+        return self._free_device(e)
+
+    def _free_device(self, e: SegmentEntry) -> int:
+        """Returns the segment's pool pages (a lower tier holds it); pages freed."""
+        on = e.pages >= 0
         n = int(on.sum())
-        self._moves += 1
-        self.engine.allocator.decref(e.pages[on])
-        e.pages = np.full_like(e.pages, -1)
-        self.demotions += 1
+        if n:
+            self._moves += 1
+            self.engine.allocator.decref(e.pages[on])
+            e.pages = np.full_like(e.pages, -1)
+            self.demotions += 1
         return n
 
     def _make_host_room(self, size: int, hard: bool, before: str | None = None) -> bool:

@@ -8,8 +8,9 @@ Parameters are a plain pytree (weights stored [in, out], so `x @ w`):
                   "q_norm"/"k_norm": [D] (cfg.qk_norm),
                   "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H]}, ... ]}
 
-or, after `stack_layers`, "layers" as one dict whose leaves carry a leading layer axis L (run under one
-`lax.scan`; see the note above `forward` for what each form costs).
+or the same dicts as `SharedLayers` (one traced layer body called per layer), or, after `stack_layers`,
+"layers" as one dict whose leaves carry a leading layer axis L (run under one `lax.scan`); the note above
+`forward` says what each form costs.
 
 Attention is a callback (`AttendFn`), so the dense `.logits` path and the engine's paged path share the
 layer code. Per-layer differences (windows, head classes, page-table rows) are `[L, ...]` arrays the callback
@@ -56,12 +57,29 @@ def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
     return rope.apply_rope(q, positions, freqs), rope.apply_rope(k, positions, freqs), v
 
 
-# Two layouts of "layers", two loops. A list of per-layer dicts (what `jaxkv.load` returns) runs unrolled:
-# each layer's weights are their own buffers, the fastest steps. Stacked leaves (`stack_layers`) run under one
-# rolled `lax.scan`: on an H100 a 1B step variant compiled no faster (3.9 s against 3.5 s unrolled: the
-# time goes to one layer's kernels and fusions, not to the depth), and the decode step took 4.1 against
-# 2.0 ms at batch 32; indexing stacked leaves per layer in an unrolled loop was no better (3.6 ms): slices
-# of stacked weights feeding GEMMs are copied every step.
+# Three layouts of "layers", three loops:
+# * a list of per-layer dicts (what `jaxkv.load` returns) runs unrolled: every layer traced and lowered on
+#   its own, each layer's weights their own buffers;
+# * `SharedLayers` (the same dicts) runs one jitted layer body, traced and lowered once per step and called
+#   per layer with that layer's weights and its index (traced, as under the scan); XLA inlines the calls,
+#   so the compiled step is the unrolled one while tracing and lowering cost about one layer (SmolLM2-135M,
+#   30 layers, CPU: trace 2.6 -> 0.4 s, lowering 1.6 -> 0.4 s for the same steps);
+# * stacked leaves (`stack_layers`) run under one rolled `lax.scan`: on an H100 a 1B step variant compiled
+#   no faster (3.9 s against 3.5 s unrolled) and the decode step took 4.2 against 2.1 ms at batch 32 (XLA's
+#   dynamic-slice fusion flag did not change it): slices of stacked weights feeding GEMMs are copied every
+#   step.
+
+
+@jax.tree_util.register_pytree_node_class
+class SharedLayers(tuple):
+    """Per-layer parameter dicts that `forward` runs through one shared layer body (see above)."""
+
+    def tree_flatten(self):
+        return tuple(self), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children)
 
 
 def forward(
@@ -70,7 +88,8 @@ def forward(
 ) -> tuple[jax.Array, State]:
     """tokens, positions int32[B, T] -> (hidden [B, T, hidden] after the final norm, state).
 
-    The layers run unrolled (a list of layers) or under `lax.scan` (stacked layers).
+    The layers run unrolled (a list), through one shared layer body (`SharedLayers`) or under `lax.scan`
+    (stacked layers).
     `attend(layer, q, k, v, state)` receives q, k after q/k-norm and RoPE at `positions`; with `layer_xs`
     (a pytree of `[L, ...]` arrays) it is called as `attend(layer, q, k, v, state, xs)` with this layer's
     slice. `reduce` (tensor parallelism, jaxkv.parallel) sums the shards' partial O and down projections.
@@ -83,8 +102,14 @@ def forward(
 
 def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
                state: State, reduce=None, layer_xs: Any = None) -> tuple[jax.Array, State]:
-    """Every layer over the residual stream x: unrolled for a list of layers, one `lax.scan` for stacked
-    layers."""
+    """Every layer over the residual stream x: unrolled for a list of layers, one shared layer body for
+    `SharedLayers`, one `lax.scan` for stacked layers."""
+    if isinstance(layers, SharedLayers):
+        call = _shared_layer(cfg, attend, reduce, layer_xs is not None)
+        for i in range(cfg.num_layers):
+            xs = None if layer_xs is None else jax.tree.map(functools.partial(_take, i), layer_xs)
+            x, state = call(layers[i], jnp.int32(i), x, positions, freqs, state, xs)
+        return x, state
     if isinstance(layers, list | tuple):
         for i in range(cfg.num_layers):
             take = functools.partial(_take, i)
@@ -103,6 +128,16 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
 
     (x, state), _ = jax.lax.scan(body, (x, state), xs)
     return x, state
+
+
+def _shared_layer(cfg, attend, reduce, with_xs: bool):
+    """One jitted layer body for every layer of one forward trace: traced and lowered on its first call,
+    reused (one private function, called L times) by the others; XLA inlines the calls when it compiles."""
+    def layer(p, i, x, positions, freqs, state, xs):
+        fn = attend if not with_xs else functools.partial(_with_xs, attend, xs)
+        return decoder_layer(p, cfg, i, x, positions, freqs, fn, state, reduce)
+
+    return jax.jit(layer)
 
 
 def _take(i, a):
@@ -127,6 +162,16 @@ def layer_list(params: dict) -> list[dict]:
     if isinstance(layers, list | tuple):
         return list(layers)
     return [layer_params(params, i) for i in range(jax.tree.leaves(layers)[0].shape[0])]
+
+
+def share_layers(params: dict) -> dict:
+    """The same parameters with the layer list as `SharedLayers` (one traced layer body)."""
+    return {**params, "layers": SharedLayers(layer_list(params))}
+
+
+def unshare_layers(params: dict) -> dict:
+    """The same parameters with the layers as a plain list (the unrolled loop)."""
+    return {**params, "layers": list(layer_list(params))}
 
 
 def stack_layers(params: dict) -> dict:

@@ -48,6 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one step")
     p.add_argument("--max-step-tokens", type=int, default=512,
                    help="tokens (prefill chunks + decodes) per step")
+    p.add_argument("--layer-loop", default=None, choices=["unrolled", "shared", "scan"],
+                   help="how a step runs the layers: unrolled (every layer traced), shared (one traced "
+                        "layer body, the same compiled step: faster startup), scan (stacked weights); "
+                        "default: shared on the CPU, unrolled elsewhere (docs/engine.md)")
     p.add_argument("--head-classes", default=None,
                    help="head_classes.json, or 'global' for full history in every head; default: the "
                         "head_classes.json next to the model, else all heads global")
@@ -228,6 +232,7 @@ def main(argv=None) -> int:
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_step_tokens=args.max_step_tokens, head_classes=head_classes,
+                        layer_loop=args.layer_loop,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         kv_merge=args.kv_merge,
                         retrieval_host_tier=args.retrieval_host_tier,
