@@ -4,6 +4,8 @@ section."""
 import json
 import math
 
+import pytest
+
 from benchmarks import reuse as bench
 
 
@@ -39,3 +41,26 @@ def test_segments_shrink_to_fit_the_embedded_models_positions():
     assert w.prompt_tokens == 33040 and bench.fit_workload(w, 131072) == w
     fit = bench.fit_workload(w, 32768)
     assert fit.segment_len == 4048 and fit.max_model_len <= 32768 and fit.prompt_tokens < 32768
+
+
+def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the_store(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--methods", "full,naive,redknot",
+            "--tiers", "device,host,store", "--restart", "--store", str(tmp_path / "store"), "--out", str(out)]
+    (result,) = bench.main(argv)
+    rows = {(r["method"], r["tier"]): r for r in result["rows"]}
+    assert set(rows) == {("full", "device")} | {(m, t) for m in ("naive", "redknot")
+                                                 for t in ("device", "host", "store")}
+    w = result["workload"]
+    segment_bytes = rows["naive", "host"]["promoted_bytes"]
+    assert segment_bytes > 0 and rows["naive", "device"]["promoted_bytes"] == 0
+    assert rows["naive", "store"]["promoted_bytes"] == rows["naive", "store"]["store_read_bytes"] == segment_bytes
+    assert rows["naive", "host"]["store_read_bytes"] == 0
+    # RedKnot promotes only its local heads (the small model's head-class map has global heads)
+    assert 0 < rows["redknot", "host"]["promoted_bytes"] < segment_bytes
+    r = result["restart"]
+    assert r["restored"] == w["segments"] and r["first_token_s"] > 0
+    text = out.read_text()
+    assert "| naive | store |" in text and "Restart: a second engine on the same store" in text
+    with pytest.raises(SystemExit):
+        bench.main(["--small", "--tiers", "disk"])
