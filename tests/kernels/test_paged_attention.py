@@ -143,3 +143,32 @@ def test_default_off_the_gpu_is_dense_when_it_fits():
     t, hq = c["q"].shape[:2]
     mp, ps = c["page_table"].shape[-1], c["k_pages"].shape[1]
     assert dense.fits(t, hq, mp, ps) and not dense.fits(dense.MAX_SCORES, hq, mp, ps)
+
+
+@pytest.mark.parametrize("case", CASES[:4])
+def test_dense_path_over_many_tiles_matches_the_oracle(case, monkeypatch):
+    """The dense path over several tiles (a 4-slot tile: one page; online softmax across tiles) equals the
+    oracle, with every page past a sequence's longest head poisoned with NaN: nothing of them reaches the
+    output."""
+    from pallas_kernels.paged_attention import dense
+
+    monkeypatch.setattr(dense, "TILE_SLOTS", 4)
+    q_lens, ring, _, _, _ = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    c = random_paged_case(rng, q_lens=q_lens, ring=ring, page_size=4, max_pages=8)
+    sink, window = np.array([0, 2], np.int32), np.array([0, 5], np.int32)
+    ref_out, ref_lse = oracle_attention(c, sink, window, 0.25)
+    k, v = c["k_pages"].copy(), c["v_pages"].copy()
+    used = {int(p) for s in range(c["page_table"].shape[0]) for h in range(c["page_table"].shape[1])
+            for p in c["page_table"][s, h, :-(-int(c["lengths"][s].max()) // 4)] if p >= 0}
+    unused = [p for p in range(k.shape[0]) if p not in used]
+    assert unused, "the case should leave pages unread"
+    k[unused], v[unused] = np.nan, np.nan
+    args = [jnp.asarray(k if a == "k_pages" else v if a == "v_pages" else c[a]) for a in ARGS]
+    out, lse = paged_attention(*args, jnp.asarray(sink), jnp.asarray(window), scale=0.25,
+                               implementation="dense")
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse)) and np.isfinite(out).all()
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out, ref_out, atol=1e-4, rtol=2e-5)
