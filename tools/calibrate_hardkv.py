@@ -2,6 +2,8 @@
 
     python -m tools.calibrate_hardkv --tasks mq_niah,vt,qa --context 2048 --num 8 --seed 7
     python -m tools.calibrate_hardkv --model /models/llama --out /models/llama/hardkv_calibration.json
+    python -m tools.calibrate_hardkv --model smollm2 --tasks real_niah_multikey,real_vt --context 2048 \
+        --out smollm2_hardkv_calibration.json                # real-text tasks, any model
 
 For each calibration prompt the model runs densely over the whole prompt; at every layer the last
 `window` queries are the observation window, and the temperature that makes the top-n* tokens of
@@ -75,12 +77,14 @@ def main(argv=None) -> int:
     from jaxkv.eval.tasks import make_instances
     from jaxkv.policies.compress.hardkv import CALIBRATION_FILE, HardKV, save_calibration
 
+    if not args.out and not Path(args.model).is_dir():
+        ap.error("--out is needed when --model is not a checkpoint directory")
     model = jaxkv.load(args.model)
     policy = HardKV(p=args.p, window=args.window, transform=args.transform)
     enc = lambda s: model.tokenizer.encode(s, add_special_tokens=False)
     prompts = [enc(i.prefix) + [t for s in i.segments for t in enc(s)] + enc(i.suffix)
                for task in args.tasks.split(",")
-               for i in make_instances(task, args.context, args.num, args.seed)]
+               for i in make_instances(task, args.context, args.num, args.seed, tokenizer=model.tokenizer)]
     logs = np.stack([np.log(prompt_temperatures(model, policy, ids))
                      for ids in tqdm(prompts, desc="calibrate")])
     temps = np.exp(logs.mean(0))

@@ -3,8 +3,12 @@
     python -m tools.profile_heads [--model DIR] [--context 4096] [--num 8] [--global-fraction 0.25] \
         [--sink 64 --window 256] [--out DIR/head_classes.json] [--plot docs/images/head_profile.png]
 
+    python -m tools.profile_heads --model smollm2 --tasks real_niah_multikey,real_vt --context 2048 \
+        --out smollm2_head_classes.json                       # a real model, on real-text tasks
+
 Per (layer, KV head), averaged over the G query heads of the group and over the answer-producing queries
-(teacher-forced reference completions of MQ-NIAH and VT instances):
+(teacher-forced reference completions of the `--tasks` instances: the synthetic MQ-NIAH and VT by default,
+or the real-text tasks sized with the model's own tokenizer, docs/eval.md):
 
 * ``local_mass``   attention mass inside sink + window (architecture.md window semantics),
 * ``retrieval``    attention mass on the needle tokens (the answers' occurrences in the context),
@@ -35,7 +39,8 @@ def _find(seq: list[int], sub: list[int], end: int) -> list[int]:
     return [i for i in range(end - n + 1) if seq[i : i + n] == sub]
 
 
-def profile(model, context: int, num: int, sink: int, window: int, seed: int = 7) -> dict[str, np.ndarray]:
+def profile(model, context: int, num: int, sink: int, window: int, seed: int = 7,
+            tasks: tuple[str, ...] = ("mq_niah", "vt")) -> dict[str, np.ndarray]:
     import jax
     import jax.numpy as jnp
 
@@ -75,8 +80,8 @@ def profile(model, context: int, num: int, sink: int, window: int, seed: int = 7
         return jnp.stack(stats)  # [L, 3, H]
 
     acc = []
-    for task in ("mq_niah", "vt"):
-        insts = make_instances(task, context, num + 1, seed=seed)
+    for task in tasks:
+        insts = make_instances(task, context, num + 1, seed=seed, tokenizer=tok)
         for a, b in zip(insts[:-1], insts[1:], strict=True):
             enc = lambda s: tok.encode(s, add_special_tokens=False)
             ids_a = enc(a.prompt) + enc(a.target)
@@ -159,6 +164,9 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--tasks", default="mq_niah,vt",
+                    help="comma list: synthetic tasks (mq_niah, vt, ...) or real-text ones (real_niah_multikey, "
+                         "real_vt, ...) for any model")
     ap.add_argument("--num", type=int, default=8, help="instances per task")
     ap.add_argument("--global-fraction", type=float, default=0.25)
     ap.add_argument("--retrieval-heads", type=int, default=0)
@@ -174,8 +182,11 @@ def main(argv=None) -> int:
         ap.error("--window must be >= 1 and --sink >= 0")
     import jaxkv
 
+    if not args.out and not Path(args.model).is_dir():
+        ap.error("--out is needed when --model is not a checkpoint directory")
     model = jaxkv.load(args.model)
-    stats = profile(model, args.context, args.num, args.sink, args.window)
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    stats = profile(model, args.context, args.num, args.sink, args.window, tasks=tasks)
     hmap, score = classify(stats, args.global_fraction, args.sink, args.window, args.retrieval_heads)
     out = Path(args.out) if args.out else Path(args.model) / "head_classes.json"
     hmap.save(out)

@@ -139,7 +139,8 @@ class EngineMethod(Method):
         from jaxkv.engine.engine import Engine
 
         cfg = self.model.config
-        hc = all_global(cfg.num_layers, cfg.num_kv_heads) if self.head_classes == "global" else None
+        hc = (all_global(cfg.num_layers, cfg.num_kv_heads) if self.head_classes == "global" else None
+              if self.head_classes == "model" else self.head_classes)
         if self._engine is None or self._engine.max_model_len < total:
             self._engine = Engine(self.model, max_num_seqs=1, max_model_len=pow2_bucket(total),
                                   head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy)
@@ -182,11 +183,19 @@ register_method("engine")(EngineMethod)
 
 @register_method("duo")
 class DuoHeadClasses(EngineMethod):
-    """DuoAttention-style head classes from our profiler (`head_classes.json` beside the model): retrieval
-    heads keep the full cache, streaming heads sink + window, no other policy."""
+    """DuoAttention-style head classes from our profiler (`head_classes.json` beside the model, or the file
+    `head_classes=PATH` names, e.g. `tools.profile_heads --out` for a GGUF model): retrieval heads keep the
+    full cache, streaming heads sink + window, no other policy."""
 
     name = "duo"
     head_classes = "model"
+
+    def __init__(self, model, budget: float | None = None, head_classes: str | None = None, **fields):
+        super().__init__(model, budget, **fields)
+        if head_classes is not None:
+            from jaxkv.cache.head_classes import HeadClassMap
+
+            self.head_classes = HeadClassMap.load(head_classes)
 
 
 def _register_policy_methods():

@@ -344,7 +344,14 @@ def make_instance(task: str, context: int, seed: int, index: int, **kwargs) -> I
     return TASKS[task](rng, context, **kwargs)
 
 
-def make_instances(task: str, context: int, num: int, seed: int = 0, **kwargs) -> list[Instance]:
-    """`num` deterministic instances of `task` at `context` tokens (prompt + reference completion)."""
+def make_instances(task: str, context: int, num: int, seed: int = 0, tokenizer=None, **kwargs) -> list[Instance]:
+    """`num` deterministic instances of `task` at `context` tokens (prompt + reference completion). A
+    real-text task (`real_*`, jaxkv/eval/realtext.py) is sized with the model's `tokenizer`."""
+    if task.startswith("real_"):
+        if tokenizer is None:
+            raise ValueError(f"{task!r} is a real-text task: pass the model's tokenizer")
+        from jaxkv.eval import realtext
+
+        return realtext.make_instances(task, tokenizer, context, num, seed=seed, **kwargs)
     return [make_instance(task, context, seed, i, **kwargs) for i in range(num)]
 
