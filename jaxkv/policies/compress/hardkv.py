@@ -84,7 +84,7 @@ class HardKV(CompressPolicy):
     transform: str = "snapkv"  # "snapkv" (max-pool 7 on logits) or "vanilla"
     kernel: int = 7
     gqa: str = "max"  # how a KV head's query group is reduced on the logits: "max" (the reference) or "mean"
-    calibration: tuple | None = None  # ((T per KV head) per layer) from a calibration file, or None
+    calibration: tuple | str | None = None  # ((T per KV head) per layer), a calibration file's path, or None
     # The cascade's LSE-preserving merge (evicted tokens folded into similar kept ones, base.CompressPolicy):
     # on by default here (off in the reference code). Held-out 8K draws, five tasks: +9.0 / +7.8 / +4.7 points
     # at 12.5 / 25 / 50 % for 1.6 % more bytes (docs/eval.md, "LSE-preserving merge").
@@ -157,7 +157,10 @@ class HardKV(CompressPolicy):
     def bind(self, model) -> HardKV:
         """Uses `hardkv_calibration.json` beside the model when present and none was given. A file fitted
         for another observation window or GQA reduction is not used (temperatures are solved online
-        instead): the temperature that gives the window's rows mass p depends on both."""
+        instead): the temperature that gives the window's rows mass p depends on both. `calibration` given
+        as a file path loads that file (checked against the model and the policy's fields)."""
+        if isinstance(self.calibration, str | os.PathLike):
+            return load_calibration(self.calibration, model, dataclasses.replace(self, calibration=None))
         if self.calibration is not None or not self.use_calibration_file or not getattr(model, "path", None):
             return self
         path = os.path.join(model.path, CALIBRATION_FILE)
