@@ -7,6 +7,7 @@ import pytest
 
 import jaxkv
 from jaxkv.engine.engine import Engine
+from jaxkv.engine import warmup
 from jaxkv.engine.runner import num_compilations
 from jaxkv.sampling import SamplingParams
 from tests.hf_tiny import make_tiny_checkpoint
@@ -85,6 +86,36 @@ def test_no_new_compilation_after_precompile(llama):
     # The programs compiled ahead of time give the tokens jit's own path gives.
     lazy = Engine(llama, page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
     assert outputs(lazy) == got and not lazy.runner.compiled
+
+
+def test_precompiled_logprob_variants_serve_logprobs_and_echo_without_a_compile(llama):
+    """`precompile(logprobs=True)` adds the logprob variants (alternatives; prompt logprobs for echo): a mix of
+    such requests then compiles nothing, and the top alternatives equal jit's own path."""
+    kw = dict(page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
+    engine = Engine(llama, **kw)
+    plain = len(warmup.variants(engine))
+    n = engine.precompile(progress=False, logprobs=True)
+    assert n == len(warmup.variants(engine, logprobs=True)) and plain < n < 3 * plain
+    compiled = num_compilations()
+    mix = [(prompts_for(llama, [5])[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                       logprobs=3)),
+           (prompts_for(llama, [20], seed=1)[0], SamplingParams(temperature=0.7, max_tokens=6, seed=1,
+                                                                logprobs=5, prompt_logprobs=2))]
+
+    def outputs(eng):
+        ids = [eng.add_request(prompt, sp) for prompt, sp in mix]
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).append((o.new_token_ids, o.new_top_logprobs, o.prompt_logprobs))
+        return [out[i] for i in ids]
+
+    got = outputs(engine)
+    assert num_compilations() == compiled
+    assert any(step[2] for step in got[1]) and all(step[1] for step in got[0] if step[0])
+    lazy = Engine(llama, **kw)
+    want = outputs(lazy)
+    assert [[s[0] for s in r] for r in want] == [[s[0] for s in r] for r in got]
 
 
 def test_fresh_long_prompt_prefills_alone_through_head_class_prefill(tmp_path):

@@ -302,12 +302,13 @@ class Engine:
             self.scheduler.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
-    def precompile(self, progress: bool = True, workers: int | None = None) -> int:
+    def precompile(self, progress: bool = True, workers: int | None = None, logprobs: bool = False) -> int:
         """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
-        Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads."""
+        Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads.
+        `logprobs`: also the variants of requests that ask for logprobs (about twice as many)."""
         from jaxkv.engine.warmup import precompile
 
-        n = precompile(self, progress, workers)
+        n = precompile(self, progress, workers, logprobs)
         if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
             n += self.retriever.precompile(self.kv_policy, progress)
         return n

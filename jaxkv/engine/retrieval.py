@@ -551,9 +551,9 @@ class Retriever:
         L, H = cfg.num_layers, cfg.num_kv_heads
         head, state, summary = self.params_for(policy), self._state_for(policy), self._summary_for(policy)
         tap = state is not None or summary is not None  # ragged steps run _step_tap
-        todo = [v for v in variants(eng) if v[0] == "step"] if tap else []
+        todo = [v[:6] for v in variants(eng) if v[0] == "step"] if tap else []
         seen = set()
-        for _, s, _, p, greedy, _ in variants(eng):
+        for _, s, _, p, greedy, *_ in variants(eng):
             for k in sorted({eng.decode_steps, 1}):
                 if (s, p, greedy, k) not in seen:
                     seen.add((s, p, greedy, k))

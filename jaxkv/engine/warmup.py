@@ -1,7 +1,8 @@
 """Compile every device-step variant an engine can hit before it serves (no compile stall mid-request).
 
 A variant is one bucket combination: (tokens, page-table width, greedy or sampled, fresh prompt) for a
-ragged step and (sequences, page-table width, greedy or sampled) for a multi-step decode. Each is run once
+ragged step and (sequences, page-table width, greedy or sampled) for a multi-step decode; with logprobs,
+each also with the top-alternatives extras (and steps with prompt logprobs). Each is run once
 on an all-padding batch (every slot -1: nothing is written, the pool comes back unchanged). With the JAX
 persistent compilation cache on (`jaxkv.engine.engine.enable_compilation_cache`), a restart loads them
 from disk instead of compiling again.
@@ -19,16 +20,19 @@ from tqdm.auto import tqdm
 
 from jaxkv.engine import code_maps
 from jaxkv.engine.runner import DecodeBatch, StepBatch
+from jaxkv.sampling import MAX_LOGPROBS
 
 log = logging.getLogger("jaxkv.engine")
 
 STOP_BUCKET = 4  # stop-id bucket warmed (requests with more than 4 stop ids compile their own variant)
 
 
-def variants(engine) -> list[tuple]:
-    """Every (kind, S, T, P, greedy, fresh) the engine's buckets allow (kind "step" or "decode"). A ragged
-    step's rows follow its tokens (`Engine.step_rows`) and a fresh prompt's page-table width its length, so
-    steps are tokens x widths, decodes sequences x widths, each greedy and sampled."""
+def variants(engine, logprobs: bool = False) -> list[tuple]:
+    """Every (kind, S, T, P, greedy, fresh, top_width, prompt_lp) the engine's buckets allow (kind "step" or
+    "decode"). A ragged step's rows follow its tokens (`Engine.step_rows`) and a fresh prompt's page-table
+    width its length, so steps are tokens x widths, decodes sequences x widths, each greedy and sampled.
+    `logprobs`: also the OpenAI logprob variants (alternatives of every row; steps also with prompt logprobs
+    for `echo`)."""
     from jaxkv.engine.engine import FRESH_MIN_TOKENS
 
     shapes = []
@@ -42,17 +46,19 @@ def variants(engine) -> list[tuple]:
         shapes.append(("step", engine.step_rows(t), t, engine.fresh_pages(t), True))
     if engine.decode_steps > 1:
         shapes += [("decode", s, 0, p, False) for s in engine._seq_buckets for p in engine._page_buckets]
-    return [(kind, s, t, p, greedy, fresh) for kind, s, t, p, fresh in shapes for greedy in (True, False)]
+    extras = [(0, False)] + ([(MAX_LOGPROBS, False), (MAX_LOGPROBS, True)] if logprobs else [])
+    return [(kind, s, t, p, greedy, fresh, top, lp) for kind, s, t, p, fresh in shapes
+            for top, lp in extras if kind == "step" or not lp for greedy in (True, False)]
 
 
-def precompile(engine, progress: bool = True, workers: int | None = None) -> int:
+def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False) -> int:
     """Compiles (or loads from the persistent cache) every variant; returns how many. Logs one line.
 
     Each variant is traced and lowered here, one after another (tracing holds the GIL), and its XLA
     compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
     cores up to 16), where XLA works without the GIL; the compiled programs are installed in the runner,
     which calls them directly."""
-    todo = variants(engine)
+    todo = variants(engine, logprobs)
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="jaxkv: compiling step variants", disable=not progress)
@@ -76,7 +82,7 @@ def precompile(engine, progress: bool = True, workers: int | None = None) -> int
     return done
 
 
-def _batch(engine, kind, s, t, p, greedy, fresh) -> StepBatch | DecodeBatch:
+def _batch(engine, kind, s, t, p, greedy, fresh, top_width=0, prompt_lp=False) -> StepBatch | DecodeBatch:
     """An all-padding batch of one variant, its metadata as the engine passes it (device arrays from the
     device tables): every slot -1, so running it writes nothing."""
     dt = engine.device_tables
@@ -90,11 +96,12 @@ def _batch(engine, kind, s, t, p, greedy, fresh) -> StepBatch | DecodeBatch:
         page_table, lengths, slots = dt.step_meta([], [], s, p, q_seq, np.zeros(t, np.int32))
         return StepBatch(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), q_seq=q_seq,
                          slots=slots, page_table=page_table, lengths=lengths,
-                         logits_index=np.zeros(s, np.int32), fresh=fresh, **common)
+                         logits_index=np.zeros(s, np.int32), fresh=fresh, top_width=top_width,
+                         prompt_next=np.full(t, -1, np.int32) if prompt_lp else None, **common)
     page_table, slots, lengths, prev_lengths, active = dt.decode_meta([], [], s, p, engine.decode_steps)
     return DecodeBatch(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32), slots=slots,
                        lengths=lengths, prev_lengths=prev_lengths, active=active, page_table=page_table,
-                       stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common)
+                       stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), top_width=top_width, **common)
 
 
 def stop_near_map_cap(done: int, total: int) -> bool:

@@ -132,7 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
                         "large --max-model-len / --max-step-tokens)")
-    # ---- end of the serve2 block ----
+    p.add_argument("--precompile-logprobs", action="store_true",
+                   help="with precompile: also the variants of requests that ask for logprobs / top_logprobs "
+                        "/ echo (about twice the variants; for evaluation harnesses)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     args = p.parse_args(argv)
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
         return 2
     backend = jax.default_backend()
     if args.precompile or (args.precompile is None and backend != "cpu"):
-        n, took = precompile(engine)
+        n, took = precompile(engine, logprobs=args.precompile_logprobs)
         state.info["precompiled_variants"] = n
         print(f"jaxkv: precompiled {n} step variants in {took:.1f}s", flush=True)
     else:

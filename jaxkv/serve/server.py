@@ -133,11 +133,12 @@ def warm_up(engine, prompt_len: int = 8) -> None:
     engine.abort(rid)
 
 
-def precompile(engine, progress: bool = True) -> tuple[int, float]:
+def precompile(engine, progress: bool = True, logprobs: bool = False) -> tuple[int, float]:
     """`Engine.precompile()`: every step variant compiled (or loaded from the persistent compilation cache)
-    before the server accepts requests, so no request waits on a compile. Returns (variants, seconds)."""
+    before the server accepts requests, so no request waits on a compile (`logprobs`: the logprob variants
+    too). Returns (variants, seconds)."""
     t0 = time.perf_counter()
-    n = engine.precompile(progress=progress)
+    n = engine.precompile(progress=progress, logprobs=logprobs)
     return n, time.perf_counter() - t0
 
 
