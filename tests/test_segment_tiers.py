@@ -320,3 +320,31 @@ def test_a_store_read_of_some_heads_reads_and_checks_only_theirs(tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CorruptSegmentError, match="checksum"):
         store.get("seg-x", heads=local)
+
+
+def test_a_queued_request_reads_its_segments_from_the_store_ahead(model, docs, tmp_path, monkeypatch):
+    """A reuse request over segments only the store holds starts their store read when it is queued; its
+    promotion then uses that read (no second read) and the answer is the one from the device."""
+    eng = engine(model, 2000, segment_store=str(tmp_path))
+    ids = [eng.register_segment(d) for d in docs[:2]]
+    want = ask(eng, ids)
+    tiers = eng.reuser.tiers
+    for s in ids:
+        tiers.place(eng.reuser.store.get(s), "store")
+    disk = eng.reuser.persist.disk
+    reads = []
+    real_get = disk.get
+    monkeypatch.setattr(disk, "get", lambda sid, heads=None: reads.append(sid) or real_get(sid, heads))
+    rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse="naive", sampling=GREEDY)
+    assert set(tiers._reads) == set(ids)
+    for _, fut in tiers._reads.values():
+        fut.result()  # the reads finish before the engine steps: they ran while the request was queued
+    assert sorted(reads) == sorted(ids)
+    out = []
+    while eng.has_unfinished():
+        out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert out == want and sorted(reads) == sorted(ids) and tiers.prefetch_hits == 2
+    # without a store nothing is read ahead
+    plain = engine(model, 2000)
+    plain.add_reuse_request(PREFIX, [plain.register_segment(docs[0])], SUFFIX, reuse="naive", sampling=GREEDY)
+    assert not plain.reuser.tiers._reads

@@ -384,6 +384,14 @@ class Reuser:
 
     def add(self, req: Request, prefix, segments, suffix, policy: ReusePolicy) -> None:
         self.waiting.append(_Pending(req, list(prefix), list(segments), list(suffix), policy))
+        if policy.reuses and self.persist is not None:  # segments only in the store: read them while queued
+            known = []
+            for s in segments:
+                try:
+                    known += [self.store.get(s, req.extra_key)] if isinstance(s, str) else []
+                except SegmentError:
+                    pass  # reported when the request is admitted
+            self.tiers.prefetch(known, policy.segment_heads(self.heads["is_global"]))
 
     def remove(self, req: Request) -> bool:
         for p in list(self.waiting):

@@ -25,7 +25,8 @@ again), which is what happens to ordinary segments without tiers too, only later
 **Promotion**: before a reuse request's prefill, the heads its method reads (`ReusePolicy.segment_heads`:
 every head for naive / SparseX / CacheBlend / EPIC, the local heads only for RedKnot, which recomputes its
 global heads' K/V for every token) and the device lacks are copied into newly allocated pages, from host
-memory or the store. Nothing is prefilled again. The copy is dispatched before the prefill pass (JAX runs
+memory or the store (a store read started when the request was queued: `prefetch`). Nothing is prefilled
+again. The copy is dispatched before the prefill pass (JAX runs
 both asynchronously), so host-side work of the pass overlaps the transfer.
 
 **Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
@@ -38,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +99,9 @@ class SegmentTiers:
         self.drops = 0  # ordinary segments dropped because no tier had room (no store, host memory full)
         self._moves = 0  # tier changes so far: `totals` recomputes only after one (it runs every step)
         self._totals: tuple | None = None
+        self._reads: dict[str, tuple[np.ndarray, Future]] = {}  # store reads started ahead (`prefetch`)
+        self._reader: ThreadPoolExecutor | None = None
+        self.prefetch_hits = 0  # promotions served by a store read started when the request was queued
 
     @property
     def persist(self):
@@ -314,7 +319,8 @@ class SegmentTiers:
         return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
 
     def _forget(self, e: SegmentEntry) -> None:
-        """A segment left the store (deleted): its host copy and pin go with it."""
+        """A segment left the store (deleted): its host copy, pin and any read ahead go with it."""
+        self._reads.pop(e.segment_id, None)
         self._host.pop(e.segment_id, None)
         self.pins.pop(e.segment_id, None)
         self._moves += 1
@@ -347,6 +353,34 @@ class SegmentTiers:
             self.bytes_promoted += m * self.head_bytes(e)
             self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
 
+    def prefetch(self, entries, heads: np.ndarray) -> None:
+        """Starts reading from the store, on a background thread, the heads [L, H] of each entry that no
+        faster tier holds, so a queued request's promotion finds them read (the read overlaps the steps
+        that run meanwhile). Called when a reuse request is queued."""
+        if self.persist is None:
+            return
+        heads = np.asarray(heads, bool)
+        for e in entries:
+            sid = e.segment_id
+            missing = heads & ~self.device_heads(e)
+            if not missing.any() or sid in self._host or sid in self._reads or not self.stored(e):
+                continue
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxkv-segment-read")
+            self._reads[sid] = (missing, self._reader.submit(self.persist.disk.get, sid, missing))
+
+    def _read_store(self, e: SegmentEntry, missing: np.ndarray):
+        """The store's copy of the `missing` heads: from a read `prefetch` started when it covers them."""
+        ahead = self._reads.pop(e.segment_id, None)
+        if ahead is not None and not (missing & ~ahead[0]).any():
+            try:
+                seg = ahead[1].result()
+                self.prefetch_hits += 1
+                return seg
+            except Exception:  # read again below, reporting the error of the read the request waits on
+                pass
+        return self.persist.disk.get(e.segment_id, heads=missing)
+
     def _source(self, e: SegmentEntry, missing: np.ndarray):
         """K, V [m, slots, D] (device arrays) and positions [m, slots] of the `missing` heads."""
         flat = np.nonzero(missing.reshape(-1))[0]
@@ -365,7 +399,7 @@ class SegmentTiers:
         from jaxkv.cache.segment_store import CorruptSegmentError
 
         try:
-            seg = self.persist.disk.get(e.segment_id, heads=missing)
+            seg = self._read_store(e, missing)
         except (CorruptSegmentError, KeyError) as err:
             raise SegmentError(f"segment {e.segment_id!r} cannot be read from the segment store: {err}") \
                 from None
