@@ -348,3 +348,17 @@ def test_a_queued_request_reads_its_segments_from_the_store_ahead(model, docs, t
     plain = engine(model, 2000)
     plain.add_reuse_request(PREFIX, [plain.register_segment(docs[0])], SUFFIX, reuse="naive", sampling=GREEDY)
     assert not plain.reuser.tiers._reads
+
+
+def test_the_reuse_head_class_map_can_be_given_to_the_engine(model, tmp_path):
+    """`segment_head_classes` (a map or a path) sets RedKnot's global / local heads for a model without a
+    head_classes.json beside it; RedKnot then promotes only the local heads."""
+    cfg = model.config
+    rows = tuple(tuple(HeadClass("global") if h == 0 else HeadClass.local(4, 8) for h in range(cfg.num_kv_heads))
+                 for _ in range(cfg.num_layers))
+    path = tmp_path / "reuse_heads.json"
+    HeadClassMap(cfg.num_layers, cfg.num_kv_heads, rows).save(path)
+    eng = engine(model, 2000, segment_head_classes=str(path))
+    assert eng.reuser.heads["is_global"][:, 0].all() and not eng.reuser.heads["is_global"][:, 1:].any()
+    assert (eng.reuser.heads["window"][:, 1:] == 8).all()
+    assert not engine(model, 2000).reuser.heads["window"].any()  # default: the engine's (all global)

@@ -47,7 +47,9 @@ class SegmentConfig:
     pool). store: a directory or tensorstore URL where registered segments persist (restored into the pool
     when the engine starts; jaxkv/engine/segment_persist.py); None: they live as long as the engine.
     host_bytes: host memory for segments moved off the device when the pool runs short
-    (jaxkv/engine/segment_tiers.py).
+    (jaxkv/engine/segment_tiers.py). head_classes: RedKnot's global / local heads for reuse (a HeadClassMap
+    or a head_classes.json path, e.g. from tools.profile_heads); None: the file beside the model, else the
+    engine's own classes.
     """
 
     anchor: Any = "bos"
@@ -55,6 +57,7 @@ class SegmentConfig:
     ffn_cache_bytes: int | None = None
     store: str | None = None
     host_bytes: int = 4 << 30
+    head_classes: Any = None  # the reuse methods' head-class map (HeadClassMap | path); None: beside the model
 
 
 @dataclasses.dataclass(frozen=True)

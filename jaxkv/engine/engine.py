@@ -176,8 +176,11 @@ class Engine:
         self.code_maps = MapGuard()  # XLA:CPU: drops compiled variants near the host's mapping cap
         self.compressor = Compressor(self)
         # Segment store + reuse prefill (jaxkv/engine/reuse.py; options: config.SegmentConfig).
-        self.reuser = Reuser(self, anchor=c.segments.anchor, start=c.segments.start,
-                             ffn_cache_bytes=c.segments.ffn_cache_bytes)
+        reuse_hc = c.segments.head_classes
+        if reuse_hc is not None and not isinstance(reuse_hc, HeadClassMap):
+            reuse_hc = HeadClassMap.load(reuse_hc)
+        self.reuser = Reuser(self, reuse_head_classes=reuse_hc, anchor=c.segments.anchor,
+                             start=c.segments.start, ffn_cache_bytes=c.segments.ffn_cache_bytes)
         # Retrieval policies' decode (jaxkv/engine/retrieval.py; options: config.RetrievalConfig). Measured:
         # in-place reads 4.64 -> 3.04 ms a step (H200, 1B, batch 64, 8K); overlapped host loads 1.09x on the
         # 1B shape's large diffs, 0.89x on the embedded model's (docs/specontext.md).

@@ -6,9 +6,10 @@ so compilations are shared. A prompt's segments are registered on first sight by
 (not counted in TTFT: it is the offline part of reuse), then `Engine.add_reuse_request` runs the method and
 the request decodes greedily in the ordinary step loop. `reuse_full` is the same path with the `full` policy
 (every token recomputed, no segment looked up): it must match the dense `full` oracle. Options reach the
-reuse policy as fields (`--method-opts ratio=0.3,full_layers=2`), except `anchor` (`anchor=none`: segments
-prefilled alone, without the BOS anchor; `Engine(segment_anchor=...)`) and `context`, how the segments were
-cached (docs/eval.md, "Segment caching protocols"):
+reuse policy as fields (`--method-opts ratio=0.3,full_layers=2`), except `head_classes=PATH` (RedKnot's
+global / local heads for a model without a head_classes.json beside it; `Engine(segment_head_classes=...)`),
+`anchor` (`anchor=none`: segments prefilled alone, without the BOS anchor; `Engine(segment_anchor=...)`) and
+`context`, how the segments were cached (docs/eval.md, "Segment caching protocols"):
 
 - `none` (default): each segment prefilled on its own after the anchor (CacheBlend / EPIC / RedKnot's
   protocol: independently precomputed chunks);
@@ -41,6 +42,7 @@ class EngineReuse(Method):
         from jaxkv.engine.engine import Engine
         from jaxkv.policies.reuse import get_reuse_policy
 
+        self.head_classes = opts.pop("head_classes", None)  # RedKnot's map for a model without one beside it
         anchor = opts.pop("anchor", "bos")
         self.context = str(opts.pop("context", "none")).lower()
         if self.context not in CONTEXTS:
@@ -62,7 +64,8 @@ class EngineReuse(Method):
                 self.model, page_size=ps, num_pages=need, max_num_seqs=1, max_step_tokens=512,
                 max_model_len=min(cfg.max_position_embeddings, 2 * num_tokens + 1024),
                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
-                segment_anchor=self.anchor, segment_start=self.segment_start)
+                segment_anchor=self.anchor, segment_start=self.segment_start,
+                segment_head_classes=self.head_classes)
             self.engine.reuser.keep_logits = True
         return self.engine
 
