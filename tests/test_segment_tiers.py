@@ -343,7 +343,7 @@ def test_a_queued_request_reads_its_segments_from_the_store_ahead(model, docs, t
     out = []
     while eng.has_unfinished():
         out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
-    assert out == want and sorted(reads) == sorted(ids) and tiers.prefetch_hits == 2
+    assert out == want and sorted(reads) == sorted(ids) and tiers.prefetch_hits == 2 and not tiers._reads
     # without a store nothing is read ahead
     plain = engine(model, 2000)
     plain.add_reuse_request(PREFIX, [plain.register_segment(docs[0])], SUFFIX, reuse="naive", sampling=GREEDY)

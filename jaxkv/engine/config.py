@@ -60,6 +60,9 @@ class SegmentConfig:
     head_classes: Any = None  # the reuse methods' head-class map (HeadClassMap | path); None: beside the model
 
 
+LAYER_LOOPS = ("unrolled", "shared", "scan")  # jaxkv/models/llama.py, "Three layouts of layers"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Pool, buckets, scheduling and the engine-wide KV policy (docs/engine.md)."""
@@ -88,9 +91,8 @@ class EngineConfig:
     segments: SegmentConfig = SegmentConfig()
 
     def __post_init__(self):
-        if self.layer_loop not in (None, "unrolled", "shared", "scan"):
-            raise ValueError("Engine: layer_loop must be 'unrolled', 'shared' or 'scan' "
-                             f"(got {self.layer_loop!r})")
+        if self.layer_loop is not None and self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"Engine: layer_loop must be one of {list(LAYER_LOOPS)} (got {self.layer_loop!r})")
         for name in ("page_size", "max_num_seqs", "max_step_tokens", "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -26,6 +26,7 @@ from jaxkv.engine.compression import Compressor
 from jaxkv.engine.config import (  # noqa: F401  (DEFAULT_*: re-exported)
     DEFAULT_DECODE_STEPS,
     DEFAULT_KV_CACHE_BYTES,
+    LAYER_LOOPS,
     EngineConfig,
 )
 from jaxkv.engine.detok import TextStream
@@ -75,9 +76,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
         return None
     jax.config.update("jax_compilation_cache_dir", os.fspath(path))
     return os.fspath(path)
-
-
-LAYER_LOOPS = ("unrolled", "shared", "scan")
 
 
 def _with_layer_loop(model, option: str | None):

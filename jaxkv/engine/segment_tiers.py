@@ -320,7 +320,7 @@ class SegmentTiers:
 
     def _forget(self, e: SegmentEntry) -> None:
         """A segment left the store (deleted): its host copy, pin and any read ahead go with it."""
-        self._reads.pop(e.segment_id, None)
+        self._drop_read(e.segment_id)
         self._host.pop(e.segment_id, None)
         self.pins.pop(e.segment_id, None)
         self._moves += 1
@@ -335,6 +335,7 @@ class SegmentTiers:
             absent = ~self.device_heads(e)
             missing = heads & absent
             if not missing.any():
+                self._drop_read(e.segment_id)  # already on the device: a read ahead is not needed
                 continue
             npg = e.pages.shape[2]
             m = int(missing.sum())
@@ -369,6 +370,11 @@ class SegmentTiers:
                 self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxkv-segment-read")
             self._reads[sid] = (missing, self._reader.submit(self.persist.disk.get, sid, missing))
 
+    def _drop_read(self, sid: str) -> None:
+        ahead = self._reads.pop(sid, None)
+        if ahead is not None:
+            ahead[1].cancel()  # frees its arrays once done; a read not yet started never runs
+
     def _read_store(self, e: SegmentEntry, missing: np.ndarray):
         """The store's copy of the `missing` heads: from a read `prefetch` started when it covers them."""
         ahead = self._reads.pop(e.segment_id, None)
@@ -386,6 +392,7 @@ class SegmentTiers:
         flat = np.nonzero(missing.reshape(-1))[0]
         c = self._host.get(e.segment_id)
         if c is not None:
+            self._drop_read(e.segment_id)
             if isinstance(c.k, list):
                 from jaxkv.engine.host_tier import device_sharding
 

@@ -139,8 +139,11 @@ class EngineMethod(Method):
         from jaxkv.engine.engine import Engine
 
         cfg = self.model.config
-        hc = (all_global(cfg.num_layers, cfg.num_kv_heads) if self.head_classes == "global" else None
-              if self.head_classes == "model" else self.head_classes)
+        hc = self.head_classes  # "global", "model" (None: the engine reads the file beside the model) or a map
+        if hc == "global":
+            hc = all_global(cfg.num_layers, cfg.num_kv_heads)
+        elif hc == "model":
+            hc = None
         if self._engine is None or self._engine.max_model_len < total:
             self._engine = Engine(self.model, max_num_seqs=1, max_model_len=pow2_bucket(total),
                                   head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy)

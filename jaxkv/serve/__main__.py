@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxkv.engine.config import LAYER_LOOPS
+
 
 def _byte_size(text: str) -> int:
     """A byte count: an integer with an optional K, M, G or T suffix (binary: 4G = 4 * 2**30)."""
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one step")
     p.add_argument("--max-step-tokens", type=int, default=512,
                    help="tokens (prefill chunks + decodes) per step")
-    p.add_argument("--layer-loop", default=None, choices=["unrolled", "shared", "scan"],
+    p.add_argument("--layer-loop", default=None, choices=list(LAYER_LOOPS),
                    help="how a step runs the layers: unrolled (every layer traced), shared (one traced "
                         "layer body, the same compiled step: faster startup), scan (stacked weights); "
                         "default: shared on the CPU, unrolled elsewhere (docs/engine.md)")
