@@ -313,13 +313,24 @@ def test_a_store_read_of_some_heads_reads_and_checks_only_theirs(tmp_path):
         store.get("seg-x")
     with pytest.raises(CorruptSegmentError, match="checksum"):
         store.get("seg-x", heads=~local)
-    # A segment written before per-chunk checksums: every stored head is read against the segment's one.
+    # A segment written before per-chunk checksums (one blake2b of every stored chunk, k then v then pos):
+    # every stored head is read against the segment's one.
+    import hashlib
+
     meta_path = tmp_path / "segments" / "seg-x" / "meta.json"
     meta = json.loads(meta_path.read_text())
     del meta["chunk_checksums"]
+    digest = hashlib.blake2b(digest_size=16)
+    for a in (k, -k, pos):
+        for layer in range(L):
+            for head in range(H):
+                digest.update(np.ascontiguousarray(a[layer, head]).tobytes())
+    meta["checksum"] = digest.hexdigest()
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CorruptSegmentError, match="checksum"):
         store.get("seg-x", heads=local)
+    chunk.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF]))  # repaired: the old format reads back
+    np.testing.assert_array_equal(store.get("seg-x").k, k)
 
 
 def test_a_queued_request_reads_its_segments_from_the_store_ahead(model, docs, tmp_path, monkeypatch):
@@ -354,11 +365,31 @@ def test_the_reuse_head_class_map_can_be_given_to_the_engine(model, tmp_path):
     """`segment_head_classes` (a map or a path) sets RedKnot's global / local heads for a model without a
     head_classes.json beside it; RedKnot then promotes only the local heads."""
     cfg = model.config
-    rows = tuple(tuple(HeadClass("global") if h == 0 else HeadClass.local(4, 8) for h in range(cfg.num_kv_heads))
-                 for _ in range(cfg.num_layers))
+    row = tuple(HeadClass("global") if h == 0 else HeadClass.local(4, 8) for h in range(cfg.num_kv_heads))
+    rows = tuple(row for _ in range(cfg.num_layers))
     path = tmp_path / "reuse_heads.json"
     HeadClassMap(cfg.num_layers, cfg.num_kv_heads, rows).save(path)
     eng = engine(model, 2000, segment_head_classes=str(path))
     assert eng.reuser.heads["is_global"][:, 0].all() and not eng.reuser.heads["is_global"][:, 1:].any()
     assert (eng.reuser.heads["window"][:, 1:] == 8).all()
     assert not engine(model, 2000).reuser.heads["window"].any()  # default: the engine's (all global)
+
+
+def test_pinned_host_copies_move_whole_layers_and_serve_a_method_reading_some_heads(model, docs, tmp_path):
+    """Pinned host copies are one array per layer: RedKnot (local heads only) gets exactly the tokens of a
+    copy kept per head (numpy), and the bytes counted as moved are every head of each layer it touched."""
+    cfg = model.config
+    row = tuple(HeadClass("global") if h == 0 else HeadClass.local(4, 8) for h in range(cfg.num_kv_heads))
+    path = tmp_path / "reuse_heads.json"
+    HeadClassMap(cfg.num_layers, cfg.num_kv_heads, tuple(row for _ in range(cfg.num_layers))).save(path)
+    got = {}
+    for pinned in (False, True):
+        eng = engine(model, 2000, segment_head_classes=str(path))
+        eng.reuser.tiers.memory_kinds = pinned
+        ids = [eng.register_segment(d) for d in docs[:2]]
+        eng.reuser.tiers.evict(eng.allocator.num_pages)
+        assert isinstance(eng.reuser.tiers._host[ids[0]].k, list) == pinned
+        got[pinned] = ask(eng, ids, "redknot"), eng.reuser.tiers.bytes_promoted
+    assert got[True][0] == got[False][0]
+    per_head = got[False][1]  # the local heads only
+    assert got[True][1] == per_head * cfg.num_kv_heads // (cfg.num_kv_heads - 1)

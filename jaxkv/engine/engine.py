@@ -43,7 +43,12 @@ from jaxkv.sampling import MAX_LOGPROBS, SamplingParams
 # An offload pass frees this fraction of the pool beyond its need (Scheduler.offload_headroom).
 OFFLOAD_HEADROOM_DIV = 64
 FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
-PAGE_BUCKET_FACTOR = 4  # consecutive page-table width buckets differ by this factor
+# Page-table widths come in a few classes: the narrowest holds PAGE_CLASS_MIN pages, each next one
+# PAGE_CLASS_FACTOR times more, the widest every page of max_model_len (32K tokens at page 16: 32, 256 and
+# 2048 pages). A wider table costs the kernels only empty split programs (each unit's split size follows its
+# own length); each class is a set of step variants.
+PAGE_CLASS_MIN = 32
+PAGE_CLASS_FACTOR = 8
 
 
 @dataclasses.dataclass
@@ -81,7 +86,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
 def _with_layer_loop(model, option: str | None):
     """`model` with its layers in the form the layer loop wants (jaxkv/models/llama.py): a list (unrolled),
     `SharedLayers` (one traced layer body) or stacked leaves (scan). The loop: `option`, else
-    $JAXKV_LAYER_LOOP, else "shared" on the CPU and the model's own form (a list from jaxkv.load) elsewhere."""
+    $JAXKV_LAYER_LOOP, else "shared" for a layer list (what jaxkv.load returns), else the model's own form."""
     from jaxkv.models import llama
 
     loop = option or os.environ.get("JAXKV_LAYER_LOOP") or None
@@ -91,7 +96,7 @@ def _with_layer_loop(model, option: str | None):
     form = ("shared" if isinstance(layers, llama.SharedLayers) else "unrolled"
             if isinstance(layers, list | tuple) else "scan")
     if loop is None:
-        loop = "shared" if jax.default_backend() == "cpu" and form == "unrolled" else form
+        loop = "shared" if form == "unrolled" else form
     if loop == form:
         return model
     if getattr(model, "mesh", None) is not None:
@@ -196,11 +201,11 @@ class Engine:
         self._seq_buckets = powers_of_two(max(max_num_seqs, 2), start=2)
         # Few buckets: small steps and short page lists pad up rather than compile their own variant. A
         # ragged step's row count follows its token bucket (a step of T tokens has at most T rows), so its
-        # shapes depend on tokens and page-table width only; page-table widths grow by 4x (a few width
-        # classes: a wider table costs the kernels nothing but empty split programs).
+        # shapes depend on tokens and page-table width only (a few width classes, PAGE_CLASS_MIN).
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
-        self._page_buckets = powers_of_two(self.max_pages_per_head, start=min(4, self.max_pages_per_head),
-                                           factor=PAGE_BUCKET_FACTOR)
+        self._page_buckets = powers_of_two(self.max_pages_per_head,
+                                           start=min(PAGE_CLASS_MIN, self.max_pages_per_head),
+                                           factor=PAGE_CLASS_FACTOR)
         top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()

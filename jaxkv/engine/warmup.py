@@ -72,10 +72,12 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
                 break
             done += 1
             signature, lowered = runner.lower(_batch(engine, *variant))
-            futures.append((signature, pool.submit(lowered.compile)))
+            fut = pool.submit(lowered.compile)
+            fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
+            futures.append((signature, fut))
+            bar.set_postfix_str(f"traced {done}/{len(todo)}", refresh=False)
         for signature, fut in futures:
             runner.install(signature, fut.result())
-            bar.update()
     bar.close()
     log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads)", done,
              time.perf_counter() - t0, workers)
