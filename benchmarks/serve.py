@@ -123,7 +123,9 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()[0]
     server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
-    server = ServerProcess(server_args, timeout=1800)
+    # The server runs where this process would (ServerProcess alone pins the CPU, as the tests want).
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    server = ServerProcess(server_args, timeout=1800, env={"JAX_PLATFORMS": platforms})
     try:
         ready = [line for line in server.log if line.startswith("jaxkv: ") and " on " in line]
         backend = ready[0].split(" on ")[1].split(" ")[0] if ready else "?"

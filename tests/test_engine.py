@@ -88,6 +88,21 @@ def test_no_new_compilation_after_precompile(llama):
     assert outputs(lazy) == got and not lazy.runner.compiled
 
 
+def test_precompile_records_the_largest_step_and_refuses_one_that_cannot_fit(llama):
+    """Precompile keeps the largest scratch (XLA temporaries + outputs) of its programs; a configuration
+    whose largest variant cannot fit beside the pool is refused naming the flags to change."""
+    from jaxkv.engine.warmup import check_fits, scratch_bytes
+
+    engine = Engine(llama, page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
+    engine.precompile(progress=False)
+    need, variant = engine.largest_step_scratch
+    assert need > 0 and variant[0] in ("step", "decode")
+    assert need == max(scratch_bytes(c) for c in engine.runner.compiled.values())
+    check_fits(need, variant, free=need)
+    with pytest.raises(MemoryError, match="--max-step-tokens or --max-num-seqs"):
+        check_fits(need, variant, free=need - 1)
+
+
 def test_precompiled_logprob_variants_serve_logprobs_and_echo_without_a_compile(llama):
     """`precompile(logprobs=True)` adds the logprob variants (alternatives; prompt logprobs for echo): a mix of
     such requests then compiles nothing, and the top alternatives equal jit's own path."""

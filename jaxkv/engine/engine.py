@@ -210,6 +210,7 @@ class Engine:
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()
         self.segments_restored = 0
+        self.largest_step_scratch: tuple[int, tuple | None] = (0, None)  # bytes, variant (after precompile)
         if c.segments.store:  # registered segments persist there; the committed ones load now, no prefill
             from jaxkv.engine.segment_persist import PersistentSegments
 

@@ -74,14 +74,58 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             signature, lowered = runner.lower(_batch(engine, *variant))
             fut = pool.submit(lowered.compile)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
-            futures.append((signature, fut))
+            futures.append((signature, lowered, fut))
             bar.set_postfix_str(f"traced {done}/{len(todo)}", refresh=False)
-        for signature, fut in futures:
-            runner.install(signature, fut.result())
+        largest = (0, None)
+        for (signature, lowered, fut), variant in zip(futures, todo):
+            try:
+                compiled = fut.result()
+            except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
+                log.warning("jaxkv: compiling step variant %s failed on a compile thread (%s); compiling it "
+                            "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                compiled = lowered.compile()
+            runner.install(signature, compiled)
+            largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
     bar.close()
-    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads)", done,
-             time.perf_counter() - t0, workers)
+    engine.largest_step_scratch = largest
+    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads); the largest needs %.2f GiB of "
+             "scratch", done, time.perf_counter() - t0, workers, largest[0] / 2**30)
+    check_fits(largest[0], largest[1])
     return done
+
+
+def scratch_bytes(compiled) -> int:
+    """Device memory a compiled program needs beyond its arguments (XLA's temporaries and outputs that do not
+    alias an input); 0 where the backend reports no memory analysis."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - backends without an analysis
+        return 0
+    if ma is None:
+        return 0
+    out = max(0, int(getattr(ma, "output_size_in_bytes", 0)) - int(getattr(ma, "alias_size_in_bytes", 0)))
+    return int(getattr(ma, "temp_size_in_bytes", 0)) + out
+
+
+def check_fits(need: int, variant, free: int | None = None) -> None:
+    """Refuses a configuration whose largest step variant needs more device memory than is free beside the
+    weights and the KV pool (`free`: default the first device's allocator limit less what is in use; no
+    check where the backend reports none), naming the variant and what to change."""
+    if free is None:
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if need > free:
+        kind, s, t, p = variant[:4]
+        shape = f"{t} tokens" if kind == "step" else f"{s} sequences"
+        raise MemoryError(
+            f"the {kind} variant of {shape} and a {p}-page table needs {need / 2**30:.2f} GiB of device "
+            f"memory for its temporaries but only {free / 2**30:.2f} GiB is free beside the weights and "
+            "the KV pool; lower --max-step-tokens or --max-num-seqs, or give the pool less memory "
+            "(--memory-utilization, --num-pages)")
 
 
 def _batch(engine, kind, s, t, p, greedy, fresh, top_width=0, prompt_lp=False) -> StepBatch | DecodeBatch:

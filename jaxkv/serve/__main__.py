@@ -10,6 +10,12 @@ from pathlib import Path
 
 from jaxkv.engine.config import LAYER_LOOPS
 
+# Batch sizes a server starts with when none are given: an accelerator is filled as vLLM fills one (its
+# step variants compile before serving, ~2 min for a 1B model on an H100, docs/benchmarks.md); on the CPU
+# a step of 8192 tokens would take minutes, so it stays small.
+ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_step_tokens": 8192}
+CPU_DEFAULTS = {"max_num_seqs": 8, "max_step_tokens": 512}
+
 
 def _byte_size(text: str) -> int:
     """A byte count: an integer with an optional K, M, G or T suffix (binary: 4G = 4 * 2**30)."""
@@ -47,13 +53,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16, help="cache slots per page")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model and KV pages over this many devices by KV head (docs/parallel.md)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one step")
-    p.add_argument("--max-step-tokens", type=int, default=512,
-                   help="tokens (prefill chunks + decodes) per step")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests decoded together in one step; default: "
+                        f"{ACCELERATOR_DEFAULTS['max_num_seqs']} on an accelerator, "
+                        f"{CPU_DEFAULTS['max_num_seqs']} on the CPU")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="tokens (prefill chunks + decodes) per step; default: "
+                        f"{ACCELERATOR_DEFAULTS['max_step_tokens']} on an accelerator, "
+                        f"{CPU_DEFAULTS['max_step_tokens']} on the CPU")
     p.add_argument("--layer-loop", default=None, choices=list(LAYER_LOOPS),
                    help="how a step runs the layers: unrolled (every layer traced), shared (one traced "
                         "layer body, the same compiled step: faster startup), scan (stacked weights); "
-                        "default: shared on the CPU, unrolled elsewhere (docs/engine.md)")
+                        "default: shared (docs/engine.md)")
     p.add_argument("--head-classes", default=None,
                    help="head_classes.json, or 'global' for full history in every head; default: the "
                         "head_classes.json next to the model, else all heads global")
@@ -229,13 +240,14 @@ def main(argv=None) -> int:
         head_classes = args.head_classes
         if head_classes == "global":
             head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
+        chosen = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in
+                  (CPU_DEFAULTS if jax.default_backend() == "cpu" else ACCELERATOR_DEFAULTS).items()}
         sized = {}
         if args.num_pages is None:  # an accelerator: the pool from its memory (jaxkv/engine/memory.py)
             kv_bytes = device_kv_bytes(args.memory_utilization)
             sized = {} if kv_bytes is None else {"kv_cache_bytes": kv_bytes}
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        max_step_tokens=args.max_step_tokens, head_classes=head_classes,
+                        max_model_len=args.max_model_len, **chosen, head_classes=head_classes,
                         layer_loop=args.layer_loop,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         kv_merge=args.kv_merge,
@@ -260,7 +272,11 @@ def main(argv=None) -> int:
         return 2
     backend = jax.default_backend()
     if args.precompile or (args.precompile is None and backend != "cpu"):
-        n, took = precompile(engine, logprobs=args.precompile_logprobs)
+        try:
+            n, took = precompile(engine, logprobs=args.precompile_logprobs)
+        except MemoryError as e:  # a step variant that cannot fit beside the pool (jaxkv.engine.warmup)
+            print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
+            return 2
         state.info["precompiled_variants"] = n
         print(f"jaxkv: precompiled {n} step variants in {took:.1f}s", flush=True)
     else:
@@ -284,6 +300,8 @@ def main(argv=None) -> int:
     pool_gib = sum(x.nbytes for x in (pool.k, pool.v, pool.pos)) / 2**30
     classes = ", ".join(f"{n} {k}" for k, n in engine.head_classes.counts().items() if n)
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
+          f"max_num_seqs={engine.scheduler.max_num_seqs}, "
+          f"max_step_tokens={engine.scheduler.max_step_tokens}, "
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots ({pool_gib:.2f} GiB), "
           f"KV heads: {classes}, "
           f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
