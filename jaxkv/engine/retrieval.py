@@ -38,10 +38,9 @@ import numpy as np
 from jaxkv.cache.pool import write_kv
 from jaxkv.engine import host_tier
 from jaxkv.engine.host_tier import AVAILABLE as HOST_TIER_AVAILABLE
-from jaxkv.engine.runner import PendingDecode
+from jaxkv.engine.runner import PendingDecode, fresh_attend
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve.base import RetrievalPolicy
-from pallas_kernels.head_class_prefill.api import head_class_prefill
 from pallas_kernels.paged_attention.api import (
     paged_attention,
     paged_attention_plan,
@@ -259,17 +258,18 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     state) and, with `summary`, the per-page key bounds of every key written."""
     scale = cfg.head_dim ** -0.5
     freqs = rope.inv_freq(cfg)
-    key_layer = policy.key_layer(head) if policy is not None else -1  # where the state records tokens
+    # where the state records tokens (never: the end of the loop)
+    key_layer = min(policy.key_layer(head), cfg.num_layers) if policy is not None else cfg.num_layers
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
+    fresh = fresh_attend(fresh_heads, scale, tp=False) if fresh_heads is not None else None
 
     def attend(layer, q, k, v, state):
         pool, summary = state
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
         if summary is not None:
             summary = update_summary(summary, k[0], b["slots"][:, layer], pool.page_size)
-        if fresh_heads is not None:
-            sink, window = fresh_heads[layer]
-            out, _ = head_class_prefill(q[0], k[0], v[0], sink, window, scale=scale)
+        if fresh is not None:
+            out = fresh(layer, q[0], k[0], v[0])
         else:
             out, _ = paged_attention(
                 q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
@@ -277,12 +277,16 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
                 implementation=attn_impl)
         return out[None], (pool, summary)
 
+    # The layer loop in two ranges around the tap (the state's key write before `key_layer`): with
+    # `SharedLayers` both run the one traced layer body.
     x = params["embed"][b["tokens"]][None]
     pos = b["positions"][None]
-    for i, p in enumerate(llama.layer_list(params)):
-        if i == key_layer:
-            rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
-        x, (pool, summary) = llama.decoder_layer(p, cfg, i, x, pos, freqs, attend, (pool, summary))
+    run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos, freqs=freqs,
+                            attend=attend)
+    x, (pool, summary) = run(x=x, state=(pool, summary), stop=key_layer)
+    if key_layer < cfg.num_layers:
+        rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
+    x, (pool, summary) = run(x=x, state=(pool, summary), start=key_layer)
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
     tokens, logprobs = _sample(logits, b, greedy)

@@ -119,6 +119,8 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
     items = None if per_layer is None else list(per_layer)
     if items is not None and len(items) != stop - start:
         raise ValueError(f"per_layer has {len(items)} items for layers [{start}, {stop})")
+    if start >= stop:
+        return x, (state if items is None else (state, ()))
     if isinstance(layers, SharedLayers):
         call = _shared_layer(cfg, attend, reduce, layer_xs is not None, layer)
         for i in range(start, stop):
