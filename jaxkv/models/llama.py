@@ -113,7 +113,8 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
     arrays) is sliced at the absolute layer index. `per_layer` (one pytree per layer of the range, e.g. a
     per-layer buffer kept as separate arrays): the attend sees `(state, item)` as its state and returns the
     pair; the result's state is then `(state, items)`. `layer` replaces `decoder_layer` (same signature)
-    for a forward whose layer is not the plain decoder layer (e.g. one that keeps each FFN output)."""
+    for a forward whose layer is not the plain decoder layer (e.g. one that keeps each FFN output); `attend`
+    may then be None when that layer does its own attention."""
     layer = decoder_layer if layer is None else layer
     stop = cfg.num_layers if stop is None else stop
     items = None if per_layer is None else list(per_layer)
@@ -158,6 +159,11 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
     return x, (state, tuple(jax.tree.map(functools.partial(_take, j), out) for j in range(stop - start)))
 
 
+def _no_attend(*args):
+    """The attend of a `layer` that does its own attention (`run_layers(attend=None, layer=...)`)."""
+    raise TypeError("this layer loop was given no attend function")
+
+
 def _keep_item(items: list, j: int, st):
     state, items[j] = st
     return state
@@ -173,14 +179,16 @@ def _shared_layer(cfg, attend, reduce, with_xs: bool, layer_fn=None):
     reused (one private function, called L times) by the others, also across the layer ranges of a forward
     split at taps; XLA inlines the calls when it compiles."""
     layer_fn = decoder_layer if layer_fn is None else layer_fn
-    per_attend = _SHARED_BODIES.setdefault(attend, weakref.WeakKeyDictionary())
-    bodies = per_attend.setdefault(layer_fn, {})
+    per_layer_fn = _SHARED_BODIES.setdefault(layer_fn, weakref.WeakKeyDictionary())
+    bodies = per_layer_fn.setdefault(_no_attend if attend is None else attend, {})
     key = (cfg, reduce, with_xs)
     if key not in bodies:
-        attend_ref, layer_ref = weakref.ref(attend), weakref.ref(layer_fn)
+        attend_ref, layer_ref = weakref.ref(_no_attend if attend is None else attend), weakref.ref(layer_fn)
+        given = attend is not None
 
         def layer(p, i, x, positions, freqs, state, xs):
-            fn = attend_ref() if not with_xs else functools.partial(_with_xs, attend_ref(), xs)
+            fn = attend_ref() if given else None
+            fn = fn if not with_xs else functools.partial(_with_xs, fn, xs)
             return layer_ref()(p, cfg, i, x, positions, freqs, fn, state, reduce)
 
         bodies[key] = jax.jit(layer)
