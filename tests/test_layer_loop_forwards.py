@@ -82,7 +82,8 @@ def _reuse_run(model, loop, method):
     # the engine's heads keep full history (reuse needs it); the reuse map has rings in layers 1 and 2, so
     # the windowed attention's per-layer choice runs
     eng = Engine(model, page_size=4, max_model_len=128, layer_loop=loop,
-                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), segment_head_classes=_ring_map(cfg))
+                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads),
+                 segment_head_classes=_ring_map(cfg))
     eng.reuser.keep_logits = True
     rng = np.random.default_rng(0)
     prefix, s1, s2, suffix = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (5, 19, 13, 7)]

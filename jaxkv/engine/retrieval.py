@@ -444,7 +444,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
             state = (pool, summary, sbuf, ks, vs)
             return out[:, None], ((state, item) if shared else state)
 
-        def _selection_plan(window):
+        def selection_plan(window):
             """The selection's attention plan for `window`, from the first selected layer with it."""
             j = cfg.layer_windows.index(window, first) - first
             if inplace:
@@ -487,7 +487,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
             if inplace:
                 tap["selected"] = _selected_slots(pt_all[:, first:], now.idx, now.count, live, pool.page_size)
             if use_plan:
-                tap["plans"] = {w: _selection_plan(w) for w in sel_windows}
+                tap["plans"] = {w: selection_plan(w) for w in sel_windows}
             items = [(sbuf.k[j], sbuf.v[j], pending[j] if pending else None) for j in range(n_layers - first)]
             state = (pool, summary, dataclasses.replace(sbuf, k=(), v=()), ks, vs)
             split = min(max(key_layer, first), n_layers)

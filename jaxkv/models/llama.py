@@ -112,7 +112,8 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
     body, so the trace holds one layer function per distinct attend, not one per range. `layer_xs` ([L, ...]
     arrays) is sliced at the absolute layer index. `per_layer` (one pytree per layer of the range, e.g. a
     per-layer buffer kept as separate arrays): the attend sees `(state, item)` as its state and returns the
-    pair; the result's state is then `(state, items)`. `layer` replaces `decoder_layer` (same signature)
+    pair; the result's state is then `(state, items)` (the scan stacks the items, a copy; the other loops
+    hand each layer its own arrays). `layer` replaces `decoder_layer` (same signature)
     for a forward whose layer is not the plain decoder layer (e.g. one that keeps each FFN output); `attend`
     may then be None when that layer does its own attention."""
     layer = decoder_layer if layer is None else layer

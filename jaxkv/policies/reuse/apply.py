@@ -10,6 +10,10 @@ K/V per (row, head) as `head_writes` says, attention windowed per head where the
 last prompt token's logits are sampled like an engine step. Attention is the engine's paged attention over
 the request's page table (keys masked by their stored positions), so recomputed and reused K/V mix exactly
 as a later decode sees them.
+
+Phases (3) and (5) run through the model's layer loop (`llama.run_layers`): with `SharedLayers` one traced
+layer body per phase, the sparse phase split where the method's static choices change
+(`ReusePolicy.layer_breaks`); per-layer statistics are `[L]` arrays each layer writes at its index.
 """
 
 from __future__ import annotations
