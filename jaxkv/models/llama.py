@@ -64,7 +64,8 @@ def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
 # * `SharedLayers` (the same dicts) runs one jitted layer body, traced and lowered once per step and called
 #   per layer with that layer's weights and its index (traced, as under the scan); XLA inlines the calls,
 #   so the compiled step is the unrolled one while tracing and lowering cost about one layer (SmolLM2-135M,
-#   30 layers, CPU: trace 2.6 -> 0.4 s, lowering 1.6 -> 0.4 s for the same steps);
+#   30 layers, CPU: trace 2.6 -> 0.4 s, lowering 1.6 -> 0.4 s for the same steps; a forward split at taps,
+#   e.g. the retrieval decode, reuses the body across its ranges and has one per distinct attend);
 # * stacked leaves (`stack_layers`) run under one rolled `lax.scan`: on an H100 a 1B step variant compiled
 #   no faster (3.9 s against 3.5 s unrolled) and the decode step took 4.2 against 2.1 ms at batch 32 (XLA's
 #   dynamic-slice fusion flag did not change it): slices of stacked weights feeding GEMMs are copied every

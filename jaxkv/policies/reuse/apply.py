@@ -14,6 +14,8 @@ as a later decode sees them.
 Phases (3) and (5) run through the model's layer loop (`llama.run_layers`): with `SharedLayers` one traced
 layer body per phase, the sparse phase split where the method's static choices change
 (`ReusePolicy.layer_breaks`); per-layer statistics are `[L]` arrays each layer writes at its index.
+SmolLM2-135M (30 layers), a RedKnot request on the CPU: trace 2.8-3.3 -> 0.3-0.5 s, lowering 1.5-1.6 ->
+0.25-0.35 s (best of 3), a 9x smaller lowered program.
 """
 
 from __future__ import annotations
