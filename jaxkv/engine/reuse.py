@@ -586,23 +586,44 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _segment_ffn(params, tokens, positions, *, cfg):
-    """Each layer's FFN output [L, T, hidden] of a dense causal forward (positions -1: end padding)."""
+    """Each layer's FFN output [L, T, hidden] of a dense causal forward (positions -1: end padding), through
+    the model's layer loop (`llama.run_layers`: one traced layer body with `SharedLayers`)."""
     from jaxkv.models import llama, rope
-    from jaxkv.models.attention import dense_attention
 
     freqs = rope.inv_freq(cfg)
     pos = jnp.where(positions >= 0, positions, jnp.max(positions) + 1 + jnp.arange(positions.shape[0]))[None]
     x = params["embed"][tokens][None]
-    outs = []
-    for i, p in enumerate(llama.layer_list(params)):
-        q, k, v = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), pos, freqs)
-        a = dense_attention(q, k, v, pos, pos, window=cfg.layer_windows[i])
-        a = a.reshape(*a.shape[:2], -1) @ p["wo"]
-        x = x + (a + p["bo"] if cfg.o_bias else a)
-        mlp = llama.ffn(p, cfg, x)
-        outs.append(mlp[0])
-        x = x + mlp
-    return jnp.stack(outs)
+    outs = jnp.zeros((cfg.num_layers, *x.shape[1:]), x.dtype)
+    _, outs = llama.run_layers(params["layers"], cfg, x, pos, freqs, _causal_attend(cfg), outs,
+                               layer=_ffn_kept_layer)
+    return outs
+
+
+@functools.cache
+def _causal_attend(cfg):
+    """Dense causal attention with each layer's window (a Python int in the unrolled loop, read from an
+    [L] array under a traced layer index); state = positions [B, T], as `llama.dense_attend`. One object per
+    config."""
+    def attend(layer, q, k, v, pos):
+        from jaxkv.models.attention import dense_attention
+
+        window = cfg.layer_windows[layer] if isinstance(layer, int) else jnp.asarray(
+            cfg.layer_windows, jnp.int32)[layer]
+        return dense_attention(q, k, v, pos, pos, window=window), pos
+
+    return attend
+
+
+def _ffn_kept_layer(p, cfg, layer, x, positions, freqs, attend, outs, reduce=None):
+    """`llama.decoder_layer` that also writes the layer's FFN output into outs [L, T, hidden]."""
+    from jaxkv.models import llama
+
+    q, k, v = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, freqs)
+    a, _ = attend(layer, q, k, v, positions)
+    a = a.reshape(*a.shape[:2], -1) @ p["wo"]
+    x = x + (a + p["bo"] if cfg.o_bias else a)
+    mlp = llama.ffn(p, cfg, x)
+    return x + mlp, outs.at[layer].set(mlp[0])
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -21,7 +21,8 @@ indexes with its `layer` (a Python int in the unrolled form, a traced int32 scal
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -63,7 +64,8 @@ def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
 # * `SharedLayers` (the same dicts) runs one jitted layer body, traced and lowered once per step and called
 #   per layer with that layer's weights and its index (traced, as under the scan); XLA inlines the calls,
 #   so the compiled step is the unrolled one while tracing and lowering cost about one layer (SmolLM2-135M,
-#   30 layers, CPU: trace 2.6 -> 0.4 s, lowering 1.6 -> 0.4 s for the same steps);
+#   30 layers, CPU: trace 2.6 -> 0.4 s, lowering 1.6 -> 0.4 s for the same steps; a forward split at taps,
+#   e.g. the retrieval decode, reuses the body across its ranges and has one per distinct attend);
 # * stacked leaves (`stack_layers`) run under one rolled `lax.scan`: on an H100 a 1B step variant compiled
 #   no faster (3.9 s against 3.5 s unrolled) and the decode step took 4.2 against 2.1 ms at batch 32 (XLA's
 #   dynamic-slice fusion flag did not change it): slices of stacked weights feeding GEMMs are copied every
@@ -101,43 +103,98 @@ def forward(
 
 
 def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
-               state: State, reduce=None, layer_xs: Any = None) -> tuple[jax.Array, State]:
-    """Every layer over the residual stream x: unrolled for a list of layers, one shared layer body for
-    `SharedLayers`, one `lax.scan` for stacked layers."""
+               state: State, reduce=None, layer_xs: Any = None, *, start: int = 0, stop: int | None = None,
+               per_layer: Sequence | None = None, layer: Callable = None) -> tuple[jax.Array, State]:
+    """Layers [start, stop) (default: every layer) over the residual stream x: unrolled for a list of layers,
+    one shared layer body for `SharedLayers`, one `lax.scan` for stacked layers.
+
+    A forward that runs plain code between layers (a tap: "before layer k") calls this once per range; with
+    `SharedLayers` every range run with the same `attend` (and `layer`) in one trace calls the same jitted
+    body, so the trace holds one layer function per distinct attend, not one per range. `layer_xs` ([L, ...]
+    arrays) is sliced at the absolute layer index. `per_layer` (one pytree per layer of the range, e.g. a
+    per-layer buffer kept as separate arrays): the attend sees `(state, item)` as its state and returns the
+    pair; the result's state is then `(state, items)` (the scan stacks the items, a copy; the other loops
+    hand each layer its own arrays). `layer` replaces `decoder_layer` (same signature)
+    for a forward whose layer is not the plain decoder layer (e.g. one that keeps each FFN output); `attend`
+    may then be None when that layer does its own attention."""
+    layer = decoder_layer if layer is None else layer
+    stop = cfg.num_layers if stop is None else stop
+    items = None if per_layer is None else list(per_layer)
+    if items is not None and len(items) != stop - start:
+        raise ValueError(f"per_layer has {len(items)} items for layers [{start}, {stop})")
+    if start >= stop:
+        return x, (state if items is None else (state, ()))
     if isinstance(layers, SharedLayers):
-        call = _shared_layer(cfg, attend, reduce, layer_xs is not None)
-        for i in range(cfg.num_layers):
+        call = _shared_layer(cfg, attend, reduce, layer_xs is not None, layer)
+        for i in range(start, stop):
             xs = None if layer_xs is None else jax.tree.map(functools.partial(_take, i), layer_xs)
-            x, state = call(layers[i], jnp.int32(i), x, positions, freqs, state, xs)
-        return x, state
+            st = state if items is None else (state, items[i - start])
+            x, st = call(layers[i], jnp.int32(i), x, positions, freqs, st, xs)
+            state = st if items is None else _keep_item(items, i - start, st)
+        return x, (state if items is None else (state, tuple(items)))
     if isinstance(layers, list | tuple):
-        for i in range(cfg.num_layers):
+        for i in range(start, stop):
             take = functools.partial(_take, i)
             p = layers[i]
             fn = attend if layer_xs is None else functools.partial(_with_xs, attend,
                                                                    jax.tree.map(take, layer_xs))
-            x, state = decoder_layer(p, cfg, i, x, positions, freqs, fn, state, reduce)
-        return x, state
-    xs = (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), layer_xs)
+            st = state if items is None else (state, items[i - start])
+            x, st = layer(p, cfg, i, x, positions, freqs, fn, st, reduce)
+            state = st if items is None else _keep_item(items, i - start, st)
+        return x, (state if items is None else (state, tuple(items)))
+    whole = (start, stop) == (0, cfg.num_layers)
+    part, sliced = (layers, layer_xs) if whole else jax.tree.map(lambda a: a[start:stop], (layers, layer_xs))
+    stacked = None if items is None else jax.tree.map(lambda *a: jnp.stack(a), *items)
+    xs = (part, jnp.arange(start, stop, dtype=jnp.int32), sliced, stacked)
 
     def body(carry, xs):
         x, state = carry
-        p, i, extra = xs
+        p, i, extra, item = xs
         fn = attend if layer_xs is None else (lambda *a: attend(*a, extra))
-        return decoder_layer(p, cfg, i, x, positions, freqs, fn, state, reduce), None
+        st = state if items is None else (state, item)
+        x, st = layer(p, cfg, i, x, positions, freqs, fn, st, reduce)
+        return (x, st if items is None else st[0]), (None if items is None else st[1])
 
-    (x, state), _ = jax.lax.scan(body, (x, state), xs)
-    return x, state
+    (x, state), out = jax.lax.scan(body, (x, state), xs)
+    if items is None:
+        return x, state
+    return x, (state, tuple(jax.tree.map(functools.partial(_take, j), out) for j in range(stop - start)))
 
 
-def _shared_layer(cfg, attend, reduce, with_xs: bool):
+def _no_attend(*args):
+    """The attend of a `layer` that does its own attention (`run_layers(attend=None, layer=...)`)."""
+    raise TypeError("this layer loop was given no attend function")
+
+
+def _keep_item(items: list, j: int, st):
+    state, items[j] = st
+    return state
+
+
+# One jitted body per (attend, layer function) and loop options, alive as long as the attend: weak keys, and
+# the body reaches both functions through weak references, so a finished trace frees its closures.
+_SHARED_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shared_layer(cfg, attend, reduce, with_xs: bool, layer_fn=None):
     """One jitted layer body for every layer of one forward trace: traced and lowered on its first call,
-    reused (one private function, called L times) by the others; XLA inlines the calls when it compiles."""
-    def layer(p, i, x, positions, freqs, state, xs):
-        fn = attend if not with_xs else functools.partial(_with_xs, attend, xs)
-        return decoder_layer(p, cfg, i, x, positions, freqs, fn, state, reduce)
+    reused (one private function, called L times) by the others, also across the layer ranges of a forward
+    split at taps; XLA inlines the calls when it compiles."""
+    layer_fn = decoder_layer if layer_fn is None else layer_fn
+    per_layer_fn = _SHARED_BODIES.setdefault(layer_fn, weakref.WeakKeyDictionary())
+    bodies = per_layer_fn.setdefault(_no_attend if attend is None else attend, {})
+    key = (cfg, reduce, with_xs)
+    if key not in bodies:
+        attend_ref, layer_ref = weakref.ref(_no_attend if attend is None else attend), weakref.ref(layer_fn)
+        given = attend is not None
 
-    return jax.jit(layer)
+        def layer(p, i, x, positions, freqs, state, xs):
+            fn = attend_ref() if given else None
+            fn = fn if not with_xs else functools.partial(_with_xs, fn, xs)
+            return layer_ref()(p, cfg, i, x, positions, freqs, fn, state, reduce)
+
+        bodies[key] = jax.jit(layer)
+    return bodies[key]
 
 
 def _take(i, a):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,12 @@ class LayerView:
     is_global: jax.Array  # [Hkv] bool: the head-class map's global heads of this layer
     sink: jax.Array  # [Hkv] int32 local heads' sink (0 for global heads)
     window: jax.Array  # [Hkv] int32 local heads' window (0 for global heads)
-    layer: int = dataclasses.field(metadata={"static": True}, default=0)
+    # The layer: a Python int in the unrolled loop, a traced int32 scalar in a shared layer body (or under
+    # the scan). `span` (static) is the layer range [start, stop) the traced body serves ((layer, layer + 1)
+    # unrolled); a hook that decides something in Python by layer reads it, and names the layers where its
+    # decision changes in `ReusePolicy.layer_breaks`, so no shared body's range crosses one.
+    layer: Any = 0
+    span: tuple[int, int] = dataclasses.field(metadata={"static": True}, default=(0, 1))
 
     @property
     def valid(self) -> jax.Array:
@@ -174,6 +179,11 @@ class ReusePolicy:
     def head_promote(self, view: LayerView) -> jax.Array | None:
         """[Hkv] bool heads to recompute for every row in this layer (RedKnot's restore), or None."""
         return None
+
+    def layer_breaks(self) -> tuple[int, ...]:
+        """Layers at which a hook's static (Python) choice changes (it reads `LayerView.span`): the reuse
+        pass splits its layer loop there, one shared layer body per range between them."""
+        return ()
 
     def segment_heads(self, is_global: np.ndarray) -> np.ndarray:
         """[L, Hkv] bool: the (layer, KV head) pairs whose cached segment K/V this method reads; the others

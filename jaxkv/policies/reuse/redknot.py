@@ -127,8 +127,11 @@ class RedKnot(ReusePolicy):
         repaired = view.is_new[:, None] | (pos < view.sink[None]) | ((off >= 0) & (off < view.window[None]))
         return view.valid[:, None] & (view.is_global[None] | repaired)
 
+    def layer_breaks(self) -> tuple[int, ...]:
+        return (self.dense_until,)  # dense FFN before it, sparse from it on
+
     def ffn_rows(self, view: LayerView, attn_probs_fn):
-        if view.layer < self.dense_until:
+        if view.span[1] <= self.dense_until:  # every layer the body serves is before dense_until
             return None
         last = jnp.max(view.positions)
         must = (view.positions > last - self.recent_n) | view.is_new
