@@ -103,6 +103,37 @@ def test_precompile_records_the_largest_step_and_refuses_one_that_cannot_fit(lla
         check_fits(need, variant, free=need - 1)
 
 
+def test_precompiled_presses_compress_any_budget_without_a_compile(llama):
+    """Precompile with presses: requests under those presses at budgets never seen, several due at once,
+    compress without compiling and give the tokens of an engine that compiles them as they come."""
+    from jaxkv.policies import apply as compress_apply
+    from jaxkv.policies import get_policy
+
+    kw = dict(page_size=8, max_model_len=48, max_num_seqs=4, max_step_tokens=16, decode_steps=4)
+    presses = [get_policy("snapkv", window=4, sink=2), get_policy("h2o", window=4, sink=2)]
+    mix = [(p, b, prompt) for p, b in ((presses[0], 0.3), (presses[1], 0.5), (presses[0], 12))
+           for prompt in prompts_for(llama, [30, 24], seed=int(b * 10))]
+
+    def outputs(eng):
+        ids = [eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                               kv_policy=p, kv_budget=b) for p, b, prompt in mix]
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [out[i] for i in ids]
+
+    engine = Engine(llama, **kw)
+    n = engine.precompile(progress=False, presses=presses)
+    assert len(engine.compressor.compiled) == len(warmup.press_programs(engine, presses)) == 2
+    assert n == len(warmup.variants(engine)) + 2
+    before = compress_apply.num_compilations()
+    got = outputs(engine)
+    assert engine.compressor.num_compressions >= 3 and compress_apply.num_compilations() == before
+    lazy = Engine(llama, **kw)
+    assert outputs(lazy) == got and compress_apply.num_compilations() > before
+
+
 def test_precompiled_logprob_variants_serve_logprobs_and_echo_without_a_compile(llama):
     """`precompile(logprobs=True)` adds the logprob variants (alternatives; prompt logprobs for echo): a mix of
     such requests then compiles nothing, and the top alternatives equal jit's own path."""

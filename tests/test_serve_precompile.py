@@ -26,11 +26,12 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
                        "--kv-policy-arg", "window=8"], env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        assert re.search(r"jaxkv: precompiled 4 step variants in \d+\.\d+s", startup), startup
+        # 4 step variants + the server policy's compression program (1 row x 1 page-table width)
+        assert re.search(r"jaxkv: precompiled 5 step variants in \d+\.\d+s", startup), startup
         assert "KV policy snapkv (budget 0.25)" in startup
         assert _TRACED_STEP.search(startup)  # the compile log is on: precompile traced the steps
         info = httpx.get(s.base + "/info").json()
-        assert info["precompiled_variants"] == 4
+        assert info["precompiled_variants"] == 5
         card = httpx.get(s.url + "/models").json()["data"][0]
         assert card["kv_policy"]["name"] == "snapkv" and card["kv_policy"]["budget"] == 0.25
         assert card["kv_policy"]["window"] == 8
@@ -61,6 +62,9 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         assert s.metric("jaxkv_kv_compressions_total") == 0
         assert text() != full  # the server's policy: a quarter of the prompt's K/V
         assert s.metric("jaxkv_kv_compressions_total") == 1
+        text(kv_policy={"name": "snapkv", "budget": 0.5, "window": 8})  # another budget, the same program
+        assert s.metric("jaxkv_kv_compressions_total") == 2
+        assert s.metric("jaxkv_step_compilations_total") == steps_before  # the compressions compiled nothing
         assert s.metric("jaxkv_kv_pages_freed_by_compression_total") > 0
         assert s.metric("jaxkv_kv_pages_in_use") == 0
 
@@ -72,9 +76,9 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         reuse = {"segments": [seg], "method": "full", "prefix": []}
         plain = text(prompt=PROMPT[:32], kv_policy=None)
         assert text(prompt=PROMPT[16:32], reuse=reuse, kv_policy=None) == plain
-        assert s.metric("jaxkv_kv_compressions_total") == 1
-        text(prompt=PROMPT[16:32], reuse=reuse, max_tokens=24)
         assert s.metric("jaxkv_kv_compressions_total") == 2
+        text(prompt=PROMPT[16:32], reuse=reuse, max_tokens=24)
+        assert s.metric("jaxkv_kv_compressions_total") == 3
         assert s.metric("jaxkv_kv_pages_in_use") == 0
     finally:
         s.stop()

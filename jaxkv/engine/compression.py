@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.buckets import bucket_for
 from jaxkv.policies.apply import compress
 from jaxkv.policies.base import CompressPolicy
+
+# Sequences per compression call; more due at once go in several calls. One: the observation pass gathers
+# every cached key of a row per layer ([rows, Hkv, slots, D], plus [rows, Hq, window, slots] logits), so a
+# row of a 32K width class is ~1 GB of temporaries at 1B and rows multiply it; and each press then has one
+# program per page-table width class, which precompile covers before serving.
+ROW_BUCKETS = (1,)
 
 
 class Compressor:
@@ -33,6 +39,54 @@ class Compressor:
         self.impl = "reference" if engine.runner.attn_impl == "reference" else None
         self.num_compressions = 0  # device calls since start
         self.pages_freed = 0
+        self.compiled: dict = {}  # (policy's device form, rows, page-table width) -> compiled (precompile)
+
+    # ---- programs ---------------------------------------------------------------------------------
+    # A compression program depends on the policy's device form (its fields but the budget, which reaches
+    # the device as each row's target), the rows (ROW_BUCKETS) and the page-table width class; the keep
+    # buffer holds every slot of the width class, so the targets never change the program. Per press that
+    # is rows x width classes variants, few enough to compile before serving (`warmup.precompile`).
+    def batch(self, pol: CompressPolicy, S: int, P: int) -> dict:
+        """An all-padding batch of S rows and P-page tables (no row compresses anything)."""
+        cfg = self.engine.model.config
+        L, H, W = cfg.num_layers, cfg.num_kv_heads, pol.window
+        return {"tokens": np.zeros((S, W), np.int32), "positions": np.full((S, W), -1, np.int32),
+                "page_table": np.full((S, L, H, P), -1, np.int32), "lengths": np.zeros((S, L, H), np.int32),
+                "target": np.zeros(S, np.int32), "recent_from": np.zeros(S, np.int32)}
+
+    def _call(self, pol: CompressPolicy, b: dict):
+        P = b["page_table"].shape[-1]
+        static = dict(cfg=self.engine.model.config, policy=pol.device_form(), kmax=P * self.engine.page_size,
+                      impl=self.impl)
+        return compress, (self.engine.runner.params, self.engine.runner.pool, b, self.heads), static
+
+    @staticmethod
+    def signature(pol: CompressPolicy, S: int, P: int) -> tuple:
+        return pol.device_form(), S, P
+
+    def lower(self, pol: CompressPolicy, S: int, P: int):
+        """(signature, `jax.stages.Lowered`) of the program `pol` runs for S rows and P-page tables."""
+        fn, args, static = self._call(pol, self.batch(pol, S, P))
+        return self.signature(pol, S, P), fn.lower(*args, **static)
+
+    def precompile_policies(self) -> list[CompressPolicy]:
+        """Every registered compression press this engine can run, with its default fields (one that needs
+        files this model lacks, or a per-slot bias the engine was built without, is left out)."""
+        from jaxkv.engine.engine import _resolve_policy
+        from jaxkv.policies import POLICIES
+
+        out = []
+        for name, cls in POLICIES.items():
+            if not issubclass(cls, CompressPolicy):
+                continue
+            try:
+                pol = _resolve_policy(name, None, self.engine.model)
+            except (ValueError, OSError):
+                continue
+            if pol.merge and self.engine.runner.pool.bias is None:
+                continue
+            out.append(pol)
+        return out
 
     def due(self, req) -> bool:
         pol: CompressPolicy | None = req.kv_policy
@@ -51,10 +105,7 @@ class Compressor:
             self._run(pol, reqs)
 
     def _run(self, pol: CompressPolicy, reqs) -> None:
-        eng = self.engine
-        tables = eng.tables
-        cfg = eng.model.config
-        L, H = cfg.num_layers, cfg.num_kv_heads
+        tables = self.engine.tables
         compressible = self.heads["compressible"]
         todo, targets = [], []
         for req in reqs:
@@ -64,14 +115,16 @@ class Compressor:
             if compressible.any() and lengths[compressible].max() > target:
                 todo.append(req)
                 targets.append(target)
-        if not todo:
-            return
-        S = bucket_for(len(todo), powers_of_two(max(eng.scheduler.max_num_seqs, len(todo))))
+        for i in range(0, len(todo), ROW_BUCKETS[-1]):
+            self._compress(pol, todo[i:i + ROW_BUCKETS[-1]], targets[i:i + ROW_BUCKETS[-1]])
+
+    def _compress(self, pol: CompressPolicy, todo, targets) -> None:
+        eng = self.engine
+        tables = eng.tables
         W = pol.window
+        S = bucket_for(len(todo), ROW_BUCKETS)
         P = bucket_for(max(tables.max_pages(r.request_id) for r in todo), eng._page_buckets)
-        b = {"tokens": np.zeros((S, W), np.int32), "positions": np.full((S, W), -1, np.int32),
-             "page_table": np.full((S, L, H, P), -1, np.int32), "lengths": np.zeros((S, L, H), np.int32),
-             "target": np.zeros(S, np.int32), "recent_from": np.zeros(S, np.int32)}
+        b = self.batch(pol, S, P)
         for row, (req, target) in enumerate(zip(todo, targets)):
             n = req.num_computed  # tokens whose K/V are cached; the last sampled one is not yet
             lo = max(0, n - W)
@@ -81,11 +134,9 @@ class Compressor:
             b["target"][row] = target
             b["recent_from"][row] = n - pol.recent_tokens(target)
         tables.fill_step([r.request_id for r in todo], b["page_table"], b["lengths"])
-        kmax = max(pol.max_count(int(max(targets)), H), self.max_upper, pol.sink + pol.recent_tokens(
-            int(max(targets))))
-        kmax = min(1 << (kmax - 1).bit_length(), P * eng.page_size)
-        pool, counts = compress(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg, policy=pol,
-                                kmax=kmax, impl=self.impl)
+        fn, args, static = self._call(pol, b)
+        exe = self.compiled.get(self.signature(pol, S, P))
+        pool, counts = exe(*args) if exe is not None else fn(*args, **static)
         eng.runner.pool = pool
         counts = np.asarray(counts)
         for row, req in enumerate(todo):

@@ -51,40 +51,64 @@ def variants(engine, logprobs: bool = False) -> list[tuple]:
             for top, lp in extras if kind == "step" or not lp for greedy in (True, False)]
 
 
-def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False) -> int:
-    """Compiles (or loads from the persistent cache) every variant; returns how many. Logs one line.
+def press_programs(engine, presses=None) -> list[tuple]:
+    """(policy, rows, page-table width) of every compression program the presses can run
+    (`jaxkv.engine.compression`). `presses`: policies; default every registered press this engine can run
+    on an accelerator, the engine-wide press (if any) on the CPU, where each program takes seconds."""
+    import jax
 
-    Each variant is traced and lowered here, one after another (tracing holds the GIL), and its XLA
+    from jaxkv.engine.compression import ROW_BUCKETS
+    from jaxkv.policies.base import CompressPolicy
+
+    if presses is None:
+        if jax.default_backend() != "cpu":
+            presses = engine.compressor.precompile_policies()
+        else:
+            presses = [engine.kv_policy] if isinstance(engine.kv_policy, CompressPolicy) else []
+    rows = [r for r in ROW_BUCKETS if r <= max(engine.scheduler.max_num_seqs, 1)]
+    unique = {pol.device_form(): pol for pol in presses}.values()  # one per program, whatever the budget
+    return [(pol, s, width) for pol in unique for s in rows for width in engine._page_buckets]
+
+
+def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False,
+               presses=None) -> int:
+    """Compiles (or loads from the persistent cache) every step variant and every compression program of
+    `presses` (`press_programs`); returns how many. Logs one line.
+
+    Each program is traced and lowered here, one after another (tracing holds the GIL), and its XLA
     compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
-    cores up to 16), where XLA works without the GIL; the compiled programs are installed in the runner,
-    which calls them directly."""
-    todo = variants(engine, logprobs)
+    cores up to 16), where XLA works without the GIL; the compiled programs are installed where their
+    callers look first (the runner, the compressor), which call them directly."""
+    runner, compressor = engine.runner, engine.compressor
+    jobs = [(v, lambda v=v: runner.lower(_batch(engine, *v)), runner.install)
+            for v in variants(engine, logprobs)]
+    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.lower(*j),
+              compressor.compiled.__setitem__) for pol, s, p in press_programs(engine, presses)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     t0 = time.perf_counter()
-    bar = tqdm(total=len(todo), desc="jaxkv: compiling step variants", disable=not progress)
+    bar = tqdm(total=len(jobs), desc="jaxkv: compiling step variants", disable=not progress)
     engine.device_tables.warm()
-    runner = engine.runner
     done = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
         futures = []
-        for variant in todo:
-            if stop_near_map_cap(done, len(todo)):
+        for variant, lower, install in jobs:
+            if stop_near_map_cap(done, len(jobs)):
                 break
             done += 1
-            signature, lowered = runner.lower(_batch(engine, *variant))
+            signature, lowered = lower()
             fut = pool.submit(lowered.compile)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
-            futures.append((signature, lowered, fut))
-            bar.set_postfix_str(f"traced {done}/{len(todo)}", refresh=False)
+            futures.append((variant, install, signature, lowered, fut))
+            bar.set_postfix_str(f"traced {done}/{len(jobs)}", refresh=False)
         largest = (0, None)
-        for (signature, lowered, fut), variant in zip(futures, todo):
+        for variant, install, signature, lowered, fut in futures:
             try:
                 compiled = fut.result()
             except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
                 log.warning("jaxkv: compiling step variant %s failed on a compile thread (%s); compiling it "
                             "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 compiled = lowered.compile()
-            runner.install(signature, compiled)
+            install(signature, compiled)
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
     bar.close()
     engine.largest_step_scratch = largest
@@ -120,7 +144,7 @@ def check_fits(need: int, variant, free: int | None = None) -> None:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if need > free:
         kind, s, t, p = variant[:4]
-        shape = f"{t} tokens" if kind == "step" else f"{s} sequences"
+        shape = f"{t} tokens" if kind == "step" else f"{s} sequences"  # a decode or a compression
         raise MemoryError(
             f"the {kind} variant of {shape} and a {p}-page table needs {need / 2**30:.2f} GiB of device "
             f"memory for its temporaries but only {free / 2**30:.2f} GiB is free beside the weights and "

@@ -120,6 +120,12 @@ class CompressPolicy:
         n = self.budget * prompt_len if self.budget <= 1 else self.budget
         return max(int(round(n)), self.sink + self.window)
 
+    def device_form(self) -> CompressPolicy:
+        """The policy as its compiled program sees it: every field but the budget, which reaches the device
+        as each row's target (so requests of any budget share one program)."""
+        default = type(self).budget
+        return self if self.budget == default else dataclasses.replace(self, budget=default)
+
     def bind(self, model) -> CompressPolicy:
         """The policy as used with `model` (e.g. with offline calibration found beside it); default: self."""
         return self
