@@ -317,6 +317,7 @@ def cmd_accuracy(args, model):
         res = run_kvpress(args.kvpress_python, req, args.threads) if presses else {"results": []}
         print(f"kvpress side: {time.perf_counter() - t0:.0f} s (transformers {res.get('transformers')}, "
               f"torch {res.get('torch')})", flush=True)
+        report["kvpress_side"] = {k: res.get(k) for k in ("kvpress_version", "transformers", "torch")}
         for r in res["results"]:
             for p, row in zip(ps, r["rows"]):
                 report["rows"].append({"side": "kvpress", "cell": r["label"], "task": p["task"],
@@ -448,15 +449,35 @@ def markdown(table, labels, tasks) -> str:
     return "\n".join(out)
 
 
+LOCAL_OPTIONS = ("--out", "--hf-dir", "--kvpress-python")  # where files went on one machine, not the result
+
+
+def portable(command: str) -> str:
+    """`command` without its machine-local paths (LOCAL_OPTIONS and their values)."""
+    import shlex
+
+    words, out = shlex.split(command), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in LOCAL_OPTIONS:
+            skip = True
+        elif not w.startswith(tuple(o + "=" for o in LOCAL_OPTIONS)):
+            out.append(w)
+    return shlex.join(out)
+
+
 def cmd_table(args):
     """Merge accuracy logs (one per side or per method) into one table."""
     rows, meta = [], {}
     for path in args.logs:
         log = json.loads(Path(path).read_text())
         rows += log["rows"]
-        meta.setdefault("commands", []).append(log.get("command"))
-        for k in ("context", "seed", "num", "model", "device"):
-            meta.setdefault(k, log.get(k))
+        meta.setdefault("commands", []).append(portable(log["command"]) if log.get("command") else None)
+        for k in ("context", "seed", "num", "model", "device", "kvpress_side"):
+            if log.get(k) is not None:
+                meta.setdefault(k, log[k])
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     labels = cell_labels(rows)
     table = summarize(rows, labels, tasks)
