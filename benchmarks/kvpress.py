@@ -4,12 +4,19 @@
         --budgets 0.5,0.25,0.125
     python -m benchmarks.kvpress accuracy --tasks vt,mq_niah,qa --context 2048 --num 6 \
         --budgets 0.5,0.25,0.125 --seed 101 --out results/kvpress_accuracy.json
+    python -m benchmarks.kvpress accuracy --model smollm2 --tasks real_passkey,real_niah_single,real_vt \
+        --context 2048 --num 3 --budgets 0.5,0.25,0.125 --full --hf-dir /tmp/kvpress-hf
+    python -m benchmarks.kvpress table ours.json kvpress.json      # merge logs into one table
 
 Two sides, two processes. This side (the project's venv) builds the prompts (`jaxkv.eval.tasks`), tokenizes
 them, runs our policies through the serving engine and scores completions with `jaxkv.eval.metrics`. The
 kvpress side (`benchmarks/kvpress_side.py`, run with ``--kvpress-python``, a venv with kvpress and its pinned
 transformers) gets the token ids as JSON and returns kept indices / scores / generated ids as JSON; it
-imports nothing of ours. Both sides load the embedded model in fp32 on CPU.
+imports nothing of ours. Both sides run the same weights in fp32 on CPU: the embedded model by default, or
+``--model`` (a checkpoint directory, a GGUF file, a catalog name such as ``smollm2``). A GGUF is written once
+as a transformers directory for the kvpress side (`hf_checkpoint`: jaxkv's own dequantized tensors). Real-text
+tasks (``real_*``) are built with the model's tokenizer and chat template exactly as ``python -m jaxkv.eval``
+builds them, and the kvpress side receives those ids.
 
 ``kept``: per (layer, KV head), the set of original positions each side keeps after the prefill-end
 compression (ours read back from the engine's pages, as tests/test_policies.py does), their Jaccard
@@ -22,7 +29,10 @@ formula's; PyramidKV gets the fraction (its schedule is what is being compared).
 ``accuracy``: every (task, method, budget) greedy through our engine (`jaxkv.eval.methods.EngineMethod`,
 fraction budgets as ``python -m jaxkv.eval --method M --budget B``) and through kvpress (the whole prompt
 prefilled under ``press(model)``, then greedy decoding over the compressed cache: the same question-aware
-setting as our engine), scored by the same metric.
+setting as our engine), scored by the same metric. Also per cell: how many instances the two sides complete
+identically (the same generated ids; with ``--full`` the full-cache row is the parity check of the two
+implementations), and the share of each side's own full-cache completion a press reproduces before its first
+differing token. Methods one side lacks run on the other alone (`METHODS`). ``table`` merges logs.
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ DEFAULT_MODEL = repo_root() / "jaxkv" / "assets" / "default_model"
 KVPRESS_SIDE = Path(__file__).resolve().with_name("kvpress_side.py")  # run by the kvpress venv's python
 
 # method -> (our policy name, our fields, kvpress press, its kwargs, wrapper). The hyperparameters are
-# kvpress's defaults, set explicitly on our side.
+# kvpress's defaults, set explicitly on our side. A method one side lacks has None there: `hardkv` runs on
+# ours only, `expected_attention` and `knorm` on kvpress's only (listed beside the others at equal memory).
 METHODS = {
     "snapkv": ("snapkv", {"window": 64, "kernel": 5, "pooling": "avg", "sink": 0},
                "SnapKVPress", {"window_size": 64, "kernel_size": 5}, None),
@@ -53,6 +64,13 @@ METHODS = {
     "adakv": ("adakv", {"window": 64, "kernel": 5, "pooling": "avg", "sink": 0, "alpha": 0.2},
               "SnapKVPress", {"window_size": 64, "kernel_size": 5},
               {"press": "AdaKVPress", "kwargs": {"alpha_safeguard": 0.2}}),
+    # H2O: ours votes with the last `window` queries and gives half the budget to the most recent tokens (the
+    # paper's split); kvpress's ObservedAttentionPress averages the attention of every prompt query (eager
+    # attention) with no recent share. Same family, different formula.
+    "h2o": ("h2o", {"window": 64, "sink": 0, "recent_fraction": 0.5}, "ObservedAttentionPress", {}, None),
+    "hardkv": ("hardkv", {}, None, {}, None),
+    "expected_attention": (None, {}, "ExpectedAttentionPress", {}, None),
+    "knorm": (None, {}, "KnormPress", {}, None),
 }
 SNAP_FAMILY = ("snapkv", "pyramidkv", "adakv")
 
@@ -78,15 +96,56 @@ def run_kvpress(python: str, request: dict, threads: int) -> dict:
     return json.loads(p.stdout)
 
 
+# ---- the kvpress side's weights ------------------------------------------------------------------------
+def hf_checkpoint(model: str, cache_root: str | None = None) -> Path:
+    """A transformers-loadable directory holding `model`'s weights, for the kvpress side.
+
+    A checkpoint directory is used as it is. A GGUF file (or a catalog name such as ``smollm2``) is written
+    once as ``config.json`` + float32 ``model.safetensors`` from `jaxkv.gguf.read_gguf`, the reader behind
+    `jaxkv.load`: the dequantized tensors our side runs, in Hugging Face names and layout (nothing is
+    downloaded). Cached under `cache_root` (default: the system temp directory), keyed by file name, size and
+    modification time.
+    """
+    import tempfile
+
+    from jaxkv.models.catalog import resolve
+
+    path = resolve(model)
+    if path.is_dir():
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise SystemExit(f"--model {model}: expected a checkpoint directory, a .gguf file or a catalog name")
+    st = path.stat()
+    root = Path(cache_root) if cache_root else Path(tempfile.gettempdir()) / "jaxkv-kvpress-hf"
+    out = root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}-fp32"
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    from safetensors.numpy import save_file
+
+    from jaxkv.gguf import read_gguf
+
+    ck = read_gguf(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))  # renamed when complete
+    tensors = {name: np.ascontiguousarray(ck.tensors[name], dtype=np.float32) for name in ck.tensors}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(ck.hf_config | {"torch_dtype": "float32"}, indent=1))
+    (tmp / "generation_config.json").write_text(json.dumps(ck.generation_config, indent=1))
+    tmp.rename(out)
+    return out
+
+
 # ---- our side ------------------------------------------------------------------------------------------
 def prompts(model, tasks, context, num, seed):
+    """Every instance tokenized as `python -m jaxkv.eval` does (pieces one by one, no special tokens added);
+    a real-text task (`real_*`) is built with the model's tokenizer and chat template."""
     from jaxkv.eval.tasks import make_instances
 
     tok = model.tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     out = []
     for task in tasks:
-        for i, inst in enumerate(make_instances(task, context, num, seed=seed)):
+        for i, inst in enumerate(make_instances(task, context, num, seed=seed, tokenizer=tok)):
             ids = enc(inst.prefix) + [t for s in inst.segments for t in enc(s)] + enc(inst.suffix)
             out.append({"task": task, "index": i, "inst": inst, "ids": ids,
                         "max_new": len(enc(inst.target)) + 8})
@@ -170,9 +229,12 @@ def jaccard(a, b) -> float:
 def cmd_kept(args, model):
     ps = prompts(model, args.tasks, args.context, args.num, args.seed)
     report = {"context": args.context, "seed": args.seed, "num": args.num, "rows": []}
+    one_sided = [m for m in args.methods if None in (METHODS[m][0], METHODS[m][2])]
+    if one_sided:
+        raise SystemExit(f"kept compares both sides; {one_sided} run on one side only (use accuracy)")
     for method in args.methods:
         for budget in args.budgets:
-            req = {"model": str(args.model), "mode": "kept",
+            req = {"model": str(hf_checkpoint(args.model, args.hf_dir)), "mode": "kept",
                    "presses": [press_spec(method, budget, f"{method}@{budget}")],
                    "prompts": [{"ids": p["ids"], "max_new": 1} for p in ps], "stop_ids": []}
             theirs = run_kvpress(args.kvpress_python, req, args.threads)["results"][0]["rows"]
@@ -236,30 +298,40 @@ def cmd_accuracy(args, model):
     ps = prompts(model, args.tasks, args.context, args.num, args.seed)
     tok = model.tokenizer
     stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
-    report = {"context": args.context, "seed": args.seed, "num": args.num, "rows": []}
+    report = {"context": args.context, "seed": args.seed, "num": args.num, "model": str(args.model),
+              "tasks": args.tasks, "rows": []}
+
+    def generated(token_ids):  # the completion without its stop token, as both sides report it
+        return list(token_ids[:-1] if token_ids and token_ids[-1] in stop else token_ids)
 
     def score(p, token_ids):
-        if token_ids and token_ids[-1] in stop:
-            token_ids = token_ids[:-1]
-        return metrics.score(p["inst"].metric, tok.decode(token_ids), p["inst"].answers)
+        return metrics.score(p["inst"].metric, tok.decode(generated(token_ids)), p["inst"].answers)
 
     cells = [(m, b) for m in args.methods for b in args.budgets]
     if not args.skip_kvpress:
-        presses = [press_spec(m, b, f"{m}@{b}") for m, b in cells] + ([None] if args.full else [])
-        req = {"model": str(args.model), "mode": "generate", "presses": presses,
+        presses = [press_spec(m, b, f"{m}@{b}") for m, b in cells if METHODS[m][2] is not None]
+        presses += [None] if args.full else []
+        req = {"model": str(hf_checkpoint(args.model, args.hf_dir)), "mode": "generate", "presses": presses,
                "prompts": [{"ids": p["ids"], "max_new": p["max_new"]} for p in ps], "stop_ids": list(stop)}
         t0 = time.perf_counter()
-        res = run_kvpress(args.kvpress_python, req, args.threads)
-        print(f"kvpress side: {time.perf_counter() - t0:.0f} s (transformers {res['transformers']}, "
-              f"torch {res['torch']})", flush=True)
+        res = run_kvpress(args.kvpress_python, req, args.threads) if presses else {"results": []}
+        print(f"kvpress side: {time.perf_counter() - t0:.0f} s (transformers {res.get('transformers')}, "
+              f"torch {res.get('torch')})", flush=True)
+        report["kvpress_side"] = {k: res.get(k) for k in ("kvpress_version", "transformers", "torch")}
         for r in res["results"]:
             for p, row in zip(ps, r["rows"]):
                 report["rows"].append({"side": "kvpress", "cell": r["label"], "task": p["task"],
                                        "index": p["index"], "score": score(p, row["tokens"]),
+                                       "tokens": generated(row["tokens"]),
                                        "cache_len_mean": float(np.mean(row["cache_lengths"]))})
     if not args.skip_ours:
-        for m, b in cells + ([("engine", None)] if args.full else []):
-            meth = get_method(m, model, **({} if b is None else {"budget": b} | METHODS[m][1]))
+        ours = [(m, b) for m, b in cells if METHODS[m][0] is not None]
+        ours += [("engine", None)] if args.full else []
+        for m, b in ours:
+            fields = {} if b is None else {"budget": b} | METHODS[m][1]
+            if m == "hardkv" and args.hardkv_calibration:
+                fields["calibration"] = args.hardkv_calibration
+            meth = get_method(m, model, **fields)
             t0 = time.perf_counter()
             for p in ps:
                 enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -269,33 +341,158 @@ def cmd_accuracy(args, model):
                 out = meth.run(pieces, p["max_new"], stop)
                 report["rows"].append({"side": "ours", "cell": f"{m}@{b}" if b is not None else "full",
                                        "task": p["task"], "index": p["index"],
-                                       "score": score(p, out.token_ids)})
+                                       "score": score(p, out.token_ids), "tokens": generated(out.token_ids)})
             print(f"ours {m}@{b}: {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"\n{'cell':>20} " + " ".join(f"{t + ' ours':>13} {t + ' kvp':>12}" for t in args.tasks)
-          + f" {'mean ours':>10} {'mean kvp':>9}")
     labels = [f"{m}@{b}" for m, b in cells] + (["full"] if args.full else [])
-    table = {}
-    for lab in labels:
-        line, means = f"{lab:>20} ", {"ours": [], "kvpress": []}
-        for t in args.tasks:
-            for side in ("ours", "kvpress"):
-                s = [r["score"] for r in report["rows"]
-                     if r["cell"] == lab and r["task"] == t and r["side"] == side]
-                v = float(np.mean(s)) if s else float("nan")
-                table[(lab, t, side)] = v
-                means[side].append(v)
-                line += f"{v:>13.3f} " if side == "ours" else f"{v:>12.3f} "
-        line += f"{np.mean(means['ours']):>10.3f} {np.mean(means['kvpress']):>9.3f}"
-        print(line)
-    report["table"] = [{"cell": k[0], "task": k[1], "side": k[2], "accuracy": v} for k, v in table.items()]
+    report["table"] = summarize(report["rows"], labels, args.tasks)
+    print_accuracy(report["table"], labels, args.tasks)
     return report
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarize(rows, labels, tasks):
+    """Per (cell, task, side): mean score, instance count and (with a full-cache run on that side) the mean
+    share of the full-cache completion reproduced token for token before the first difference; per (cell,
+    task): how many instances both sides completed identically (the same generated ids)."""
+    table = []
+    full = {(r["side"], r["task"], r["index"]): r["tokens"] for r in rows if r["cell"] == "full"}
+    for lab in labels:
+        for t in tasks:
+            mine = [r for r in rows if r["cell"] == lab and r["task"] == t]
+            by = {side: {r["index"]: r for r in mine if r["side"] == side} for side in ("ours", "kvpress")}
+            for side, rs in by.items():
+                if not rs:
+                    continue
+                entry = {"cell": lab, "task": t, "side": side, "num": len(rs),
+                         "accuracy": float(np.mean([r["score"] for r in rs.values()]))}
+                refs = [(full[(side, t, i)], r["tokens"]) for i, r in rs.items() if (side, t, i) in full]
+                if refs:
+                    share = [common_prefix(f, o) / max(len(f), 1) for f, o in refs]
+                    entry["agree_full"] = float(np.mean(share))
+                table.append(entry)
+            both = sorted(set(by["ours"]) & set(by["kvpress"]))
+            if both:
+                same = sum(by["ours"][i]["tokens"] == by["kvpress"][i]["tokens"] for i in both)
+                table.append({"cell": lab, "task": t, "side": "identical_outputs", "num": len(both),
+                              "accuracy": same / len(both), "identical": same})
+    return table
+
+
+def print_accuracy(table, labels, tasks):
+    get = {(r["cell"], r["task"], r["side"]): r for r in table}
+    print(f"\n{'cell':>26} " + " ".join(f"{t[:14]:>14} ours/kvp/same" for t in tasks) + "   mean ours/kvp")
+    for lab in labels:
+        line, means = f"{lab:>26} ", {"ours": [], "kvpress": []}
+        for t in tasks:
+            parts = []
+            for side in ("ours", "kvpress"):
+                r = get.get((lab, t, side))
+                parts.append(f"{r['accuracy']:.3f}" if r else "  -  ")
+                if r:
+                    means[side].append(r["accuracy"])
+            same = get.get((lab, t, "identical_outputs"))
+            parts.append(f"{same['identical']}/{same['num']}" if same else "-")
+            line += f"{' / '.join(parts):>28} "
+        line += "   " + " / ".join(f"{np.mean(v):.3f}" if v else "-" for v in means.values())
+        print(line)
+
+
+def cell_labels(rows) -> list[str]:
+    """The cells of `rows` in METHODS order, budgets descending, the full cache last."""
+    cells = {r["cell"] for r in rows}
+    order = {m: i for i, m in enumerate(METHODS)}
+
+    def key(c):
+        m, _, b = c.partition("@")
+        return (m == "full", order.get(m, len(order)), -float(b) if b else 0.0)
+
+    return sorted(cells, key=key)
+
+
+def markdown(table, labels, tasks) -> str:
+    """Three method x budget tables, means over tasks: accuracy ours / kvpress; the share of each side's own
+    full-cache completion reproduced before the first differing token, ours / kvpress; identical completions
+    of the two sides (count / instances)."""
+    get = {(r["cell"], r["task"], r["side"]): r for r in table}
+    methods = list(dict.fromkeys(lab.partition("@")[0] for lab in labels))
+    budgets = sorted({lab.partition("@")[2] for lab in labels if "@" in lab}, key=lambda b: -float(b))
+
+    def mean(lab, side, key):
+        v = [get[(lab, t, side)][key] for t in tasks if key in get.get((lab, t, side), {})]
+        return f"{np.mean(v):.3f}" if v else "-"
+
+    def ident(lab):
+        same = [get[(lab, t, "identical_outputs")] for t in tasks if (lab, t, "identical_outputs") in get]
+        return f"{sum(r['identical'] for r in same)}/{sum(r['num'] for r in same)}" if same else "-"
+
+    def pair(key):
+        return lambda lab: f"{mean(lab, 'ours', key)} / {mean(lab, 'kvpress', key)}"
+
+    out = []
+    for title, cell in (("accuracy, ours / kvpress", pair("accuracy")),
+                        ("agreement with the full cache, ours / kvpress", pair("agree_full")),
+                        ("identical completions", ident)):
+        out += [f"| {title} | " + " | ".join(budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for m in methods:
+            labs = [m] if m == "full" else [f"{m}@{b}" for b in budgets]
+            cols = [cell(lab) for lab in labs] + [""] * (len(budgets) - len(labs))
+            out.append(f"| {m} | " + " | ".join(cols) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+LOCAL_OPTIONS = ("--out", "--hf-dir", "--kvpress-python")  # where files went on one machine, not the result
+
+
+def portable(command: str) -> str:
+    """`command` without its machine-local paths (LOCAL_OPTIONS and their values)."""
+    import shlex
+
+    words, out = shlex.split(command), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in LOCAL_OPTIONS:
+            skip = True
+        elif not w.startswith(tuple(o + "=" for o in LOCAL_OPTIONS)):
+            out.append(w)
+    return shlex.join(out)
+
+
+def cmd_table(args):
+    """Merge accuracy logs (one per side or per method) into one table."""
+    rows, meta = [], {}
+    for path in args.logs:
+        log = json.loads(Path(path).read_text())
+        rows += log["rows"]
+        meta.setdefault("commands", []).append(portable(log["command"]) if log.get("command") else None)
+        for k in ("context", "seed", "num", "model", "device", "kvpress_side"):
+            if log.get(k) is not None:
+                meta.setdefault(k, log[k])
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    labels = cell_labels(rows)
+    table = summarize(rows, labels, tasks)
+    print_accuracy(table, labels, tasks)
+    md = markdown(table, labels, tasks)
+    print("\n" + md)
+    return meta | {"tasks": tasks, "rows": rows, "table": table, "markdown": md}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.kvpress", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["kept", "accuracy"])
+    ap.add_argument("mode", choices=["kept", "accuracy", "table"])
+    ap.add_argument("logs", nargs="*", help="table: accuracy logs to merge")
     ap.add_argument("--tasks", default="vt,mq_niah,qa")
     ap.add_argument("--methods", default="snapkv,streaming_llm,pyramidkv,adakv")
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
@@ -303,22 +500,32 @@ def main(argv=None):
     ap.add_argument("--num", type=int, default=2)
     ap.add_argument("--seed", type=int, default=101)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", "/work/kvvenv/bin/python"),
-                    help="python of a venv with kvpress installed (see docs/eval.md)")
+    ap.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", "kvvenv/bin/python"),
+                    help="python of a venv with kvpress installed (bash benchmarks/setup_kvpress_venv.sh "
+                         "DIR; default $KVPRESS_PYTHON, else kvvenv/bin/python)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the kvpress side")
     ap.add_argument("--full", action="store_true", help="accuracy: also the uncompressed cache on both sides")
     ap.add_argument("--skip-kvpress", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--adakv-alpha", type=float, default=0.2,
                     help="AdaKV safeguard on both sides (ours `alpha`, kvpress `alpha_safeguard`)")
+    ap.add_argument("--hf-dir", help="where a GGUF model is written once as a transformers directory for the "
+                    "kvpress side (default: the system temp directory)")
+    ap.add_argument("--hardkv-calibration", help="HARD-KV temperatures file (tools.calibrate_hardkv); "
+                    "default: solved online per request, as `hardkv` does with no file beside the model")
     ap.add_argument("--out", help="JSON report path")
     args = ap.parse_args(argv)
     args.tasks = args.tasks.split(",")
-    args.methods = args.methods.split(",")
+    args.methods = [m for m in args.methods.split(",") if m]  # "" with --full: the full cache alone
     args.budgets = [float(b) for b in args.budgets.split(",")]
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; kvpress has {sorted(METHODS)}")
+    if args.mode == "table":
+        report = cmd_table(args)
+        if args.out:
+            write_json(args.out, report)
+        return
     METHODS["adakv"][1]["alpha"] = args.adakv_alpha
     METHODS["adakv"][4]["kwargs"]["alpha_safeguard"] = args.adakv_alpha
     import jaxkv

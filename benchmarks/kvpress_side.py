@@ -29,6 +29,11 @@ import time
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Run as a script, this file's directory leads sys.path, and its neighbour benchmarks/kvpress.py would shadow
+# the kvpress package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 _MISSING = None
 try:
     import kvpress
@@ -36,6 +41,9 @@ try:
     from transformers import DynamicCache, LlamaForCausalLM
 except ImportError as e:  # --help works anywhere; a run needs the kvpress venv
     _MISSING = e
+
+
+EAGER_PRESSES = ("ObservedAttentionPress",)  # score with the attention weights, which sdpa does not return
 
 
 def make_press(spec):
@@ -124,14 +132,23 @@ def main(argv=None):
                          "(benchmarks/setup_kvpress_venv.sh)")
     req = json.load(sys.stdin)
     torch.set_num_threads(int(req.get("threads", 1)))
-    model = LlamaForCausalLM.from_pretrained(req["model"], dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
+    models = {}
+
+    def model_for(spec):
+        """sdpa, except for presses that read the attention weights (eager; loaded when first needed)."""
+        impl = "eager" if spec and spec["press"] in EAGER_PRESSES else "sdpa"
+        if impl not in models:
+            models[impl] = LlamaForCausalLM.from_pretrained(req["model"], dtype=torch.float32,
+                                                            attn_implementation=impl).eval()
+        return models[impl]
+
     res = {"kvpress_version": getattr(kvpress, "__version__", None), "torch": torch.__version__,
            "results": []}
     import transformers
 
     res["transformers"] = transformers.__version__
     for spec in req["presses"]:
+        model = model_for(spec)
         rows = []
         for p in req["prompts"]:
             if req["mode"] == "kept":
