@@ -17,6 +17,7 @@ from jaxkv.policies.retrieve import specontext as sc
 from jaxkv.policies.reuse import get_reuse_policy
 from jaxkv.sampling import SamplingParams
 from tests.hf_tiny import make_tiny_checkpoint, sharp_gqa_toy
+from tests.test_reuse import run as run_reuse
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -87,13 +88,7 @@ def _reuse_run(model, loop, method):
     eng.reuser.keep_logits = True
     rng = np.random.default_rng(0)
     prefix, s1, s2, suffix = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (5, 19, 13, 7)]
-    rid = eng.add_reuse_request(prefix, [s1, s2], suffix, reuse=method, sampling=GREEDY)
-    out = []
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.request_id == rid:
-                out += o.new_token_ids
-    return out, eng.reuser.stats[rid]
+    return run_reuse(eng, prefix, [s1, s2], suffix, method, sampling=GREEDY)
 
 
 @pytest.mark.parametrize("method", [

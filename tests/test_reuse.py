@@ -43,8 +43,8 @@ def make_engine(model, **kw):
     return eng
 
 
-def run(eng, prefix, segments, suffix, reuse, **kw):
-    rid = eng.add_reuse_request(prefix, segments, suffix, reuse=reuse, sampling=GREEDY, **kw)
+def run(eng, prefix, segments, suffix, reuse, sampling=GREEDY, **kw):
+    rid = eng.add_reuse_request(prefix, segments, suffix, reuse=reuse, sampling=sampling, **kw)
     out = []
     while eng.has_unfinished():
         for o in eng.step():
