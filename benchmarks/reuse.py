@@ -326,9 +326,10 @@ def restart_row(model, w: Workload, args, store: str, prompt: Prompt, spec: str,
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def profile_method(eng, spec: str, prompt: Prompt, log) -> None:
-    """One more TTFT of ``spec`` (compiled by then) under jax.profiler: the device's idle gaps and the host
-    events in time order, then the kernels by time (`benchmarks.profile_decode`'s tables)."""
+def profile_method(eng, spec: str, prompt: Prompt, log, tier: str | None = None) -> None:
+    """One more TTFT of ``spec`` (compiled by then) under jax.profiler, the segments starting in `tier`: the
+    device's idle gaps and the host events in time order, then the kernels by time
+    (`benchmarks.profile_decode`'s tables)."""
     import tempfile as tf
 
     import jax
@@ -336,7 +337,9 @@ def profile_method(eng, spec: str, prompt: Prompt, log) -> None:
     from benchmarks.profile_decode import kernel_table, timeline
 
     policy = None if spec in ENGINE_PATHS else policy_for(spec)
+    place_segments(eng, prompt, tier)
     ttft_once(eng, policy, prompt)
+    place_segments(eng, prompt, tier)
     trace_dir = Path(tf.mkdtemp(prefix="jaxkv-reuse-trace-"))
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         s, _ = ttft_once(eng, policy, prompt)
@@ -392,7 +395,7 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
             last_cost = time.perf_counter() - t0
             emit(result)
     for spec in [m for m in (args.profile or "").split(",") if m]:
-        profile_method(eng, spec, prompt, log)
+        profile_method(eng, spec, prompt, log, None if tiers == ["device"] else tiers[-1])
     if tiers == ["device"] and eng.reuser.tiers.demotions:  # timings would include copies to the device
         raise RuntimeError(f"{eng.reuser.tiers.demotions} segments left the device: the pool is too small")
     del eng
@@ -505,7 +508,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
     ap.add_argument("--log", default=None, help="JSON log (rewritten after every method)")
     ap.add_argument("--profile", default=None, help="comma list of methods to trace once more after timing "
-                                                      "(device idle gaps, host events, kernels; GPU)")
+                                                      "(segments in the last of --tiers; device idle gaps, "
+                                                      "host events, kernels; GPU)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")

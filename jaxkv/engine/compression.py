@@ -64,10 +64,16 @@ class Compressor:
     def signature(pol: CompressPolicy, S: int, P: int) -> tuple:
         return pol.device_form(), S, P
 
+    def call(self, pol: CompressPolicy, S: int, P: int):
+        """(signature, function, arguments, static arguments) of the program `pol` runs for S rows and P-page
+        tables, nothing traced."""
+        fn, args, static = self._call(pol, self.batch(pol, S, P))
+        return self.signature(pol, S, P), fn, args, static
+
     def lower(self, pol: CompressPolicy, S: int, P: int):
         """(signature, `jax.stages.Lowered`) of the program `pol` runs for S rows and P-page tables."""
-        fn, args, static = self._call(pol, self.batch(pol, S, P))
-        return self.signature(pol, S, P), fn.lower(*args, **static)
+        signature, fn, args, static = self.call(pol, S, P)
+        return signature, fn.lower(*args, **static)
 
     def precompile_policies(self) -> list[CompressPolicy]:
         """Every registered compression press this engine can run, with its default fields (one that needs

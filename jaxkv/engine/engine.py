@@ -310,15 +310,16 @@ class Engine:
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def precompile(self, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-                   presses=None) -> int:
+                   presses=None, step_cache=None) -> int:
         """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
         Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads.
         `logprobs`: also the variants of requests that ask for logprobs (about twice as many). `presses`:
         compression policies whose programs compile too (default: every press on an accelerator, the
-        engine-wide one on the CPU; `warmup.press_programs`)."""
+        engine-wide one on the CPU; `warmup.press_programs`). `step_cache`: where compiled programs are kept
+        for the next start (jaxkv/engine/step_cache.py; None: the default, on accelerators; False: off)."""
         from jaxkv.engine.warmup import precompile
 
-        n = precompile(self, progress, workers, logprobs, presses)
+        n = precompile(self, progress, workers, logprobs, presses, step_cache)
         if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
             n += self.retriever.precompile(self.kv_policy, progress)
         return n

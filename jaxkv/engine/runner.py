@@ -446,12 +446,17 @@ class ModelRunner:
         exe = self.compiled.get(_signature(fn, args, static)) if self.compiled else None
         return exe(*args) if exe is not None else fn(*args, **static)
 
+    def call(self, batch: StepBatch | DecodeBatch):
+        """(signature, function, arguments, static arguments) of the program `run` / `decode` would call for
+        `batch`, nothing traced (`warmup.precompile` lowers it, or loads it from the step cache)."""
+        fn, args, static = (self._step_call if isinstance(batch, StepBatch) else self._decode_call)(batch)
+        return _signature(fn, args, static), fn, args, static
+
     def lower(self, batch: StepBatch | DecodeBatch):
         """(signature, `jax.stages.Lowered`) of the program `run` / `decode` would call for `batch`. Lowering
         traces in this thread; the returned programs compile in parallel threads (`warmup.precompile`)."""
-        call = self._step_call if isinstance(batch, StepBatch) else self._decode_call
-        fn, args, static = call(batch)
-        return _signature(fn, args, static), fn.lower(*args, **static)
+        signature, fn, args, static = self.call(batch)
+        return signature, fn.lower(*args, **static)
 
     def install(self, signature, compiled) -> None:
         global _aot_compiled

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv.engine import code_maps
+from jaxkv.engine import code_maps, compilations
 from jaxkv.engine.runner import DecodeBatch, StepBatch
 from jaxkv.sampling import MAX_LOGPROBS
 
@@ -71,37 +71,51 @@ def press_programs(engine, presses=None) -> list[tuple]:
 
 
 def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-               presses=None) -> int:
+               presses=None, step_cache=None) -> int:
     """Compiles (or loads from the persistent cache) every step variant and every compression program of
     `presses` (`press_programs`); returns how many. Logs one line.
 
     Each program is traced and lowered here, one after another (tracing holds the GIL), and its XLA
     compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
     cores up to 16), where XLA works without the GIL; the compiled programs are installed where their
-    callers look first (the runner, the compressor), which call them directly."""
+    callers look first (the runner, the compressor), which call them directly. Programs kept by an earlier
+    start in the step cache (`jaxkv.engine.step_cache`; `step_cache`: its directory, False: off, None: the
+    default) are loaded instead, nothing traced; the others are written there once compiled."""
+    from jaxkv.engine.step_cache import StepCache
+
     runner, compressor = engine.runner, engine.compressor
-    jobs = [(v, lambda v=v: runner.lower(_batch(engine, *v)), runner.install)
+    jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.install)
             for v in variants(engine, logprobs)]
-    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.lower(*j),
+    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j),
               compressor.compiled.__setitem__) for pol, s, p in press_programs(engine, presses)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
+    cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
+    xla_loads = compilations.xla_programs()["persistent_cache"]
     t0 = time.perf_counter()
     bar = tqdm(total=len(jobs), desc="jaxkv: compiling step variants", disable=not progress)
     engine.device_tables.warm()
     done = 0
+    largest = (0, None)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
-        futures = []
-        for variant, lower, install in jobs:
+        futures, built = [], []
+        for variant, call, install in jobs:
             if stop_near_map_cap(done, len(jobs)):
                 break
             done += 1
-            signature, lowered = lower()
+            signature, fn, args, static = call()
+            key = cache.key(fn, args, static) if cache is not None else None
+            compiled = cache.load(key) if cache is not None else None
+            if compiled is not None:  # kept by an earlier start: nothing traced, lowered or compiled
+                install(signature, compiled)
+                largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
+                bar.update()
+                continue
+            lowered = fn.lower(*args, **static)
             fut = pool.submit(lowered.compile)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
-            futures.append((variant, install, signature, lowered, fut))
+            futures.append((variant, install, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {done}/{len(jobs)}", refresh=False)
-        largest = (0, None)
-        for variant, install, signature, lowered, fut in futures:
+        for variant, install, signature, lowered, fut, key in futures:
             try:
                 compiled = fut.result()
             except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
@@ -109,11 +123,22 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
                             "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 compiled = lowered.compile()
             install(signature, compiled)
+            built.append((key, compiled))
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
     bar.close()
+    if cache is not None and built:
+        import jax
+
+        if jax.default_backend() == "cpu" and compilations.xla_programs()["persistent_cache"] > xla_loads:
+            log.info("jaxkv: step cache not written: XLA:CPU loaded programs from its persistent cache")
+        else:
+            for key, compiled in built:
+                cache.save(key, compiled)
     engine.largest_step_scratch = largest
-    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads); the largest needs %.2f GiB of "
-             "scratch", done, time.perf_counter() - t0, workers, largest[0] / 2**30)
+    engine.step_cache_hits = 0 if cache is None else cache.hits
+    kept = "" if cache is None else f", {cache.hits} loaded from the step cache"
+    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads%s); the largest needs %.2f GiB of "
+             "scratch", done, time.perf_counter() - t0, workers, kept, largest[0] / 2**30)
     check_fits(largest[0], largest[1])
     return done
 
