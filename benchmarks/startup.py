@@ -24,14 +24,17 @@ import numpy as np
 from benchmarks.harness import SHAPES, append_jsonl, command_line, describe_device, random_model
 
 
-def request_mix(engine, vocab: int, seed: int = 0) -> int:
+def request_mix(engine, vocab: int, seed: int = 0) -> tuple[int, str]:
     """Plain greedy and sampled requests of short and long prompts, several at once, and one per
-    compression press; runs them to the end and returns how many requests finished."""
+    compression press; runs them to the end and returns how many requests finished and a digest of every
+    request's tokens (equal across runs when the programs compute the same: seeded sampling)."""
+    import hashlib
+
     from jaxkv.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     longest = min(engine.max_model_len - 64, 4 * engine.scheduler.max_step_tokens)
-    lengths = [5, 40, 300, longest // 2, longest]
+    lengths = [n for n in (5, 40, 300) if n < longest // 2] + [longest // 2, longest]
     n = 0
     for i, length in enumerate(lengths):
         for temperature in (0.0, 0.8):
@@ -47,10 +50,12 @@ def request_mix(engine, vocab: int, seed: int = 0) -> int:
             n += 1
         except ValueError as e:  # a press that needs files this random model lacks (HARD-KV calibration)
             print(f"  skipped {press}: {e}")
-    done = 0
+    done, tokens = 0, {}
     while engine.has_unfinished():
-        done += sum(o.finished for o in engine.step())
-    return done
+        for o in engine.step():
+            done += o.finished
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return done, hashlib.sha256(repr([tokens[k] for k in sorted(tokens)]).encode()).hexdigest()[:16]
 
 
 def _seconds(compilations) -> dict:
@@ -79,6 +84,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     args = ap.parse_args(argv)
+    start = time.perf_counter()
 
     import os
 
@@ -128,10 +134,12 @@ def main(argv=None) -> None:
     before_xla, before_steps = compilations.xla_programs(), compilations.step_programs()
     row = dict(shape=args.shape, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                max_model_len=args.max_model_len, variants=variants, ready_s=round(ready, 1),
+               since_start_s=round(time.perf_counter() - start, 1),
+               step_cache_hits=getattr(engine, "step_cache_hits", None),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if not args.no_mix:
         t0 = time.perf_counter()
-        row["mix_requests"] = request_mix(engine, model.config.vocab_size)
+        row["mix_requests"], row["mix_tokens_digest"] = request_mix(engine, model.config.vocab_size)
         row["mix_s"] = round(time.perf_counter() - t0, 1)
         after = compilations.xla_programs()
         row["xla_compiled_in_mix"] = after["compiled"] - before_xla["compiled"]
