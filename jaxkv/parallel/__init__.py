@@ -20,8 +20,6 @@ def setup_engine(model, head_classes, kv_policy):
 
     tp = tp_size(model.mesh)
     check_divisible(model.config, tp)
-    if kv_policy is not None:
-        raise ValueError("kv_policy (in-place compression) is not supported with tensor parallelism yet")
     perm = getattr(model, "kv_head_perm", None)
     if perm is not None:
         head_classes = permute_head_classes(head_classes, perm)

@@ -1,0 +1,100 @@
+"""The KV methods per shard: compression presses, segment reuse and retrieval under tensor parallelism.
+
+Each method's device pass runs per shard under `shard_map` like an engine step (`shard.tp_call`): the
+shard's heads, their pages, their rows of the per-head tables. Whatever a method decides per KV head is
+shard-local; whatever it decides across heads (AdaKV's layer-wide top-k, SparseX's and CacheBlend's token
+scores summed over heads, RedKnot's probe mass) is computed from every shard's heads, gathered
+(`shard.gather_heads`), so the sharded result equals the unsharded one.
+
+Host side (`placed_policy`): a policy field holding one value per (layer, KV head) in checkpoint order
+(HARD-KV's calibrated temperatures) is put into the model's placed head order once, then each shard scores
+with its own slice (`shard_policies`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Policy fields that hold one value per (layer, KV head): [L][Hkv] nested tuples in checkpoint order.
+PER_HEAD_FIELDS = ("calibration",)
+
+
+def placed_policy(policy, perm):
+    """`policy` with its per-(layer, KV head) fields in placed order (`perm [L, Hkv]`, jaxkv.parallel.placement:
+    position j of layer l holds checkpoint head perm[l, j]); unchanged without a permutation."""
+    if perm is None or policy is None:
+        return policy
+    changes = {}
+    for name in PER_HEAD_FIELDS:
+        table = getattr(policy, name, None)
+        if isinstance(table, tuple):
+            changes[name] = tuple(tuple(row[int(h)] for h in perm[layer]) for layer, row in enumerate(table))
+    return dataclasses.replace(policy, **changes) if changes else policy
+
+
+def shard_policies(policy, tp: int) -> tuple:
+    """One policy per shard, each with its heads' slice of the per-head fields (the same object `tp` times
+    when it has none)."""
+    tables = {n: getattr(policy, n) for n in PER_HEAD_FIELDS if isinstance(getattr(policy, n, None), tuple)}
+    if not tables:
+        return (policy,) * tp
+    out = []
+    for s in range(tp):
+        fields = {}
+        for name, table in tables.items():
+            per = len(table[0]) // tp
+            fields[name] = tuple(tuple(row[s * per:(s + 1) * per]) for row in table)
+        out.append(dataclasses.replace(policy, **fields))
+    return tuple(out)
+
+
+def counts_across_heads(policy) -> bool:
+    """Whether the policy's keep counts of a head depend on other heads' scores. Known per-head `counts`
+    (the uniform default, PyramidKV's per-layer schedule, HARD-KV's per-head top-p) stay shard-local; any
+    other (AdaKV's layer-wide top-k, a method registered later) sees every head's scores."""
+    from jaxkv.policies.base import CompressPolicy
+    from jaxkv.policies.compress.hardkv import HardKV
+    from jaxkv.policies.compress.pyramidkv import PyramidKV
+
+    return type(policy).counts not in (CompressPolicy.counts, PyramidKV.counts, HardKV.counts)
+
+
+def _gathered_counts(policy, local: int):
+    """`policy.counts` over every shard's heads; returns this shard's heads' counts."""
+    from jaxkv.parallel.shard import gather_heads, own_heads
+    from jaxkv.policies.base import SelectContext
+
+    def counts(scores, ctx):
+        full = SelectContext(lengths=gather_heads(ctx.lengths, 2), positions=gather_heads(ctx.positions, 2),
+                             target=ctx.target, recent_from=ctx.recent_from,
+                             compressible=gather_heads(ctx.compressible, 1), lower=gather_heads(ctx.lower, 1),
+                             upper=gather_heads(ctx.upper, 1))
+        return own_heads(policy.counts(gather_heads(scores, 2), full), 2, local)
+
+    return counts
+
+
+def sharded_compress(body, params, pool, b: dict, heads: dict, *, cfg, policy, kmax: int, impl, mesh):
+    """`jaxkv.policies.apply.compress_body` per shard: the observation pass over the shard's heads (the O and
+    down projections all-reduced), scores and keep sets per head, counts across heads where the policy
+    needs them, the rewrite on the shard's pages. -> (pool, counts [S, L, Hkv] split over the shards)."""
+    from jaxkv.parallel import shard
+    from jaxkv.parallel.mesh import tp_size
+
+    tp = tp_size(mesh)
+    local = cfg.num_kv_heads // tp
+    policies = shard_policies(policy, tp)
+    counts = _gathered_counts(policy, local) if counts_across_heads(policy) else None
+
+    def score(obs):
+        if all(p is policy for p in policies):
+            return policy.score(obs)
+        return shard.per_shard([p.score for p in policies], obs)
+
+    def run(params, pool, batch, lcfg):
+        batch = dict(batch)
+        own = {k: batch.pop(k) for k in heads}
+        return body(params, pool, batch, own, cfg=lcfg, policy=policy, kmax=kmax, impl=impl, score=score,
+                    reduce=shard.reduce, counts=counts)
+
+    return shard.tp_call(run, mesh, params, pool, {**b, **heads}, cfg, ("pool", ("seq", "layer", "kv_heads")))

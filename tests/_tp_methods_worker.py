@@ -1,0 +1,104 @@
+"""Subprocess half of tests/test_tp_methods.py: KV methods (presses, segment reuse, retrieval) with tensor
+parallelism on 2 forced CPU devices against one device. Needs the device count fixed before jax starts, so
+it runs outside the pytest process; prints one JSON line. Usage: _tp_methods_worker.py CKPT PART."""
+
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv.engine.engine import Engine  # noqa: E402
+from jaxkv.parallel.mesh import make_mesh  # noqa: E402
+from jaxkv.policies import get_policy  # noqa: E402
+from jaxkv.sampling import SamplingParams  # noqa: E402
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def load(ckpt, tp):
+    return jaxkv.load(ckpt, mesh=None if tp == 1 else make_mesh(tp))
+
+
+def checkpoint_order(engine, lengths):
+    """Per-head lengths [L, Hkv] in checkpoint head order (a sharded model's heads are placed)."""
+    perm = getattr(engine.model, "kv_head_perm", None)
+    if perm is None:
+        return np.asarray(lengths)
+    out = np.empty_like(lengths)
+    for layer in range(lengths.shape[0]):
+        out[layer, perm[layer]] = lengths[layer]
+    return out
+
+
+def drive(engine, ids):
+    """Steps the engine to the end; -> tokens per request, and each request's per-head lengths (checkpoint
+    order) after every step it was alive for."""
+    got = {i: [] for i in ids}
+    lengths = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+        for rid in ids:
+            if rid in engine.tables._seqs:
+                lengths[rid].append(checkpoint_order(engine, engine.tables.lengths(rid)).tolist())
+    assert engine.allocator.num_free == engine.allocator.num_pages, "pages leaked"
+    return [got[i] for i in ids], [lengths[i] for i in ids]
+
+
+def prompts(cfg, sizes=(40, 27)):
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in sizes]
+
+
+def presses():
+    """Every registered press, each set to evict on a 40-token prompt (budget 16 tokens per head)."""
+    small = dict(budget=16, window=4, sink=1)
+    return {
+        "snapkv": get_policy("snapkv", **small),
+        "adakv": get_policy("adakv", **small),
+        "pyramidkv": get_policy("pyramidkv", **small),
+        "h2o": get_policy("h2o", budget=16, window=4),
+        "rkv": get_policy("rkv", budget=16, window=4, decode_interval=4),
+        "streaming_llm": get_policy("streaming_llm", budget=16, sink=2),
+        "hardkv": get_policy("hardkv", budget=16, window=4, p=0.5),
+    }
+
+
+def run_press(ckpt, tp, name, policy, per_request):
+    model = load(ckpt, tp)
+    kw = dict(page_size=4, max_model_len=96, max_num_seqs=4, max_step_tokens=16, enable_prefix_caching=False,
+              kv_merge=bool(policy.merge))
+    engine = Engine(model, **kw) if per_request else Engine(model, kv_policy=policy, **kw)
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    ids = [engine.add_request(p, sp, kv_policy=policy if per_request else None) for p in prompts(model.config)]
+    tokens, lengths = drive(engine, ids)
+    return {"tokens": tokens, "lengths": lengths, "freed": engine.compressor.pages_freed}
+
+
+def part_presses(ckpt):
+    out = {}
+    for name, policy in presses().items():
+        per_request = name == "snapkv"
+        for pr in ((False, True) if per_request else (False,)):
+            key = name + ("/request" if pr else "")
+            out[key] = {str(tp): run_press(ckpt, tp, name, policy, pr) for tp in (1, 2)}
+    return out
+
+
+def main():
+    ckpt, part = sys.argv[1], sys.argv[2]
+    out = {"presses": part_presses}[part](ckpt)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
