@@ -94,9 +94,53 @@ def part_presses(ckpt):
     return out
 
 
+def reuse_methods():
+    from jaxkv.policies.reuse import get_reuse_policy
+
+    return {
+        "naive": "naive",
+        "sparsex": get_reuse_policy("sparsex", ratio=0.3, block=2, tail=4),
+        "sparsex/per_head": get_reuse_policy("sparsex", ratio=0.3, block=2, tail=4, per_head=True),
+        "cacheblend": get_reuse_policy("cacheblend", ratio=0.3),
+        "epic": get_reuse_policy("epic", first=3),
+        "redknot": get_reuse_policy("redknot", dense_until=1, recent_n=4, ffn_dilate=1, edge_thresh=0.05),
+    }
+
+
+def run_reuse(ckpt, tp, method, reuse_map):
+    model = load(ckpt, tp)
+    eng = Engine(model, page_size=4, max_model_len=128, max_num_seqs=4, max_step_tokens=16,
+                 enable_prefix_caching=False, attn_impl="reference", segment_head_classes=reuse_map)
+    eng.reuser.keep_logits = True
+    rng = np.random.default_rng(1)
+    pre, s1, s2, suf = (rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (5, 22, 17, 7))
+    seg = eng.register_segment(s2, frozen=True)
+    rid = eng.add_reuse_request(pre, [s1, seg], suf, reuse=method, sampling=SamplingParams(max_tokens=8, **GREEDY))
+    out = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out += o.new_token_ids if o.request_id == rid else []
+    st = eng.reuser.stats[rid]
+    return {"tokens": out, "kv_writes": st.kv_writes, "query_rows": st.recomputed_rows,
+            "ffn_rows": st.ffn_rows, "promoted": st.promoted_heads, "keys_seen": st.keys_seen,
+            "logits": np.asarray(st.first_logits, np.float64).tolist()}
+
+
+def part_reuse(ckpt):
+    from jaxkv.cache.head_classes import HeadClass, HeadClassMap
+
+    g, loc = HeadClass.global_(), HeadClass.local(1, 6)
+    mixed = HeadClassMap(2, 4, ((g, loc, loc, g), (loc, g, loc, loc)))
+    out = {}
+    for name, method in reuse_methods().items():
+        out[name] = {str(tp): run_reuse(ckpt, tp, method, mixed if name == "redknot" else None)
+                     for tp in (1, 2)}
+    return out
+
+
 def main():
     ckpt, part = sys.argv[1], sys.argv[2]
-    out = {"presses": part_presses}[part](ckpt)
+    out = {"presses": part_presses, "reuse": part_reuse}[part](ckpt)
     print(json.dumps(out))
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 # Policy fields that hold one value per (layer, KV head): [L][Hkv] nested tuples in checkpoint order.
 PER_HEAD_FIELDS = ("calibration",)
 
@@ -98,3 +100,70 @@ def sharded_compress(body, params, pool, b: dict, heads: dict, *, cfg, policy, k
                     reduce=shard.reduce, counts=counts)
 
     return shard.tp_call(run, mesh, params, pool, {**b, **heads}, cfg, ("pool", ("seq", "layer", "kv_heads")))
+
+
+class ReuseShard:
+    """What `jaxkv.policies.reuse.apply.reuse_body` needs to run on one shard of `size` (inside shard_map)."""
+
+    def __init__(self, size: int, local_heads: int, vocab_size: int):
+        self.size, self.local, self.vocab_size = size, local_heads, vocab_size
+
+    @staticmethod
+    def reduce(x):
+        from jaxkv.parallel.shard import reduce
+
+        return reduce(x)
+
+    def heads(self, x, axis: int):
+        from jaxkv.parallel.shard import gather_heads
+
+        return gather_heads(x, axis)
+
+    def own(self, x, axis: int):
+        from jaxkv.parallel.shard import own_heads
+
+        return own_heads(x, axis, self.local)
+
+    def logits(self, logits):
+        from jaxkv.parallel.shard import gather_logits
+
+        return gather_logits(logits, self.vocab_size)
+
+    def view(self, view):
+        """A `LayerView` of every shard's heads (for hooks whose result mixes heads: a token score, FFN
+        rows); fields a hook does not read are never gathered (XLA drops unused collectives)."""
+        g = self.heads
+        return dataclasses.replace(view, q=g(view.q, 1), k=g(view.k, 1), v=g(view.v, 1),
+                                   k_cached=g(view.k_cached, 1), v_cached=g(view.v_cached, 1),
+                                   is_global=g(view.is_global, 0), sink=g(view.sink, 0),
+                                   window=g(view.window, 0))
+
+    @staticmethod
+    def own_pages(b: dict, pages_per_shard: int) -> dict:
+        """The segment copies (src -> dst) and the pages to blank that lie in this shard's pool block, as
+        local ids (a copy's source and destination belong to the same KV head, so to the same shard)."""
+        from jaxkv.parallel.shard import localize_pages
+
+        dst = localize_pages(b["dst"], pages_per_shard)
+        src = jnp.where(dst >= 0, localize_pages(b["src"], pages_per_shard), -1)
+        return {**b, "src": src, "dst": jnp.where(src >= 0, dst, -1),
+                "clear": localize_pages(b["clear"], pages_per_shard)}
+
+
+def sharded_reuse(body, params, pool, b: dict, heads: dict, *, mesh, cfg, head_windows, **static):
+    """`jaxkv.policies.reuse.apply.reuse_body` per shard: the shard's heads, pages and page-table rows; the
+    selection and FFN rows from every shard's heads, so every shard recomputes the same rows. The fresh-
+    prefill kernel's windowed branch needs static per-shard head windows and is not taken (the paged path
+    attends the same keys). -> (pool, token, logprob, logits, stats) as on one device."""
+    from jaxkv.parallel import shard
+    from jaxkv.parallel.mesh import tp_size
+
+    tp = tp_size(mesh)
+    ctx = ReuseShard(tp, cfg.num_kv_heads // tp, cfg.vocab_size)
+
+    def run(params, pool, batch, lcfg):
+        batch = dict(batch)
+        own = {k: batch.pop(k) for k in heads}
+        return body(params, pool, batch, own, cfg=lcfg, head_windows=None, tp=ctx, **static)
+
+    return shard.tp_call(run, mesh, params, pool, {**b, **heads}, cfg, ("pool", None, None, None, None))
