@@ -138,9 +138,33 @@ def part_reuse(ckpt):
     return out
 
 
+def run_retrieval(ckpt, tp, policy, engine_wide, decode_steps):
+    model = load(ckpt, tp)
+    kw = dict(page_size=4, max_model_len=96, max_num_seqs=4, max_step_tokens=16, enable_prefix_caching=False,
+              decode_steps=decode_steps)
+    engine = Engine(model, kv_policy=policy, **kw) if engine_wide else Engine(model, **kw)
+    sp = SamplingParams(max_tokens=10, **GREEDY)
+    ids = [engine.add_request(p, sp, kv_policy=None if engine_wide else policy)
+           for p in prompts(model.config, (40, 33))]
+    tokens, _ = drive(engine, ids)
+    r = engine.retriever
+    return {"tokens": tokens, "steps": r.steps, "selected": r.slots_selected, "new": r.slots_new}
+
+
+def part_retrieval(ckpt):
+    spec = get_policy("specontext", budget=8)
+    quest = get_policy("quest", budget=8, dense_layers=1)
+    out = {}
+    for name, policy, wide, k in (("specontext", spec, True, 4), ("specontext/request", spec, False, 1),
+                                  ("quest", quest, True, 4)):
+        out[name] = {str(tp): run_retrieval(ckpt, tp, policy, wide, k) for tp in (1, 2)}
+    out["full"] = {str(tp): run_retrieval(ckpt, tp, None, True, 4) for tp in (1,)}
+    return out
+
+
 def main():
     ckpt, part = sys.argv[1], sys.argv[2]
-    out = {"presses": part_presses, "reuse": part_reuse}[part](ckpt)
+    out = {"presses": part_presses, "reuse": part_reuse, "retrieval": part_retrieval}[part](ckpt)
     print(json.dumps(out))
 
 

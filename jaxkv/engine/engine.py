@@ -130,7 +130,8 @@ class Engine:
         mesh, tp = getattr(model, "mesh", None), 1  # tensor parallel over KV heads (docs/parallel.md)
         host_pages = _host_pages(c.retrieval.host_pages, c.retrieval.host_tier)
         if host_pages and mesh is not None:
-            raise ValueError("retrieval_host_pages is not supported with tensor parallelism")
+            raise ValueError("retrieval_host_pages is not supported with tensor parallelism: the SpeContext "
+                             "host tier keeps a single-device host mirror of the pool")
         if mesh is not None:
             from jaxkv.parallel import setup_engine
             self.head_classes, tp = setup_engine(model, self.head_classes, kv_policy)

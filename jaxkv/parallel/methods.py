@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Policy fields that hold one value per (layer, KV head): [L][Hkv] nested tuples in checkpoint order.
 PER_HEAD_FIELDS = ("calibration",)
@@ -167,3 +169,77 @@ def sharded_reuse(body, params, pool, b: dict, heads: dict, *, mesh, cfg, head_w
         return body(params, pool, batch, own, cfg=lcfg, head_windows=None, tp=ctx, **static)
 
     return shard.tp_call(run, mesh, params, pool, {**b, **heads}, cfg, ("pool", None, None, None, None))
+
+
+def _retrieval_specs(summary, sbuf):
+    """Specs of the retrieval pieces: the per-page key bounds split like the pool's pages, the selection
+    buffer over its KV-head axis ([rows, Hkv, ...] leaves); the retrieval head and its state replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.parallel.mesh import TP
+
+    return (None if summary is None else P(TP)), (None if sbuf is None else P(None, TP))
+
+
+def sharded_step_tap(body, params, pool, b: dict, rstate, head, summary, *, mesh, cfg, **static):
+    """`jaxkv.engine.retrieval._step_tap_body` per shard -> (tokens, logprobs, pool, rstate, summary)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.parallel import shard
+
+    summary_spec, _ = _retrieval_specs(summary, None)
+
+    def run(params, pool, batch, lcfg, extra):
+        rstate, head, summary = extra
+        return body(params, pool, batch, rstate, head, summary, cfg=lcfg, tp=True, **static)
+
+    return shard.tp_call(run, mesh, params, pool, b, cfg, (None, None, "pool", P(), summary_spec or P()),
+                         extra=(rstate, head, summary), extra_specs=(P(), P(), summary_spec or P()))
+
+
+def sharded_retrieval_decode(body, params, pool, d: dict, rstate, head, summary, sbuf, host, *, mesh, cfg,
+                             **static):
+    """`jaxkv.engine.retrieval._decode_retrieval_fn` per shard: each shard attends its heads' selection
+    (in place in its pages, or in its slice of the selection buffer); the selection statistics are summed
+    over the shards. -> the outputs of the one-device call."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.parallel import shard
+
+    if host is not None:
+        raise ValueError("the retrieval host tier (retrieval_host_tier) is not supported with tensor "
+                         "parallelism: its host mirror of the pool is single-device")
+    summary_spec, sbuf_spec = _retrieval_specs(summary, sbuf)
+
+    def run(params, pool, batch, lcfg, extra):
+        rstate, head, summary, sbuf = extra
+        out = body(params, pool, batch, rstate, head, summary, sbuf, None, cfg=lcfg, tp=True, **static)
+        tokens, logprobs, ran, last, stats, moved, *rest = out
+        return (tokens, logprobs, ran, last, shard.reduce(stats), shard.reduce(moved), *rest)
+
+    outs = (None, None, None, None, None, None, "pool", P(), summary_spec or P(), sbuf_spec or P())
+    return shard.tp_call(run, mesh, params, pool, d, cfg, outs, extra=(rstate, head, summary, sbuf),
+                         extra_specs=(P(), P(), summary_spec or P(), sbuf_spec or P()))
+
+
+def placed_retrieval_head(head, perm, first_layer: int):
+    """A retrieval head (SpeContext) whose KV heads follow the model's placed order. Its selection of KV
+    head h serves head h of every layer from `first_layer` on, so the placement must be the same in those
+    layers (it is under the balanced placement when they share one head-class row, and always under
+    `placement="contiguous"`)."""
+    if head is None or perm is None:
+        return head
+    from jaxkv.parallel.placement import _take
+
+    perm = np.asarray(perm)
+    if len(perm) > first_layer and (perm[first_layer:] != perm[first_layer]).any():
+        raise ValueError("a retrieval policy with tensor parallelism needs one KV-head placement for every "
+                         f"layer from its tap layer {first_layer} on (its selection per KV head serves them "
+                         "all); load the model with placement='contiguous' or a head-class map whose rows "
+                         "agree from that layer on")
+    order = perm[min(first_layer, len(perm) - 1)]
+    if (order == np.arange(order.size)).all():
+        return head
+    hkv = order.size
+    params = {k: (_take(v, order, 1, hkv) if k in ("wq", "wk") else v) for k, v in head.params.items()}
+    return dataclasses.replace(head, params=jax.tree.map(jnp.asarray, params))
