@@ -134,7 +134,7 @@ class Engine:
                              "host tier keeps a single-device host mirror of the pool")
         if mesh is not None:
             from jaxkv.parallel import setup_engine
-            self.head_classes, tp = setup_engine(model, self.head_classes, kv_policy)
+            self.head_classes, tp = setup_engine(model, self.head_classes)
         sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
         self._kinds = self.head_classes.kinds()
         self.max_pages_per_head = math.ceil(self.max_model_len / page_size)

@@ -328,7 +328,8 @@ def _logits(params, cfg, hidden, tp: bool):
 
 
 def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None,
-                         greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0, mesh=None, tp=False):
+                         greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0, mesh=None,
+                         tp=False):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
     (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
@@ -369,7 +370,8 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
     key_layer = policy.key_layer(head) if shared else first  # > first: a lagged head records after selecting
     hkv = cfg.num_kv_heads
     # Per-layer differences as data: ring heads [L, Hkv], windows [L] (Python ints for a static layer).
-    local = np.zeros((n_layers, len(local_layers[0][1]) if local_layers else hkv), bool)  # every shard's heads
+    width = len(local_layers[0][1]) if local_layers else hkv  # every shard's heads
+    local = np.zeros((n_layers, width), bool)
     for layer, w in local_layers:
         local[layer] = np.asarray(w) > 0
     local_arr, has_local = jnp.asarray(local), local.any(-1)
@@ -573,8 +575,8 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
     return tokens, logprobs, ran, last, stats, moved, pool, rstate, summary, sbuf
 
 
-_DECODE_STATIC = ("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk", "inplace", "overlap", "mesh",
-                  "tp")
+_DECODE_STATIC = ("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk", "inplace", "overlap",
+                  "mesh", "tp")
 _DECODE_DONATE = ("pool", "rstate", "summary", "sbuf")
 _decode_retrieval = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
                             donate_argnames=_DECODE_DONATE)

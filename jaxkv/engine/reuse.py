@@ -311,6 +311,9 @@ class Reuser:
             if self.engine.prefix is not None and self.engine.prefix.evict(short) > 0:
                 continue
             raise OutOfPages(f"segment reuse needs {n} pages, {alloc.num_free} are free")
+        if heads is None and self.engine.runner.mesh is not None:
+            raise ValueError("placing segment pages on a tensor-parallel pool needs the KV head of each page "
+                             "(the segment host tier's promotion does not pass them yet)")
         return alloc.allocate(n) if heads is None else alloc.allocate(n, heads=heads)
 
     def _check_tokens(self, tokens, what: str) -> None:

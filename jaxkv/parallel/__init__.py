@@ -6,15 +6,16 @@
                   evenly over the shards, applied once to the weights and to the head-class map.
 * `allocator.py`  `ShardedPageAllocator`: one page-id space, a contiguous range of it per shard.
 * `shard.py`      `tp_call`: runs an engine step body per shard under `shard_map`.
+* `methods.py`    the KV methods per shard: compression presses, segment reuse, retrieval.
 
 Importing this package imports nothing heavy; the host-only modules (`placement`, `allocator`) never
 import jax.
 """
 
 
-def setup_engine(model, head_classes, kv_policy):
-    """Engine hook for a model loaded with a mesh: checks what TP supports, puts the head-class map
-    (checkpoint order) into the model's placed KV-head order; -> (map, tp)."""
+def setup_engine(model, head_classes):
+    """Engine hook for a model loaded with a mesh: checks the model splits over the mesh, puts the
+    head-class map (checkpoint order) into the model's placed KV-head order; -> (map, tp)."""
     from jaxkv.parallel.mesh import check_divisible, tp_size
     from jaxkv.parallel.placement import permute_head_classes
 

@@ -24,7 +24,7 @@ PER_HEAD_FIELDS = ("calibration",)
 
 
 def placed_policy(policy, perm):
-    """`policy` with its per-(layer, KV head) fields in placed order (`perm [L, Hkv]`, jaxkv.parallel.placement:
+    """`policy` with its per-(layer, KV head) fields in placed order (`perm [L, Hkv]`, `placement.py`:
     position j of layer l holds checkpoint head perm[l, j]); unchanged without a permutation."""
     if perm is None or policy is None:
         return policy

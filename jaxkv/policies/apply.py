@@ -100,7 +100,8 @@ def merge_evicted(kc, vc, valid, mass, idx, count, evictable, min_sim: float):
     return v_new, bias_add, jnp.where(kept_ok, merged, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "kmax", "impl", "mesh"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "kmax", "impl", "mesh"),
+                   donate_argnames=("pool",))
 def compress(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: CompressPolicy, kmax: int,
              impl: str | None = None, mesh=None):
     """Returns (pool, count [S, L, H]): the compacted pool and each head's new length. `mesh`: tensor

@@ -92,7 +92,8 @@ def storage_slots(table, storage, ps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
-                                             "rows_are_tokens", "head_windows", "mesh"), donate_argnames=("pool",))
+                                             "rows_are_tokens", "head_windows", "mesh"),
+                   donate_argnames=("pool",))
 def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
                   select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
                   head_windows: tuple | None = None, mesh=None):
