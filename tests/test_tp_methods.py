@@ -121,3 +121,29 @@ def test_tp_retrieval_matches_one_device(ckpt):
         counts = ("steps", "selected", "new")
         assert [two[c] for c in counts] == [one[c] for c in counts], name
     assert out["specontext"]["1"]["selected"] > 0
+
+
+def test_retrieval_head_follows_the_placed_kv_heads(ckpt):
+    """The SpeContext head's keys for placed KV head j are the checkpoint head perm[j]'s (K columns and the
+    GQA group's Q columns move together); a placement that differs between the layers the selection serves
+    is refused with a clear error."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.parallel.methods import placed_retrieval_head
+    from jaxkv.policies.retrieve import specontext as sc
+
+    head = sc.load_head(Path(ckpt) / sc.HEAD_DIR)
+    c = head.config
+    perm = np.array([[0, 1, 2, 3], [2, 0, 3, 1]])  # layer 1 (the tap on) differs from identity
+    placed = placed_retrieval_head(head, perm, first_layer=1)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 5, c.hidden_size))
+    pos = jnp.arange(5)[None]
+    q0, k0 = sc.head_qk(head, x, pos)
+    q1, k1 = sc.head_qk(placed, x, pos)
+    np.testing.assert_allclose(np.asarray(k1), np.asarray(k0)[:, :, perm[1]], rtol=1e-6)
+    g = c.num_heads // c.num_kv_heads
+    groups = np.concatenate([np.arange(h * g, (h + 1) * g) for h in perm[1]])
+    np.testing.assert_allclose(np.asarray(q1), np.asarray(q0)[:, :, groups], rtol=1e-6)
+    with pytest.raises(ValueError, match="placement"):
+        placed_retrieval_head(head, perm, first_layer=0)

@@ -191,6 +191,8 @@ class Engine:
         r = c.retrieval
         self.retriever = Retriever(self, host_tier=r.host_tier, resident=r.resident, inplace=r.inplace,
                                    overlap=r.host_overlap, eager=r.host_eager)
+        if mesh is not None and isinstance(self.kv_policy, RetrievalPolicy):
+            self.retriever.params_for(self.kv_policy)  # its head in placed order, or a clear error now
         # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:
@@ -255,6 +257,8 @@ class Engine:
             raise ValueError(f"KV policy {policy.name!r} merges evicted tokens; this engine was built "
                              "without a per-slot logit bias (Engine(kv_merge=True))")
         wants_extras = sampling.logprobs or sampling.prompt_logprobs is not None
+        if isinstance(policy, RetrievalPolicy) and getattr(self.model, "mesh", None) is not None:
+            self.retriever.params_for(policy)  # a placement its selection cannot serve is refused here
         if isinstance(policy, RetrievalPolicy) and wants_extras and _queue:  # (reuse: full-cache decode)
             raise ValueError(f"top logprobs and prompt logprobs are not available with the retrieval policy "
                              f"{policy.name!r}; only the sampled token's logprob is")
