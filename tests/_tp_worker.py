@@ -58,11 +58,6 @@ def main():
     dense = jaxkv.load(ckpt).logits(tokens)
     placed = jaxkv.load(ckpt, mesh=make_mesh(4), head_classes=mixed)  # permuted + sharded weights
     out["dense_logits_maxdiff"] = float(np.abs(placed.logits(tokens) - dense).max())
-    try:
-        Engine(placed, kv_policy="snapkv", head_classes=mixed)
-        out["kv_policy_refused"] = False
-    except ValueError as e:
-        out["kv_policy_refused"] = "tensor parallelism" in str(e)
     for name, impl, hc in (("jnp", None, None), ("pallas_mixed", "pallas", mixed)):
         out[name] = {tp: run(ckpt, tp, impl, hc) for tp in (1, 2, 4)}
     print(json.dumps(out))

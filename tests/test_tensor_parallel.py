@@ -139,7 +139,6 @@ def test_tp_greedy_tokens_identical_across_tp_1_2_4(ckpt):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out.pop("dense_logits_maxdiff") < 1e-4  # placed, sharded weights: the same dense logits
-    assert out.pop("kv_policy_refused")
     for name, runs in out.items():
         ref = runs["1"]["tokens"]
         assert all(len(t) == 10 for t in ref)

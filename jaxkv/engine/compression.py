@@ -56,8 +56,14 @@ class Compressor:
 
     def _call(self, pol: CompressPolicy, b: dict):
         P = b["page_table"].shape[-1]
+        mesh = self.engine.runner.mesh
         static = dict(cfg=self.engine.model.config, policy=pol.device_form(), kmax=P * self.engine.page_size,
                       impl=self.impl)
+        if mesh is not None:  # per shard over its KV heads; per-head policy fields in placed head order
+            from jaxkv.parallel.methods import placed_policy
+
+            static.update(mesh=mesh, policy=placed_policy(static["policy"],
+                                                          getattr(self.engine.model, "kv_head_perm", None)))
         return compress, (self.engine.runner.params, self.engine.runner.pool, b, self.heads), static
 
     @staticmethod

@@ -130,10 +130,11 @@ class Engine:
         mesh, tp = getattr(model, "mesh", None), 1  # tensor parallel over KV heads (docs/parallel.md)
         host_pages = _host_pages(c.retrieval.host_pages, c.retrieval.host_tier)
         if host_pages and mesh is not None:
-            raise ValueError("retrieval_host_pages is not supported with tensor parallelism")
+            raise ValueError("retrieval_host_pages is not supported with tensor parallelism: the SpeContext "
+                             "host tier keeps a single-device host mirror of the pool")
         if mesh is not None:
             from jaxkv.parallel import setup_engine
-            self.head_classes, tp = setup_engine(model, self.head_classes, kv_policy)
+            self.head_classes, tp = setup_engine(model, self.head_classes)
         sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
         self._kinds = self.head_classes.kinds()
         self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
@@ -190,6 +191,8 @@ class Engine:
         r = c.retrieval
         self.retriever = Retriever(self, host_tier=r.host_tier, resident=r.resident, inplace=r.inplace,
                                    overlap=r.host_overlap, eager=r.host_eager)
+        if mesh is not None and isinstance(self.kv_policy, RetrievalPolicy):
+            self.retriever.params_for(self.kv_policy)  # its head in placed order, or a clear error now
         # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:
@@ -254,6 +257,8 @@ class Engine:
             raise ValueError(f"KV policy {policy.name!r} merges evicted tokens; this engine was built "
                              "without a per-slot logit bias (Engine(kv_merge=True))")
         wants_extras = sampling.logprobs or sampling.prompt_logprobs is not None
+        if isinstance(policy, RetrievalPolicy) and getattr(self.model, "mesh", None) is not None:
+            self.retriever.params_for(policy)  # a placement its selection cannot serve is refused here
         if isinstance(policy, RetrievalPolicy) and wants_extras and _queue:  # (reuse: full-cache decode)
             raise ValueError(f"top logprobs and prompt logprobs are not available with the retrieval policy "
                              f"{policy.name!r}; only the sampled token's logprob is")

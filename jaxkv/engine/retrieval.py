@@ -258,19 +258,32 @@ def _merge_own(out, lse, q, k, v, scale):
     return merge(out, lse, q, k, v, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads"),
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads", "mesh"),
                    donate_argnames=("pool", "rstate", "summary"))
 def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
-              fresh_heads=None):
+              fresh_heads=None, mesh=None):
     """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
     head_class_prefill) plus the retrieval state's key write at the key layer of `policy` (None: no
-    state) and, with `summary`, the per-page key bounds of every key written."""
+    state) and, with `summary`, the per-page key bounds of every key written. `mesh`: per shard
+    (`jaxkv.parallel.methods.sharded_step_tap`)."""
+    static = dict(cfg=cfg, policy=policy, attn_impl=attn_impl, greedy=greedy, fresh_heads=fresh_heads)
+    if mesh is not None:
+        from jaxkv.parallel.methods import sharded_step_tap
+
+        return sharded_step_tap(_step_tap_body, params, pool, b, rstate, head, summary, mesh=mesh, **static)
+    return _step_tap_body(params, pool, b, rstate, head, summary, **static)
+
+
+def _step_tap_body(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
+                   fresh_heads=None, tp=False):
+    """`_step_tap` on one device, or on one shard with `tp` (the O / down projections all-reduced, the
+    logits gathered; the retrieval state, replicated, is written alike on every shard)."""
     scale = cfg.head_dim ** -0.5
     freqs = rope.inv_freq(cfg)
     # where the state records tokens (never: the end of the loop)
     key_layer = min(policy.key_layer(head), cfg.num_layers) if policy is not None else cfg.num_layers
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
-    fresh = fresh_attend(fresh_heads, scale, tp=False) if fresh_heads is not None else None
+    fresh = fresh_attend(fresh_heads, scale, tp=tp) if fresh_heads is not None else None
 
     def attend(layer, q, k, v, state):
         pool, summary = state
@@ -291,19 +304,32 @@ def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=Non
     x = params["embed"][b["tokens"]][None]
     pos = b["positions"][None]
     run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos, freqs=freqs,
-                            attend=attend)
+                            attend=attend, reduce=_reduce(tp))
     x, (pool, summary) = run(x=x, state=(pool, summary), stop=key_layer)
     if key_layer < cfg.num_layers:
         rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
     x, (pool, summary) = run(x=x, state=(pool, summary), start=key_layer)
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = llama.lm_head(params, cfg, hidden[0, b["logits_index"]])
+    logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
     tokens, logprobs = _sample(logits, b, greedy)
     return tokens, logprobs, pool, rstate, summary
 
 
+def _reduce(tp: bool):
+    from jaxkv.parallel import shard
+
+    return shard.reduce if tp else None
+
+
+def _logits(params, cfg, hidden, tp: bool):
+    from jaxkv.engine.runner import _logits as logits
+
+    return logits(params, cfg, hidden, tp)
+
+
 def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None,
-                         greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0):
+                         greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0, mesh=None,
+                         tp=False):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
     (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
@@ -316,7 +342,16 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
     itself, viewed as pages of one slot (the buffer keeps only its position bookkeeping, for the stats).
     `overlap` (rows, with `host`): the first `overlap` host rows of a step are gathered per layer and written
     right before that layer's attention (`host_tier.start_loads`), so the gathers run beside the layers
-    before theirs in the variant compiled with the latency-hiding scheduler (`_decode_retrieval_overlap`)."""
+    before theirs in the variant compiled with the latency-hiding scheduler (`_decode_retrieval_overlap`).
+    `mesh`: per shard over its KV heads (`jaxkv.parallel.methods.sharded_retrieval_decode`, which calls this
+    with `tp`): every shard scores every head alike and keeps its own heads' selection."""
+    if mesh is not None:
+        from jaxkv.parallel.methods import sharded_retrieval_decode
+
+        return sharded_retrieval_decode(
+            _decode_retrieval_fn, params, pool, d, rstate, head, summary, sbuf, host, mesh=mesh, cfg=cfg,
+            policy=policy, attn_impl=attn_impl, greedy=greedy, local_layers=local_layers, chunk=chunk,
+            inplace=inplace, overlap=overlap)
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
     scale = cfg.head_dim ** -0.5
@@ -335,10 +370,14 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
     key_layer = policy.key_layer(head) if shared else first  # > first: a lagged head records after selecting
     hkv = cfg.num_kv_heads
     # Per-layer differences as data: ring heads [L, Hkv], windows [L] (Python ints for a static layer).
-    local = np.zeros((n_layers, hkv), bool)
+    width = len(local_layers[0][1]) if local_layers else hkv  # every shard's heads
+    local = np.zeros((n_layers, width), bool)
     for layer, w in local_layers:
         local[layer] = np.asarray(w) > 0
     local_arr, has_local = jnp.asarray(local), local.any(-1)
+    if tp:
+        from jaxkv.parallel.shard import own_heads
+        local_arr = own_heads(local_arr, 1, hkv)
     any_local = bool(has_local[first:].any())
     sel_windows = list(dict.fromkeys(cfg.layer_windows[first:]))  # distinct windows, first use first
 
@@ -479,13 +518,17 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         state = (pool, summary, sbuf, new, new)
         stats = jnp.zeros((s, 3), jnp.int32)
         moved = jnp.zeros((2,), jnp.int32)
-        run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos2, freqs=freqs)
+        run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos2, freqs=freqs,
+                                reduce=_reduce(tp))
         x, state = run(x=x, attend=dense_attend, state=state, stop=first)
         if shared and first < n_layers:
             pool, summary, sbuf, ks, vs = state
             if key_layer == first:
                 rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
             scores = policy.score_rows(head, rstate, x, pos2, jnp.maximum(d["head_rows"], 0), n_slots)
+            if tp:  # [S, Hkv, N] of every head (the state is replicated): this shard's heads
+                from jaxkv.parallel.shard import own_heads
+                scores = own_heads(scores, 1, hkv)
             now = policy.select(scores, positions)
             sbuf, stats, moved, pending = _refresh(
                 sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
@@ -518,7 +561,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
              "counters": d["counters"] + k}
-        tokens, logprobs = _sample(llama.lm_head(params, cfg, hidden[:, 0]), b, greedy)
+        tokens, logprobs = _sample(_logits(params, cfg, hidden[:, 0], tp), b, greedy)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         stats = jnp.where(live[:, None], stats, 0)
         carry = ((pool, summary, sbuf), rstate, jnp.where(live, tokens, tok), done | (live & stop))
@@ -532,7 +575,8 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
     return tokens, logprobs, ran, last, stats, moved, pool, rstate, summary, sbuf
 
 
-_DECODE_STATIC = ("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk", "inplace", "overlap")
+_DECODE_STATIC = ("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk", "inplace", "overlap",
+                  "mesh", "tp")
 _DECODE_DONATE = ("pool", "rstate", "summary", "sbuf")
 _decode_retrieval = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
                             donate_argnames=_DECODE_DONATE)
@@ -604,6 +648,9 @@ class Retriever:
                                       "context form compute_on('device_host') or the keyword form "
                                       "(compute_type=, out_memory_spaces=); "
                                       f"jax {jax.__version__} has neither")
+        if host_tier and engine.runner.mesh is not None:
+            raise ValueError("retrieval_host_tier is not supported with tensor parallelism: its host mirror "
+                             "of the pool and its loads are single-device")
         self.host_tier = host_tier
         self._host = None  # (k, v) host mirror of the pool's flat slots, made on first use with host_tier
         window = np.asarray(engine.runner._heads["window"])
@@ -627,7 +674,13 @@ class Retriever:
     def params_for(self, policy: RetrievalPolicy):
         key = type(policy)
         if key not in self._params:
-            self._params[key] = policy.load_params(self.engine.model)
+            head = policy.load_params(self.engine.model)
+            perm = getattr(self.engine.model, "kv_head_perm", None)
+            if perm is not None and head is not None:  # tensor parallel: the model's placed KV heads
+                from jaxkv.parallel.methods import placed_retrieval_head
+
+                head = placed_retrieval_head(head, perm, policy.tap_layer(head))
+            self._params[key] = head
         return self._params[key]
 
     def precompile(self, policy: RetrievalPolicy, progress: bool = True) -> int:
@@ -671,7 +724,7 @@ class Retriever:
                     head if stateful else None, self._summary if summary is not None else None, cfg=cfg,
                     policy=stateful,
                     attn_impl=runner.attn_impl, greedy=greedy,
-                    fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None)
+                    fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None, mesh=runner.mesh)
                 if state_out is not None:
                     self._state[type(policy)] = state_out
                 if summary_out is not None:
@@ -688,7 +741,7 @@ class Retriever:
                         None if inplace else self._host_for(policy), cfg=cfg, policy=policy,
                         attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers,
                         chunk=self._chunk(policy, s), inplace=inplace, overlap=0 if inplace else
-                        self._overlap_rows(policy, s))
+                        self._overlap_rows(policy, s), mesh=runner.mesh)
                     if sbuf is not None:
                         self._buf[policy] = sbuf
                     if state_out is not None:
@@ -923,7 +976,7 @@ class Retriever:
             runner.params, runner.pool, _on_device({**arrays, **runner._heads, "head_rows": rows}),
             self._state.get(key),
             self.params_for(policy) if policy is not None else None, summary, cfg=runner.cfg, policy=policy,
-            attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh)
+            attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh, mesh=runner.mesh)
         self._mirror(b.slots)
         if key is not None:
             self._state[key] = state
@@ -985,7 +1038,7 @@ class Retriever:
             self._summary_for(policy), self._buffer_for(policy), None if inplace else self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
             local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=inplace,
-            overlap=0 if inplace else self._overlap_rows(policy, len(rows)))
+            overlap=0 if inplace else self._overlap_rows(policy, len(rows)), mesh=runner.mesh)
         self._mirror(b.slots)
         if state is not None:
             self._state[type(policy)] = state

@@ -129,6 +129,10 @@ class Reuser:
         if hc is None:
             path = getattr(engine.model, "path", None)
             hc = load_or_default(path, cfg.num_layers, cfg.num_kv_heads) if path else engine.head_classes
+        perm = getattr(engine.model, "kv_head_perm", None)
+        if perm is not None and hc is not engine.head_classes:  # a tensor-parallel model's placed heads
+            from jaxkv.parallel.placement import permute_head_classes
+            hc = permute_head_classes(hc, perm)
         kinds = hc.kinds()
         sink = np.array([[c.sink for c in row] for row in hc.classes], np.int32)
         window = np.array([[c.window for c in row] for row in hc.classes], np.int32)
@@ -184,8 +188,9 @@ class Reuser:
         n = len(tokens)
         npg = -(-n // ps)
         lead = len(self.anchor) + len(context)
-        ids = self._allocate(L * H * npg).reshape(L, H, npg)
-        scratch = self._allocate(L * H * -(-lead // ps)).reshape(L, H, -1) if lead else None
+        ids = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
+        scratch = (self._allocate(L * H * -(-lead // ps), _heads(L, H, -(-lead // ps))).reshape(L, H, -1)
+                   if lead else None)
         try:
             self._prefill_segment(tokens, ids, scratch, context)
         except Exception:
@@ -296,7 +301,8 @@ class Reuser:
         parts.append(jnp.zeros((L, T - used, hd), dtype))
         return jnp.concatenate(parts, axis=1)
 
-    def _allocate(self, n: int) -> np.ndarray:
+    def _allocate(self, n: int, heads=None) -> np.ndarray:
+        """`n` pages (`heads`: the KV head of each, which a tensor-parallel pool needs to place them)."""
         alloc = self.engine.allocator
         while not alloc.can_allocate(n):
             short = n - alloc.num_free
@@ -305,7 +311,10 @@ class Reuser:
             if self.engine.prefix is not None and self.engine.prefix.evict(short) > 0:
                 continue
             raise OutOfPages(f"segment reuse needs {n} pages, {alloc.num_free} are free")
-        return alloc.allocate(n)
+        if heads is None and self.engine.runner.mesh is not None:
+            raise ValueError("placing segment pages on a tensor-parallel pool needs the KV head of each page "
+                             "(the segment host tier's promotion does not pass them yet)")
+        return alloc.allocate(n) if heads is None else alloc.allocate(n, heads=heads)
 
     def _check_tokens(self, tokens, what: str) -> None:
         vocab = self.cfg.vocab_size
@@ -360,7 +369,8 @@ class Reuser:
                 b["ffn_cache"] = jnp.zeros((L, T, hidden), dtype)
             pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
                                           policy=pol, num_rows=T, select_cap=0, impl=self.impl,
-                                          rows_are_tokens=True, head_windows=self.head_windows)
+                                          rows_are_tokens=True, head_windows=self.head_windows,
+                                          mesh=eng.runner.mesh)
             eng.runner.pool = pool
             jax.block_until_ready(tok)
         return len(sizes)
@@ -487,7 +497,7 @@ class Reuser:
             T = R
         select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
 
-        table = self._allocate(L * H * npg).reshape(L, H, npg)
+        table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
@@ -518,7 +528,7 @@ class Reuser:
         pool, tok, logprob, logits, st = reuse_prefill(
             eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg, policy=pol, num_rows=R,
             select_cap=select_cap, impl=self.impl, rows_are_tokens=rows_are_tokens,
-            head_windows=self.head_windows)
+            head_windows=self.head_windows, mesh=eng.runner.mesh)
         eng.runner.pool = pool
         # One sync for the token, its logprob and the stats (a fetch each cost ~0.5-0.9 ms on an H200).
         alts = req.sampling.logprobs  # the first token's alternatives come from its logits, on the host
@@ -566,6 +576,11 @@ def generation_room(npg: int, page_size: int, max_pages_per_head: int) -> int:
     """Tokens a reuse request may generate after a prompt of `npg` pages per head: its completion starts on
     a fresh page and the whole must stay within the context's pages per head (<= 0: none)."""
     return (max_pages_per_head - npg) * page_size
+
+
+def _heads(L: int, H: int, n: int) -> np.ndarray:
+    """KV head of every page of an [L, H, n] page block (flattened as `reshape(L, H, n)` reads it)."""
+    return np.broadcast_to(np.arange(H, dtype=np.int32)[None, :, None], (L, H, n)).ravel()
 
 
 def _nbytes(a) -> int:

@@ -383,9 +383,6 @@ class ModelRunner:
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
         if mesh is None:
             self.pool = init_pool(num_pages, page_size, self.cfg.head_dim, dtype, bias=kv_merge)
-        elif kv_merge:
-            raise ValueError("kv_merge (a per-slot logit bias for merged tokens) is not supported with "
-                             "tensor parallelism")
         self._heads = {"sink": jnp.asarray(sink, jnp.int32), "window": jnp.asarray(window, jnp.int32)}
         # Static per-layer head classes for head_class_prefill of fresh prompts.
         self.fresh_heads = tuple((tuple(int(x) for x in sk), tuple(int(x) for x in wd))
@@ -393,7 +390,7 @@ class ModelRunner:
         if mesh is not None:
             from jaxkv.parallel.mesh import init_sharded_pool, shard_params, tp_size
             self.params = shard_params(self.params, self.cfg, mesh)
-            self.pool = init_sharded_pool(num_pages, page_size, self.cfg.head_dim, dtype, mesh)
+            self.pool = init_sharded_pool(num_pages, page_size, self.cfg.head_dim, dtype, mesh, bias=kv_merge)
             self.fresh_heads = _split_heads(np.asarray(sink), np.asarray(window), tp_size(mesh))
         self.attn_impl = attn_impl
         # The multi-layer plan is the Pallas kernel's; the jnp twin takes the contract's arguments per layer.

@@ -6,22 +6,21 @@
                   evenly over the shards, applied once to the weights and to the head-class map.
 * `allocator.py`  `ShardedPageAllocator`: one page-id space, a contiguous range of it per shard.
 * `shard.py`      `tp_call`: runs an engine step body per shard under `shard_map`.
+* `methods.py`    the KV methods per shard: compression presses, segment reuse, retrieval.
 
 Importing this package imports nothing heavy; the host-only modules (`placement`, `allocator`) never
 import jax.
 """
 
 
-def setup_engine(model, head_classes, kv_policy):
-    """Engine hook for a model loaded with a mesh: checks what TP supports, puts the head-class map
-    (checkpoint order) into the model's placed KV-head order; -> (map, tp)."""
+def setup_engine(model, head_classes):
+    """Engine hook for a model loaded with a mesh: checks the model splits over the mesh, puts the
+    head-class map (checkpoint order) into the model's placed KV-head order; -> (map, tp)."""
     from jaxkv.parallel.mesh import check_divisible, tp_size
     from jaxkv.parallel.placement import permute_head_classes
 
     tp = tp_size(model.mesh)
     check_divisible(model.config, tp)
-    if kv_policy is not None:
-        raise ValueError("kv_policy (in-place compression) is not supported with tensor parallelism yet")
     perm = getattr(model, "kv_head_perm", None)
     if perm is not None:
         head_classes = permute_head_classes(head_classes, perm)

@@ -45,11 +45,15 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 
 # Pool fields and step-metadata arrays (by the runner's batch key) -> logical axes.
-POOL_AXES = {"k": ("pages", "slot", "head_dim"), "v": ("pages", "slot", "head_dim"), "pos": ("pages", "slot")}
+POOL_AXES = {"k": ("pages", "slot", "head_dim"), "v": ("pages", "slot", "head_dim"), "pos": ("pages", "slot"),
+             "bias": ("pages", "slot")}
+# Step metadata, compression and reuse inputs: per-(layer, KV head) tables are split with their heads.
 BATCH_AXES = {
     "page_table": ("seq", "layer", "kv_heads", "page_list"),
     "lengths": (..., "kv_heads"), "prev_lengths": (..., "kv_heads"), "slots": (..., "kv_heads"),
     "sink": ("layer", "kv_heads"), "window": ("layer", "kv_heads"),
+    "compressible": ("layer", "kv_heads"), "lower": ("layer", "kv_heads"), "upper": ("layer", "kv_heads"),
+    "is_global": ("layer", "kv_heads"),
 }
 
 
@@ -118,8 +122,10 @@ def shard_params(params: dict, cfg, mesh: Mesh) -> dict:
 
 
 def pool_specs(pool):
-    """PartitionSpec pytree for a KVPool (same dataclass, specs in its data fields)."""
-    return dataclasses.replace(pool, **{f: spec(a) for f, a in POOL_AXES.items()})
+    """PartitionSpec pytree for a KVPool (same dataclass, specs in its data fields; a pool without a logit
+    bias keeps None there)."""
+    return dataclasses.replace(pool, **{f: spec(a) for f, a in POOL_AXES.items()
+                                        if getattr(pool, f) is not None})
 
 
 def pool_shardings(pool_or_specs, mesh: Mesh):
@@ -127,12 +133,13 @@ def pool_shardings(pool_or_specs, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def init_sharded_pool(num_pages: int, page_size: int, head_dim: int, dtype, mesh: Mesh):
-    """An empty pool created directly in its shards (never whole on one device)."""
+def init_sharded_pool(num_pages: int, page_size: int, head_dim: int, dtype, mesh: Mesh, bias: bool = False):
+    """An empty pool created directly in its shards (never whole on one device); `bias`: with a per-slot
+    logit bias (merging compression, `Engine(kv_merge=True)`), split like the positions."""
     from jaxkv.cache.pool import init_pool
 
-    shape = jax.eval_shape(lambda: init_pool(num_pages, page_size, head_dim, dtype))
-    make = jax.jit(lambda: init_pool(num_pages, page_size, head_dim, dtype),
+    shape = jax.eval_shape(lambda: init_pool(num_pages, page_size, head_dim, dtype, bias=bias))
+    make = jax.jit(lambda: init_pool(num_pages, page_size, head_dim, dtype, bias=bias),
                    out_shardings=pool_shardings(shape, mesh))
     return make()
 

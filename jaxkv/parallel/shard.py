@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.parallel.mesh import TP, batch_specs, local_config, param_specs, pool_specs, tp_size
+from jaxkv.parallel.mesh import TP, batch_specs, local_config, param_specs, pool_specs, spec, tp_size
 
 try:  # jax >= 0.7
     from jax import shard_map as _shard_map
@@ -43,6 +43,24 @@ def shard_index():
     return jax.lax.axis_index(TP)
 
 
+def gather_heads(x, axis: int):
+    """This shard's KV-head slice of `x` (heads on `axis`) -> every shard's, in placed head order."""
+    return jax.lax.all_gather(x, TP, axis=axis, tiled=True)
+
+
+def own_heads(x, axis: int, local: int):
+    """The `local` KV heads of this shard out of an array holding every head on `axis`."""
+    return jax.lax.dynamic_slice_in_dim(x, shard_index() * local, local, axis=axis)
+
+
+def localize_pages(ids, pages_per_shard: int):
+    """Global page ids -> ids into this shard's pool block; ids another shard owns (and -1) become -1.
+    For page lists that mix every head's pages (a segment's page copies, pages to blank)."""
+    off = shard_index().astype(jnp.int32) * pages_per_shard
+    mine = (ids >= off) & (ids < off + pages_per_shard)
+    return jnp.where(mine, ids - off, -1)
+
+
 def localize(batch: dict, pages_per_shard: int, page_size: int) -> dict:
     """Global page / slot ids of this shard's heads -> ids into its own pool block (-1 stays -1)."""
     off = shard_index().astype(jnp.int32) * pages_per_shard
@@ -63,16 +81,21 @@ def per_shard(branches, *args):
     return jax.lax.switch(shard_index(), branches, *args)
 
 
-def tp_call(body, mesh, params, pool, batch: dict, cfg, out_specs):
-    """`body(params, pool, batch, local_cfg)` per shard. `out_specs` names the outputs, with the string
-    "pool" standing for the pool's specs and None for a replicated output."""
+def tp_call(body, mesh, params, pool, batch: dict, cfg, out_specs, extra=None, extra_specs=None):
+    """`body(params, pool, batch, local_cfg)` per shard. `out_specs` names the outputs: the string "pool"
+    for the pool's specs, None for a replicated output, or a tuple of logical axes (mesh.LOGICAL_TO_MESH,
+    e.g. ("seq", "layer", "kv_heads") for per-head counts). `extra` (a pytree with `extra_specs`, e.g.
+    retrieval state split over its head axis) is passed through as `body(..., extra)`."""
     tp = tp_size(mesh)
     lcfg = local_config(cfg, tp)
     pspec = pool_specs(pool)
-    outs = tuple(pspec if o == "pool" else P() for o in out_specs)
+    outs = tuple(pspec if o == "pool" else P() if o is None else o if isinstance(o, P) else spec(o)
+                 for o in out_specs)
 
-    def inner(params, pool, batch):
-        return body(params, pool, localize(batch, pool.k.shape[0], pool.page_size), lcfg)
+    def inner(params, pool, batch, *rest):
+        return body(params, pool, localize(batch, pool.k.shape[0], pool.page_size), lcfg, *rest)
 
-    f = shard_map(inner, mesh, (param_specs(params, cfg, tp), pspec, batch_specs(batch)), outs)
-    return f(params, pool, batch)
+    specs = (param_specs(params, cfg, tp), pspec, batch_specs(batch))
+    if extra is None:
+        return shard_map(inner, mesh, specs, outs)(params, pool, batch)
+    return shard_map(inner, mesh, (*specs, extra_specs), outs)(params, pool, batch, extra)

@@ -100,10 +100,28 @@ def merge_evicted(kc, vc, valid, mass, idx, count, evictable, min_sim: float):
     return v_new, bias_add, jnp.where(kept_ok, merged, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "kmax", "impl"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "kmax", "impl", "mesh"),
+                   donate_argnames=("pool",))
 def compress(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: CompressPolicy, kmax: int,
-             impl: str | None = None):
-    """Returns (pool, count [S, L, H]): the compacted pool and each head's new length."""
+             impl: str | None = None, mesh=None):
+    """Returns (pool, count [S, L, H]): the compacted pool and each head's new length. `mesh`: tensor
+    parallel over KV heads, the pass runs per shard (`jaxkv.parallel.methods.sharded_compress`; `policy` is
+    then in placed head order)."""
+    if mesh is not None:
+        from jaxkv.parallel.methods import sharded_compress
+
+        return sharded_compress(compress_body, params, pool, b, heads, cfg=cfg, policy=policy, kmax=kmax,
+                                impl=impl, mesh=mesh)
+    return compress_body(params, pool, b, heads, cfg=cfg, policy=policy, kmax=kmax, impl=impl)
+
+
+def compress_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: CompressPolicy, kmax: int,
+                  impl: str | None = None, score=None, reduce=None, counts=None):
+    """`compress` on one device or one shard. Per shard (jaxkv.parallel): `score(obs)` is the shard's own
+    scoring (per-head policy fields sliced to its heads), `reduce` sums the partial O / down projections,
+    `counts(scores, ctx)` the policy's counts over every shard's heads when they depend on each other."""
+    score = policy.score if score is None else score
+    counts_fn = policy.counts if counts is None else counts
     S, W = b["tokens"].shape
     L, H = cfg.num_layers, cfg.num_kv_heads
     G = cfg.num_heads // H
@@ -132,7 +150,7 @@ def compress(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Compres
         probs = obs.probs
         out = jnp.einsum("shgwn,shnd->swhgd", probs, vc.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
-        scores = scores.at[:, layer].set(policy.score(obs).astype(jnp.float32))
+        scores = scores.at[:, layer].set(score(obs).astype(jnp.float32))
         if policy.merge:  # window-mean attention probability of each slot, over the rows and the GQA group
             rows = jnp.maximum(jnp.sum(qpos >= 0, axis=1), 1).astype(jnp.float32)  # [S]
             mass = mass.at[:, layer].set(jnp.sum(probs, axis=(2, 3)) / (G * rows)[:, None, None])
@@ -142,7 +160,8 @@ def compress(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Compres
     scores0 = jnp.zeros((S, L, H, n_slots), jnp.float32)
     mass0 = jnp.zeros((S, L, H, n_slots) if policy.merge else (0,), jnp.float32)
     positions = jnp.maximum(b["positions"], 0)
-    _, (scores, mass) = llama.forward(params, cfg, b["tokens"], positions, attend, (scores0, mass0))
+    _, (scores, mass) = llama.forward(params, cfg, b["tokens"], positions, attend, (scores0, mass0),
+                                      reduce=reduce)
 
     # Original positions of every slot, all layers: [S, L, H, N].
     pages = jnp.maximum(b["page_table"], 0)
@@ -151,7 +170,7 @@ def compress(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Compres
     slot_pos = jnp.where(jnp.arange(n_slots) < lengths[..., None], slot_pos, -1)
     ctx = SelectContext(lengths=lengths, positions=slot_pos, target=b["target"], recent_from=b["recent_from"],
                         compressible=heads["compressible"], lower=heads["lower"], upper=heads["upper"])
-    counts = policy.counts(scores, ctx)
+    counts = counts_fn(scores, ctx)
     keep = select(scores, counts, ctx, sink=policy.sink, kmax=kmax)
     shrink = heads["compressible"][None] & (keep.count < lengths)
     if policy.merge:

@@ -61,14 +61,14 @@ def _dense_attend(q, pool: KVPool, page_table, lengths, positions, sink, window,
     return out.reshape(r, hq, d).astype(q.dtype)
 
 
-def _sparse_ffn(p, cfg, x, keep, priority, capacity: int):
+def _sparse_ffn(p, cfg, x, keep, priority, capacity: int, reduce=lambda a: a):
     """FFN on at most `capacity` rows of `keep` (highest `priority` first), scatter-added back; the other
     rows pass through the residual. Gathering first is what makes a sparse FFN cheaper: masking after a
     dense FFN costs the dense FFN. Returns (x, rows run, kept rows dropped by the cap)."""
     score = jnp.where(keep, priority.astype(jnp.float32), NEG)
     val, idx = jax.lax.top_k(score, capacity)
     ran = val > NEG / 2
-    f = llama.ffn(p, cfg, x[idx])
+    f = reduce(llama.ffn(p, cfg, x[idx]))
     x = x.at[idx].add(jnp.where(ran[:, None], f, 0).astype(x.dtype))
     n_ran = jnp.sum(ran)
     ran_rows = jnp.zeros(x.shape[0], bool).at[idx].set(ran)
@@ -92,10 +92,11 @@ def storage_slots(table, storage, ps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
-                                             "rows_are_tokens", "head_windows"), donate_argnames=("pool",))
+                                             "rows_are_tokens", "head_windows", "mesh"),
+                   donate_argnames=("pool",))
 def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
                   select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
-                  head_windows: tuple | None = None):
+                  head_windows: tuple | None = None, mesh=None):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
 
     b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); storage [T] (each token's
@@ -110,8 +111,26 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     the top-k (the exact k is data, so prompts of one bucket share a compilation). rows_are_tokens: the
     sparse phase's rows are the prompt's tokens in order (the method forces every token, e.g. RedKnot).
     head_windows: per layer (sinks, windows) of the map as static tuples (None: no windowed flash path).
+    mesh: tensor parallel over KV heads, the pass runs per shard (`jaxkv.parallel.methods.sharded_reuse`).
     """
+    static = dict(cfg=cfg, policy=policy, num_rows=num_rows, select_cap=select_cap, impl=impl,
+                  rows_are_tokens=rows_are_tokens, head_windows=head_windows)
+    if mesh is not None:
+        from jaxkv.parallel.methods import sharded_reuse
+
+        return sharded_reuse(reuse_body, params, pool, b, heads, mesh=mesh, **static)
+    return reuse_body(params, pool, b, heads, **static)
+
+
+def reuse_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
+               select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
+               head_windows: tuple | None = None, tp=None):
+    """`reuse_prefill` on one device, or on one shard with `tp` (jaxkv.parallel.methods.ReuseShard: the
+    all-reduces after the O and down projections, page ids made local, and the hooks that look across
+    heads (`score`, `ffn_rows`) handed every shard's heads)."""
     L, H = cfg.num_layers, cfg.num_kv_heads
+    reduce = (lambda a: a) if tp is None else tp.reduce
+    tp_size = 1 if tp is None else tp.size
     scale = cfg.head_dim ** -0.5
     freqs = rope.inv_freq(cfg)
     zeros_h = jnp.zeros((H,), jnp.int32)
@@ -123,6 +142,9 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
 
     # (1) + (2): blank the request's fresh pages, then copy + rotate the reused ones (all layers, heads).
     clear = b["clear"]
+    if tp is not None:  # page lists over every head: each shard copies and blanks its own pages only
+        b = tp.own_pages(b, n_pages)
+        clear = b["clear"]
     pos = pool.pos.at[jnp.where(clear >= 0, clear, n_pages)].set(-1, mode="drop")
     k, v, pos = rope_shift(pool.k, pool.v, pos, b["src"], b["dst"], b["delta"], jnp.asarray(freqs),
                            style="neox", implementation=impl)
@@ -237,31 +259,32 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
             out = attend_rows(i, q, pool, positions)
         else:
             out = attend(i, q, pool, positions, sink, window)
-        out = out.reshape(out.shape[0], -1) @ p["wo"]
+        out = reduce(out.reshape(out.shape[0], -1) @ p["wo"])
         x = x + (out + p["bo"] if cfg.o_bias else out)
         valid = positions >= 0
         ffn = None
         if view is not None:
             def probs_after_writes():
                 kc_after, _ = cached_kv(pool, slots)
-                return view.probe_probs(kc_after)
-            ffn = policy.ffn_rows(view, probs_after_writes)
+                probs = view.probe_probs(kc_after)
+                return probs if tp is None else tp.heads(probs, 0)
+            ffn = policy.ffn_rows(view if tp is None else tp.view(view), probs_after_writes)
         cap = policy.ffn_capacity_rows(x.shape[0])
         if ffn is None:
-            x = x + jnp.where(valid[:, None], llama.ffn(p, cfg, x), 0).astype(x.dtype)
+            x = x + jnp.where(valid[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
             ran, dropped = jnp.sum(valid), jnp.int32(0)
         else:
             if cap >= x.shape[0]:
                 fm = ffn[0] & valid
-                x = x + jnp.where(fm[:, None], llama.ffn(p, cfg, x), 0).astype(x.dtype)
+                x = x + jnp.where(fm[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
                 ran, dropped = jnp.sum(fm), jnp.int32(0)
             else:
-                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap)
+                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap, reduce)
             if "ffn_cached" in rows:  # FFN reuse: skipped reused rows add their segment's own FFN output
                 skipped = valid & ~fm & ~rows["is_new"]
                 x = x + jnp.where(skipped[:, None], rows["ffn_cached"][i], 0).astype(x.dtype)
-        stats = (jnp.sum(w), jnp.sum(valid), ran, jnp.sum(promoted), dropped,
-                 _keys_seen(positions, sink, window))
+        stats = (reduce(jnp.sum(w)), jnp.sum(valid), ran, reduce(jnp.sum(promoted)), dropped,
+                 reduce(_keys_seen(positions, sink, window)) / tp_size)
         return x, pool, stats, view
 
     def phase(rows, writes_mask, span, **kw):
@@ -300,7 +323,7 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
                          is_new=b["is_new"], forced=forced, seg_offset=b["seg_offset"], probe=b["probe"],
                          is_global=heads["is_global"][F], sink=heads["sink"][F], window=heads["window"][F],
                          layer=F)
-        sc = policy.score(view).astype(jnp.float32)
+        sc = policy.score(view if tp is None else tp.view(view)).astype(jnp.float32)
         sc2 = sc if sc.ndim == 2 else sc[:, None]
         cand = valid & ~forced
         sc2 = jnp.where(cand[:, None], sc2, NEG)
@@ -308,8 +331,10 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
         take = (val > NEG / 2) & (jnp.arange(val.shape[1])[None] < b["num_selected"])
         hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(take).T
         alive = forced | jnp.any(hsel, axis=1)
-        selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads)
-        selected = jnp.broadcast_to(selected, (T, H))
+        selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads; every shard's heads)
+        selected = jnp.broadcast_to(selected, (T, H * tp_size))
+        if tp is not None:
+            selected = tp.own(selected, 1)
     else:
         alive = forced
 
@@ -336,6 +361,8 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     hidden = llama.rms_norm(xr, params["final_norm"], cfg.rms_norm_eps)
     last_row = jnp.argmax(rows["positions"] == b["last"])
     logits = llama.lm_head(params, cfg, hidden[last_row][None])
+    if tp is not None:
+        logits = tp.logits(logits)
     tok, logprob = sample(logits.astype(jnp.float32), b["temperature"], b["top_k"], b["top_p"], b["seeds"],
                           b["counters"])
     names = ("kv_writes", "query_rows", "ffn_rows", "promoted_heads", "ffn_dropped", "keys_seen")
