@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.engine.engine import Engine
 from jaxkv.engine import warmup
+from jaxkv.engine.engine import Engine
 from jaxkv.engine.runner import num_compilations
 from jaxkv.sampling import SamplingParams
 from tests.hf_tiny import make_tiny_checkpoint
@@ -234,56 +234,35 @@ def test_abort_while_a_decode_call_is_in_flight(llama):
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
-@pytest.fixture
-def no_xla_cache():
-    """JAX's persistent compilation cache off: every program of the test is compiled in this process."""
-    import jax
-
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-
-
-def test_step_cache_loads_every_program_a_second_engine_needs(llama, tmp_path, no_xla_cache):
-    """A second engine of the same configuration loads every step program from the step cache (nothing
+def test_step_cache_loads_every_program_a_second_engine_needs(tmp_path):
+    """A second process building the same engine loads every step program from the step cache (nothing
     traced or compiled) and gives the tokens jit's own path gives; an engine whose programs differ (another
-    page size) finds none; a damaged entry is compiled again, not run."""
-    from jaxkv.engine import compilations
+    page size) finds none; a damaged entry is compiled again, not run. Each side in a fresh process: XLA:CPU
+    serializes a program completely only when no earlier compile of the process defined its kernels."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    kw = dict(page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
-    first = Engine(llama, **kw)
-    n = first.precompile(progress=False, step_cache=tmp_path)
-    kept = sorted(tmp_path.glob("*.bin"))
-    assert first.step_cache_hits == 0 and len(kept) == n
+    from tests.hf_tiny import make_tiny_checkpoint
 
-    second = Engine(llama, **kw)
-    before = compilations.xla_programs()["compiled"]
-    assert second.precompile(progress=False, step_cache=tmp_path) == n
-    assert second.step_cache_hits == n and compilations.xla_programs()["compiled"] == before
-    mix = [(prompts_for(llama, [3])[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)),
-           (prompts_for(llama, [30], seed=1)[0], SamplingParams(temperature=0.7, max_tokens=9, seed=1))]
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "ckpt")
+    env = {**os.environ, "JAXKV_COMPILATION_CACHE": "", "JAX_PLATFORMS": "cpu"}
 
-    def outputs(eng):
-        ids = [eng.add_request(prompt, sp) for prompt, sp in mix]
-        out = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return [out[i] for i in ids]
+    def side(phase):
+        out = subprocess.run([sys.executable, "-m", "tests._step_cache_worker", phase, str(ckpt),
+                              str(tmp_path / "steps")], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
-    compiled = num_compilations()
-    got = outputs(second)
-    assert num_compilations() == compiled  # the loaded programs ran; none compiled on the way
-    assert got == outputs(Engine(llama, **kw))
-
-    other = Engine(llama, **{**kw, "page_size": 4})
-    other.precompile(progress=False, step_cache=tmp_path)
-    assert other.step_cache_hits == 0
-
-    damaged = kept[0]
-    damaged.write_bytes(damaged.read_bytes()[:100])
-    third = Engine(llama, **kw)
-    third.precompile(progress=False, step_cache=tmp_path)
-    assert third.step_cache_hits == n - 1
-    assert outputs(third) == got
+    wrote = side("write")
+    assert wrote["hits"] == 0 and wrote["kept"] == wrote["programs"] > 0
+    read = side("read")
+    # only the small helper programs (page-table updates) compile again, none of the kept ones
+    assert read["hits"] == wrote["programs"]
+    assert read["compiled_in_precompile"] == wrote["compiled_in_precompile"] - wrote["programs"]
+    assert read["step_programs_compiled_while_running"] == 0
+    assert read["tokens"] == wrote["reference_tokens"]
+    assert read["other_config_hits"] == 0
+    assert read["damaged_hits"] == wrote["programs"] - 1
+    assert read["damaged_tokens"] == wrote["reference_tokens"]

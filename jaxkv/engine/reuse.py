@@ -312,8 +312,7 @@ class Reuser:
                 continue
             raise OutOfPages(f"segment reuse needs {n} pages, {alloc.num_free} are free")
         if heads is None and self.engine.runner.mesh is not None:
-            raise ValueError("placing segment pages on a tensor-parallel pool needs the KV head of each page "
-                             "(the segment host tier's promotion does not pass them yet)")
+            raise ValueError("placing segment pages on a tensor-parallel pool needs the KV head of each page")
         return alloc.allocate(n) if heads is None else alloc.allocate(n, heads=heads)
 
     def _check_tokens(self, tokens, what: str) -> None:

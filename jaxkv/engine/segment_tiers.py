@@ -347,7 +347,8 @@ class SegmentTiers:
                     self._drop_read(e.segment_id)  # already on the device: a read ahead is not needed
                     continue
                 npg = e.pages.shape[2]
-                ids = self.reuser._allocate(int(missing.sum()) * npg).reshape(-1, npg)
+                heads_of = np.nonzero(missing)[1].repeat(npg)  # each page's KV head (a TP pool places by it)
+                ids = self.reuser._allocate(len(heads_of), heads=heads_of).reshape(-1, npg)
                 try:
                     source = self._source(e, missing)
                 except Exception:

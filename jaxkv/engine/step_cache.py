@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -89,6 +90,7 @@ class StepCache:
         self.dir = Path(directory)
         self.fingerprint = hashlib.sha256((environment() + "|" + fingerprint).encode()).hexdigest()
         self.hits = self.misses = self.errors = 0
+        self._lock = threading.Lock()  # `load` runs on compile threads
 
     @classmethod
     def for_engine(cls, engine, directory: str | os.PathLike | None = None) -> StepCache | None:
@@ -120,7 +122,8 @@ class StepCache:
         try:
             data = path.read_bytes()
         except OSError:
-            self.misses += 1
+            with self._lock:
+                self.misses += 1
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(data)
@@ -128,9 +131,11 @@ class StepCache:
         except Exception as e:  # noqa: BLE001 - a stale or damaged entry is a miss, compiled again
             log.warning("jaxkv: step cache entry %s unreadable (%s); compiling it again", path.name,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
-            self.errors += 1
+            with self._lock:
+                self.errors += 1
             return None
-        self.hits += 1
+        with self._lock:
+            self.hits += 1
         return compiled
 
     def save(self, key: str, compiled) -> None:
