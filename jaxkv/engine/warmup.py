@@ -84,12 +84,10 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
     from jaxkv.engine.step_cache import StepCache
 
     runner, compressor = engine.runner, engine.compressor
-    # compression programs first: each takes XLA several times a step variant's time (H200, 1B: ~26 s),
-    # so they start compiling while the step variants are traced
-    jobs = [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j),
-             compressor.compiled.__setitem__) for pol, s, p in press_programs(engine, presses)]
-    jobs += [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.install)
-             for v in variants(engine, logprobs)]
+    jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.install)
+            for v in variants(engine, logprobs)]
+    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j),
+              compressor.compiled.__setitem__) for pol, s, p in press_programs(engine, presses)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
     xla_loads = compilations.xla_programs()["persistent_cache"]
@@ -106,8 +104,9 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             key = cache.key(fn, args, static) if cache is not None else None
             calls.append((variant, install, signature, fn, args, static, key))
         done = len(calls)
-        # programs kept by an earlier start load on the threads (deserializing holds no GIL): nothing traced
-        kept = list(pool.map(cache.load, [c[-1] for c in calls])) if cache is not None else [None] * done
+        # programs kept by an earlier start load here, one at a time (loads on parallel threads failed on an
+        # H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing traced
+        kept = [cache.load(c[-1]) for c in calls] if cache is not None else [None] * done
         futures, built = [], []
         for (variant, install, signature, fn, args, static, key), compiled in zip(calls, kept):
             if compiled is not None:
