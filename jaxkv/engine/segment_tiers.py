@@ -26,8 +26,8 @@ again), which is what happens to ordinary segments without tiers too, only later
 every head for naive / SparseX / CacheBlend / EPIC, the local heads only for RedKnot, which recomputes its
 global heads' K/V for every token) and the device lacks are copied into newly allocated pages, from host
 memory or the store (a store read started when the request was queued: `prefetch`). Nothing is prefilled
-again. The copy is dispatched before the prefill pass (JAX runs
-both asynchronously), so host-side work of the pass overlaps the transfer.
+again. Every segment's transfer is dispatched before any is written, and before the prefill pass (JAX runs
+them asynchronously), so host-side work of the pass overlaps the transfers.
 
 **Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
 leaves the pool; ``"host"`` is kept in host memory (its pool pages freed right after registration,
