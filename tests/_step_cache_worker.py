@@ -50,6 +50,15 @@ def main(phase: str, ckpt: str, cache: str) -> None:
         steps = num_compilations()
         row["tokens"] = outputs(eng, requests)
         row["step_programs_compiled_while_running"] = num_compilations() - steps
+        bg = Engine(model, **KW)  # ready before its programs are loaded: a step loads what it needs
+        bg.precompile(progress=False, step_cache=Path(cache), background=True)
+        row["background_hits"] = bg.step_cache_hits
+        steps = num_compilations()
+        row["background_tokens"] = outputs(bg, requests)
+        row["background_compiled_while_running"] = num_compilations() - steps
+        bg.program_loader.join()
+        row["background_loaded"] = len(bg.runner.compiled) + len(bg.compressor.compiled)
+        row["background_pending"] = len(bg.runner.compiled.pending) + len(bg.compressor.compiled.pending)
         kept = sorted(Path(cache).glob("*.bin"))
         other = Engine(model, **{**KW, "page_size": 4})
         other.precompile(progress=False, step_cache=Path(cache))

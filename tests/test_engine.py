@@ -236,8 +236,9 @@ def test_abort_while_a_decode_call_is_in_flight(llama):
 
 def test_step_cache_loads_every_program_a_second_engine_needs(tmp_path):
     """A second process building the same engine loads every step program from the step cache (nothing
-    traced or compiled) and gives the tokens jit's own path gives; an engine whose programs differ (another
-    page size) finds none; a damaged entry is compiled again, not run. Each side in a fresh process: XLA:CPU
+    traced or compiled) and gives the tokens jit's own path gives, also when the programs load in the
+    background while it serves; an engine whose programs differ (another page size) finds none; a damaged
+    entry is compiled again, not run. Each side in a fresh process: XLA:CPU
     serializes a program completely only when no earlier compile of the process defined its kernels."""
     import json
     import os
@@ -263,6 +264,10 @@ def test_step_cache_loads_every_program_a_second_engine_needs(tmp_path):
     assert read["compiled_in_precompile"] == wrote["compiled_in_precompile"] - wrote["programs"]
     assert read["step_programs_compiled_while_running"] == 0
     assert read["tokens"] == wrote["reference_tokens"]
+    assert read["background_hits"] == wrote["programs"]
+    assert read["background_tokens"] == wrote["reference_tokens"]
+    assert read["background_compiled_while_running"] == 0
+    assert read["background_loaded"] == wrote["programs"] and read["background_pending"] == 0
     assert read["other_config_hits"] == 0
     assert read["damaged_hits"] == wrote["programs"] - 1
     assert read["damaged_tokens"] == wrote["reference_tokens"]

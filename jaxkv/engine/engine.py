@@ -214,6 +214,8 @@ class Engine:
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()
         self.segments_restored = 0
         self.largest_step_scratch: tuple[int, tuple | None] = (0, None)  # bytes, variant (after precompile)
+        self.step_cache_hits = 0  # programs precompile took from the step cache (jaxkv/engine/step_cache.py)
+        self.program_loader = None  # the thread loading kept programs after `precompile(background=True)`
         if c.segments.store:  # registered segments persist there; the committed ones load now, no prefill
             from jaxkv.engine.segment_persist import PersistentSegments
 
@@ -315,16 +317,18 @@ class Engine:
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def precompile(self, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-                   presses=None, step_cache=None) -> int:
+                   presses=None, step_cache=None, background: bool = False) -> int:
         """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
         Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads.
         `logprobs`: also the variants of requests that ask for logprobs (about twice as many). `presses`:
         compression policies whose programs compile too (default: every press on an accelerator, the
         engine-wide one on the CPU; `warmup.press_programs`). `step_cache`: where compiled programs are kept
-        for the next start (jaxkv/engine/step_cache.py; None: the default, on accelerators; False: off)."""
+        for the next start (jaxkv/engine/step_cache.py; None: the default, on accelerators; False: off).
+        `background`: programs found there load on a background thread after this returns (`program_loader`);
+        a step that needs one before loads it itself (a load, never a compile)."""
         from jaxkv.engine.warmup import precompile
 
-        n = precompile(self, progress, workers, logprobs, presses, step_cache)
+        n = precompile(self, progress, workers, logprobs, presses, step_cache, background)
         if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
             n += self.retriever.precompile(self.kv_policy, progress)
         return n

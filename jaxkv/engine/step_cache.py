@@ -138,15 +138,69 @@ class StepCache:
             self.hits += 1
         return compiled
 
-    def save(self, key: str, compiled) -> None:
+    def has(self, key: str) -> bool:
+        return (self.dir / f"{key}.bin").is_file()
+
+    def scratch(self, key: str) -> int:
+        """Device memory the kept program needs beyond its arguments (written beside it; 0 if unknown)."""
+        try:
+            return int((self.dir / f"{key}.scratch").read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def save(self, key: str, compiled, scratch: int = 0) -> None:
         from jax.experimental.serialize_executable import serialize
 
         try:
             data = pickle.dumps(serialize(compiled))
             self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / f"{key}.scratch").write_text(str(int(scratch)))
             tmp = self.dir / f".{key}.{os.getpid()}.tmp"
             tmp.write_bytes(data)
             os.replace(tmp, self.dir / f"{key}.bin")
         except Exception as e:  # noqa: BLE001 - a program that cannot be kept compiles again next start
             log.warning("jaxkv: could not keep a compiled step in %s (%s)", self.dir,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+_LOAD_LOCK = threading.Lock()  # one load at a time: parallel loads of Mosaic GPU programs fail
+
+
+class KeptPrograms(dict):
+    """signature -> compiled program, where some signatures are still only kept on disk (`pending`): `get`
+    loads such a program on first use (a load, ~0.3 s, never a compile), and `load_all` (a background
+    thread) loads the rest meanwhile. Stands in for a runner's or compressor's `compiled` dict."""
+
+    def __init__(self, existing: dict, cache: StepCache):
+        super().__init__(existing)
+        self.cache = cache
+        self.pending: dict = {}  # signature -> key
+        self._loading = False
+
+    def __bool__(self):  # callers skip an empty dict: one with programs still on disk is not empty
+        return bool(len(self) or self.pending or self._loading)
+
+    def get(self, signature, default=None):
+        exe = super().get(signature)
+        if exe is None and (self.pending or self._loading):  # kept, or being loaded by the other thread
+            exe = self._load(signature)
+        if exe is None:
+            exe = super().get(signature)  # stored by the other thread since the first look
+        return default if exe is None else exe
+
+    def _load(self, signature):
+        with _LOAD_LOCK:
+            exe = super().get(signature)
+            if exe is None and signature in self.pending:
+                self._loading = True
+                try:
+                    exe = self.cache.load(self.pending.pop(signature))
+                    if exe is not None:
+                        self[signature] = exe
+                finally:
+                    self._loading = False
+            return exe
+
+    def load_all(self) -> None:
+        for signature in list(self.pending):
+            self._load(signature)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,7 +72,7 @@ def press_programs(engine, presses=None) -> list[tuple]:
 
 
 def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-               presses=None, step_cache=None) -> int:
+               presses=None, step_cache=None, background: bool = False) -> int:
     """Compiles (or loads from the persistent cache) every step variant and every compression program of
     `presses` (`press_programs`); returns how many. Logs one line.
 
@@ -80,14 +81,17 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
     cores up to 16), where XLA works without the GIL; the compiled programs are installed where their
     callers look first (the runner, the compressor), which call them directly. Programs kept by an earlier
     start in the step cache (`jaxkv.engine.step_cache`; `step_cache`: its directory, False: off, None: the
-    default) are loaded instead, nothing traced; the others are written there once compiled."""
-    from jaxkv.engine.step_cache import StepCache
+    default) are loaded instead, nothing traced; the others are written there once compiled. `background`:
+    kept programs load on a background thread after this returns (`engine.program_loader`; a step that
+    needs one first loads it itself), so a server is ready before every program is loaded."""
+    from jaxkv.engine.step_cache import KeptPrograms, StepCache
 
     runner, compressor = engine.runner, engine.compressor
     jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.install)
             for v in variants(engine, logprobs)]
     jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j),
-              compressor.compiled.__setitem__) for pol, s, p in press_programs(engine, presses)]
+              lambda sig, exe: compressor.compiled.__setitem__(sig, exe))
+             for pol, s, p in press_programs(engine, presses)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
     xla_loads = compilations.xla_programs()["persistent_cache"]
@@ -104,11 +108,26 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             key = cache.key(fn, args, static) if cache is not None else None
             calls.append((variant, install, signature, fn, args, static, key))
         done = len(calls)
-        # programs kept by an earlier start load here, one at a time (loads on parallel threads failed on an
-        # H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing traced
-        kept = [cache.load(c[-1]) for c in calls] if cache is not None else [None] * done
+        # programs kept by an earlier start load here (or later, `background`), one at a time (loads on
+        # parallel threads failed on an H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing
+        # traced
+        if cache is not None and background:
+            for owner in (runner, compressor):
+                owner.compiled = KeptPrograms(owner.compiled, cache)
+            kept = []
+            for variant, install, signature, *_, key in calls:
+                if cache.has(key):
+                    owner = runner if install == runner.install else compressor
+                    owner.compiled.pending[signature] = key
+                    largest = max(largest, (cache.scratch(key), variant), key=lambda x: x[0])
+                    bar.update()
+                kept.append(True if cache.has(key) else None)
+        else:
+            kept = [cache.load(c[-1]) for c in calls] if cache is not None else [None] * done
         futures, built = [], []
         for (variant, install, signature, fn, args, static, key), compiled in zip(calls, kept):
+            if compiled is True:  # loads later
+                continue
             if compiled is not None:
                 install(signature, compiled)
                 largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
@@ -137,12 +156,19 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             log.info("jaxkv: step cache not written: XLA:CPU loaded programs from its persistent cache")
         else:
             for key, compiled in built:
-                cache.save(key, compiled)
+                cache.save(key, compiled, scratch_bytes(compiled))
+    if cache is not None and background:
+        pending = len(runner.compiled.pending) + len(compressor.compiled.pending)
+        engine.program_loader = threading.Thread(
+            target=lambda: (runner.compiled.load_all(), compressor.compiled.load_all()), daemon=True,
+            name="jaxkv-program-loader")
+        engine.program_loader.start()
+        log.info("jaxkv: %d kept programs load in the background", pending)
     engine.largest_step_scratch = largest
-    engine.step_cache_hits = 0 if cache is None else cache.hits
-    kept = "" if cache is None else f", {cache.hits} loaded from the step cache"
+    engine.step_cache_hits = 0 if cache is None else cache.hits + sum(k is True for k in kept)
+    note = "" if cache is None else f", {engine.step_cache_hits} from the step cache"
     log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads%s); the largest needs %.2f GiB of "
-             "scratch", done, time.perf_counter() - t0, workers, kept, largest[0] / 2**30)
+             "scratch", done, time.perf_counter() - t0, workers, note, largest[0] / 2**30)
     check_fits(largest[0], largest[1])
     return done
 
