@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing as mp
 import os
 import platform
 import shlex
@@ -47,30 +49,58 @@ async def one(ac, model: str, max_tokens: int, seed: int) -> tuple[float, float,
     return (ttft if ttft is not None else total), total, usage.completion_tokens
 
 
-async def run_batch(ac, model, concurrency, max_tokens, seed0=0):
-    t0 = time.perf_counter()
-    res = await asyncio.gather(*(one(ac, model, max_tokens, seed0 + i) for i in range(concurrency)))
-    return res, time.perf_counter() - t0
+def _client_share(url: str, model: str, seeds: list[int], max_tokens: int, start_at: float) -> tuple:
+    """One client process's streams, started at `start_at` (time.monotonic, shared by all processes):
+    (results, end time, CPU seconds this process spent)."""
+
+    async def go():
+        ac = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
+        try:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            cpu = time.process_time()
+            res = await asyncio.gather(*(one(ac, model, max_tokens, s) for s in seeds))
+            return res, time.monotonic(), time.process_time() - cpu
+        finally:
+            await ac.close()
+
+    return asyncio.run(go())
 
 
-async def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int) -> dict:
-    ac = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
+def run_batch(pool, procs: int, url: str, model: str, concurrency: int, max_tokens: int, seed0: int = 0):
+    """`concurrency` streams at once, spread over the client processes of `pool`: (results, wall seconds,
+    client CPU seconds). One Python process parsing every SSE stream through openai/httpx would measure
+    the client, not the server, once streams are many."""
+    shares = [list(range(seed0 + i, seed0 + concurrency, procs)) for i in range(min(procs, concurrency))]
+    start_at = time.monotonic() + 0.2 + 0.01 * len(shares)
+    futures = [pool.submit(_client_share, url, model, share, max_tokens, start_at) for share in shares]
+    res, end, cpu = [], start_at, 0.0
+    for f in futures:
+        r, e, c = f.result()
+        res += r
+        end, cpu = max(end, e), cpu + c
+    return res, end - start_at, cpu
+
+
+def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int,
+            client_procs: int) -> dict:
     out = {}
-    try:
-        (cold,), _ = await run_batch(ac, model, 1, max_tokens)
+    with concurrent.futures.ProcessPoolExecutor(client_procs, mp_context=mp.get_context("spawn")) as pool:
+        def batch(c, seed0=0):
+            return run_batch(pool, client_procs, url, model, c, max_tokens, seed0)
+
+        (cold,), _, _ = batch(1)
         out["cold_ttft"] = cold[0]
         for c in concurrency:
-            await run_batch(ac, model, c, max_tokens, seed0=1000)  # compile this concurrency's shapes
-            ttfts, tps_single, agg = [], [], []
+            batch(c, seed0=1000)  # compile this concurrency's shapes
+            ttfts, tps_single, agg, cpu = [], [], [], []
             for r in range(repeats):
-                res, wall = await run_batch(ac, model, c, max_tokens, seed0=100 * r)
+                res, wall, client_cpu = batch(c, seed0=100 * r)
                 ttfts += [t for t, _, _ in res]
                 tps_single += [(n - 1) / (total - t) for t, total, n in res if n > 1 and total > t]
                 agg.append(sum(n for _, _, n in res) / wall)
+                cpu.append(client_cpu / wall)
             out[c] = dict(ttft=statistics.median(ttfts), decode_tps=statistics.median(tps_single),
-                          agg_tps=statistics.median(agg))
-    finally:
-        await ac.close()
+                          agg_tps=statistics.median(agg), client_cores=statistics.median(cpu))
     return out
 
 
@@ -112,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="client processes the streams are spread over (default: one per 32 streams of the "
+                        "largest concurrency, at most the cores less one)")
     p.add_argument("--server-args", default="", help="extra flags for python -m jaxkv.serve (quoted)")
     p.add_argument("--out", default=None, help="Markdown file whose 'Serving' section is replaced")
     p.add_argument("--no-write", action="store_true", help="print the table only")
@@ -122,6 +155,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     load_before = os.getloadavg()[0]
+    procs = args.client_procs or max(1, min(-(-max(args.concurrency) // 32), (os.cpu_count() or 2) - 1))
     server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     # The server runs where this process would (ServerProcess alone pins the CPU, as the tests want).
     platforms = os.environ.get("JAX_PLATFORMS", "")
@@ -129,7 +163,7 @@ def main(argv=None) -> int:
     try:
         ready = [line for line in server.log if line.startswith("jaxkv: ") and " on " in line]
         backend = ready[0].split(" on ")[1].split(" ")[0] if ready else "?"
-        res = asyncio.run(measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats))
+        res = measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats, procs)
     finally:
         server.stop()
     if args.offline is not None:
@@ -139,9 +173,10 @@ def main(argv=None) -> int:
             res[c]["offline_tps"] = offline[c]
 
     cmd = command_line("benchmarks.serve", argv)
-    header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s"]
-    rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}"]
-            for c, r in ((c, res[c]) for c in args.concurrency)]
+    header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s",
+              "client CPU (cores)"]
+    rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}",
+             f"{r['client_cores']:.2f}"] for c, r in ((c, res[c]) for c in args.concurrency)]
     if args.offline is not None:
         header += ["engine offline tok/s", "server / engine"]
         for row, c in zip(rows, args.concurrency):
@@ -152,7 +187,8 @@ def main(argv=None) -> int:
         "",
         f"Model `{server.name}`, backend {backend}, host {cpu_name()} ({os.cpu_count()} cores), "
         f"Python {platform.python_version()}; chat prompt of ~40 tokens, {args.max_tokens} output tokens "
-        f"(ignore_eos), streamed through the official `openai` client; medians over {args.repeats} runs "
+        f"(ignore_eos), streamed through the official `openai` client from {procs} client process(es) "
+        f"(client CPU: their CPU seconds per wall second); medians over {args.repeats} runs "
         "after one unmeasured run per concurrency (compilation excluded). 1-minute load average before the "
         f"run: {load_before:.1f} (a shared machine makes these numbers noisy).",
         "",
