@@ -119,3 +119,33 @@ def test_streamed_chat_events_are_well_formed_json(server):
     assert finishes == [["length"], ["length"]]
     assert texts[0] == texts[1] and texts[0]  # greedy: both choices alike
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_a_burst_of_tokens_counts_like_one_observation_per_token():
+    """The engine thread records a K-token output as one histogram update; buckets and count must equal K
+    separate observations (bucket edges included), the sum up to rounding."""
+    from jaxkv.serve.metrics import _ITL_BUCKETS, ServeMetrics
+
+    burst, single = ServeMetrics("m"), ServeMetrics("m")
+    cases = [(b * f, k) for b in _ITL_BUCKETS for f in (0.5, 1.0, 1.5) for k in (1, 3, 16)] + [(1e9, 2)]
+    for seconds_per_token, k in cases:
+        burst.observe_tokens(False, seconds_per_token * k, k)
+        for _ in range(k):  # the client library's own observation, of the float the burst's division gives
+            single.itl.labels("m").observe(seconds_per_token * k / k)
+            single.generation_tokens.labels("m").inc()
+
+    def samples(m):
+        out = {}
+        for line in m.render().decode().splitlines():
+            if line.startswith(("jaxkv_inter_token_latency_seconds", "jaxkv_generation_tokens")):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    a, b = samples(burst), samples(single)
+    assert a.keys() == b.keys()
+    for key in a:
+        if "_created" in key:
+            continue
+        assert a[key] == pytest.approx(b[key], rel=1e-9), key
+    assert a['jaxkv_inter_token_latency_seconds_count{model_name="m"}'] == sum(k for _, k in cases)
