@@ -3,7 +3,7 @@
 The engine is not thread-safe, so it is touched only by this thread: HTTP handlers send commands
 (add, abort, and `call` for anything else: segment registration, deletion, listing) through a queue, the
 thread applies them between steps, steps while anything is unfinished, and hands each step's
-`RequestOutput`s to the event loops of the requests that own them in one callback per loop (one
+`RequestOutput`s to the event loops of the requests that own them in one batch per loop (at most one
 wake-up per step however many streams run: the engine thread never waits on output processing;
 detokenization and SSE encoding happen on the event loop). One HTTP request may own several engine
 requests (`n > 1`, batched prompts); they share one queue and are told apart by their choice index.
@@ -270,8 +270,8 @@ class EngineLoop:
             self._maybe_refresh_stats()
 
     def _dispatch(self, outputs) -> None:
-        """Hand a step's outputs over: ONE callback per event loop per step (not one per output), so the
-        engine thread pays one wake-up of each loop, whatever the number of streams."""
+        """Hand a step's outputs over in one batch per event loop (not one callback per output): at most one
+        wake-up of each loop per step, whatever the number of streams (`_Inbox`)."""
         now = time.perf_counter()
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         metrics = self._metrics
