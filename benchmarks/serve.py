@@ -81,8 +81,19 @@ def run_batch(pool, procs: int, url: str, model: str, concurrency: int, max_toke
     return res, end - start_at, cpu
 
 
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int,
-            client_procs: int) -> dict:
+            client_procs: int, server_cpu=lambda: None) -> dict:
+    """`server_cpu()`: the server process's CPU seconds so far (or None), read around each measured batch:
+    CPU time per token is steadier than wall time on a shared machine."""
     out = {}
     with concurrent.futures.ProcessPoolExecutor(client_procs, mp_context=mp.get_context("spawn")) as pool:
         def batch(c, seed0=0):
@@ -92,22 +103,28 @@ def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repea
         out["cold_ttft"] = cold[0]
         for c in concurrency:
             batch(c, seed0=1000)  # compile this concurrency's shapes
-            ttfts, tps_single, agg, cpu = [], [], [], []
+            ttfts, tps_single, agg, cpu, server_us = [], [], [], [], []
             for r in range(repeats):
+                cpu0 = server_cpu()
                 res, wall, client_cpu = batch(c, seed0=100 * r)
+                cpu1 = server_cpu()
+                tokens = sum(n for _, _, n in res)
                 ttfts += [t for t, _, _ in res]
                 tps_single += [(n - 1) / (total - t) for t, total, n in res if n > 1 and total > t]
-                agg.append(sum(n for _, _, n in res) / wall)
+                agg.append(tokens / wall)
                 cpu.append(client_cpu / wall)
+                if cpu0 is not None and cpu1 is not None:
+                    server_us.append((cpu1 - cpu0) / tokens * 1e6)
             out[c] = dict(ttft=statistics.median(ttfts), decode_tps=statistics.median(tps_single),
-                          agg_tps=statistics.median(agg), client_cores=statistics.median(cpu))
+                          agg_tps=statistics.median(agg), client_cores=statistics.median(cpu),
+                          server_us=statistics.median(server_us) if server_us else None)
     return out
 
 
 def offline_throughput(model_dir, engine_kwargs: dict, concurrency: list[int], max_tokens: int,
-                       repeats: int) -> dict[int, float]:
-    """Output tok/s of the same chat prompt, `c` copies at once, through `jaxkv.generate` in this process
-    (no HTTP, no server loop): the anchor the server's aggregate throughput is read against."""
+                       repeats: int) -> dict[int, tuple[float, float]]:
+    """(output tok/s, CPU us per token) of the same chat prompt, `c` copies at once, through
+    `jaxkv.generate` in this process (no HTTP, no server loop): the anchor the server is read against."""
     import jax
 
     import jaxkv
@@ -125,12 +142,14 @@ def offline_throughput(model_dir, engine_kwargs: dict, concurrency: list[int], m
               for i in range(c)]
         for _ in range(2):  # compiles this concurrency's shapes (the second run's prefix-cache hits too)
             jaxkv.generate(model, [ids] * c, sp, engine=engine)
-        rates = []
+        rates, cpu_us = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             done = jaxkv.generate(model, [ids] * c, sp, engine=engine)
-            rates.append(sum(len(d.token_ids) for d in done) / (time.perf_counter() - t0))
-        out[c] = statistics.median(rates)
+            tokens = sum(len(d.token_ids) for d in done)
+            rates.append(tokens / (time.perf_counter() - t0))
+            cpu_us.append((time.process_time() - cpu0) / tokens * 1e6)
+        out[c] = (statistics.median(rates), statistics.median(cpu_us))
     return out
 
 
@@ -163,24 +182,30 @@ def main(argv=None) -> int:
     try:
         ready = [line for line in server.log if line.startswith("jaxkv: ") and " on " in line]
         backend = ready[0].split(" on ")[1].split(" ")[0] if ready else "?"
-        res = measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats, procs)
+        res = measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats, procs,
+                      server_cpu=lambda: proc_cpu_seconds(server.proc.pid))
     finally:
         server.stop()
     if args.offline is not None:
         offline = offline_throughput(args.model, json.loads(args.offline), args.concurrency, args.max_tokens,
                                      args.repeats)
         for c in args.concurrency:
-            res[c]["offline_tps"] = offline[c]
+            res[c]["offline_tps"], res[c]["offline_us"] = offline[c]
 
     cmd = command_line("benchmarks.serve", argv)
+    def us(v):
+        return "?" if v is None else f"{v:.0f}"
+
     header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s",
-              "client CPU (cores)"]
+              "client CPU (cores)", "server CPU us/token"]
     rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}",
-             f"{r['client_cores']:.2f}"] for c, r in ((c, res[c]) for c in args.concurrency)]
+             f"{r['client_cores']:.2f}", us(r["server_us"])]
+            for c, r in ((c, res[c]) for c in args.concurrency)]
     if args.offline is not None:
-        header += ["engine offline tok/s", "server / engine"]
+        header += ["engine offline tok/s", "engine CPU us/token", "server / engine"]
         for row, c in zip(rows, args.concurrency):
-            row += [f"{res[c]['offline_tps']:.1f}", f"{res[c]['agg_tps'] / res[c]['offline_tps']:.2f}"]
+            row += [f"{res[c]['offline_tps']:.1f}", us(res[c]["offline_us"]),
+                    f"{res[c]['agg_tps'] / res[c]['offline_tps']:.2f}"]
     table = markdown_table(header, rows)
     body = "\n".join([
         f"Command: `{cmd}`",
@@ -188,7 +213,8 @@ def main(argv=None) -> int:
         f"Model `{server.name}`, backend {backend}, host {cpu_name()} ({os.cpu_count()} cores), "
         f"Python {platform.python_version()}; chat prompt of ~40 tokens, {args.max_tokens} output tokens "
         f"(ignore_eos), streamed through the official `openai` client from {procs} client process(es) "
-        f"(client CPU: their CPU seconds per wall second); medians over {args.repeats} runs "
+        "(client CPU: their CPU seconds per wall second; server CPU: the server process's CPU time per "
+        f"output token, engine CPU: the offline process's); medians over {args.repeats} runs "
         "after one unmeasured run per concurrency (compilation excluded). 1-minute load average before the "
         f"run: {load_before:.1f} (a shared machine makes these numbers noisy).",
         "",
