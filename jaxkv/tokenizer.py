@@ -8,6 +8,7 @@ Face templates expect (`raise_exception`, `strftime_now`, `tojson`, `bos_token`,
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -156,7 +157,10 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+@functools.lru_cache(maxsize=16)
 def _compile(template: str):
+    """The sandboxed jinja2 template, compiled once per template text (compiling costs milliseconds:
+    a server renders one per chat request)."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

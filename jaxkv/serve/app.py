@@ -723,26 +723,31 @@ def _abort_reason(e: BaseException) -> str:
     return "client"
 
 
-def _apply(state: ServerState, job: _Job, out) -> None:
-    """Feed one engine output into its choice; ends the choice on finish or a matched stop string."""
-    new = list(out.new_token_ids)
-    job.output_tokens += len(new)
-    job.cached_tokens = max(job.cached_tokens, getattr(out, "num_cached_tokens", 0))
-    if out.finished and out.finish_reason == "stop" and new and new[-1] in job.stop_ids:
-        new = new[:-1]  # the stop token itself is not part of the text
-    if job.echo_logprobs and out.prompt_logprobs is not None:
-        job.logprobs[:0] = _prompt_items(state, job.prompt_ids, out)
-    if job.no_output:  # max_tokens 0: the token the engine had to sample is not part of the answer
-        new, job.output_tokens = [], 0
-    if job.want_logprobs:
-        tops = out.new_top_logprobs or [None] * len(new)
-        job.logprobs += [(state.decode([t]), float(lp), _alternatives(state, top))
-                         for t, lp, top in zip(new, out.new_logprobs, tops)]
-    job.text.add(new, final=out.finished)
-    if out.finished:
+def _apply(state: ServerState, job: _Job, outs: list) -> None:
+    """Feed a choice's pending engine outputs (oldest first; only the last may be finished) into it; ends
+    the choice on finish or a matched stop string. Their tokens are detokenized in one pass."""
+    new: list[int] = []
+    for out in outs:
+        ids = list(out.new_token_ids)
+        job.output_tokens += len(ids)
+        job.cached_tokens = max(job.cached_tokens, getattr(out, "num_cached_tokens", 0))
+        if out.finished and out.finish_reason == "stop" and ids and ids[-1] in job.stop_ids:
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        if job.echo_logprobs and out.prompt_logprobs is not None:
+            job.logprobs[:0] = _prompt_items(state, job.prompt_ids, out)
+        if job.no_output:  # max_tokens 0: the token the engine had to sample is not part of the answer
+            ids, job.output_tokens = [], 0
+        if job.want_logprobs:
+            tops = out.new_top_logprobs or [None] * len(ids)
+            job.logprobs += [(state.decode([t]), float(lp), _alternatives(state, top))
+                             for t, lp, top in zip(ids, out.new_logprobs, tops)]
+        new += ids
+    last = outs[-1]
+    job.text.add(new, final=last.finished)
+    if last.finished:
         job.finished = True
-        job.output_tokens = 0 if job.no_output else max(job.output_tokens, out.num_output_tokens)
-        job.finish_reason = "length" if job.no_output else "stop" if job.text.stopped else out.finish_reason
+        job.output_tokens = 0 if job.no_output else max(job.output_tokens, last.num_output_tokens)
+        job.finish_reason = "length" if job.no_output else "stop" if job.text.stopped else last.finish_reason
     elif job.text.stopped:  # the stop string matched here first; the engine need not go on
         state.loop.abort(job.request_id, "stop_string")
         job.finished, job.finish_reason = True, "stop"
@@ -760,26 +765,46 @@ def _prompt_items(state: ServerState, prompt_ids: list[int], out) -> list[tuple]
 
 
 async def _events(state: ServerState, jobs: list[_Job], q: asyncio.Queue,
-                  deadline: float | None) -> AsyncIterator[_Job]:
-    """Yield the job each output belongs to, until every job finished; RequestTimeout at `deadline`."""
+                  deadline: float | None) -> AsyncIterator[list[_Job]]:
+    """Yield the choices that got output, until every choice finished; RequestTimeout at `deadline`.
+
+    Everything already queued is taken at once: a client that fell behind the engine gets each choice's
+    new tokens as one multi-token piece (one detokenization, one SSE event), not one per engine step.
+    """
     loop = asyncio.get_running_loop()
     by_index = {j.index: j for j in jobs}
     while not all(j.finished for j in jobs):
         left = None if deadline is None else deadline - loop.time()
         if left is not None and left <= 0:
             raise RequestTimeout(state.limits.request_timeout)
-        try:
-            index, out = await asyncio.wait_for(q.get(), left)
-        except TimeoutError:
-            raise RequestTimeout(state.limits.request_timeout) from None
-        job = by_index[index]
-        if job.finished:
-            continue  # output that raced our own abort
-        if isinstance(out, BaseException):
-            job.finished = True  # the engine already dropped it
-            raise out
-        _apply(state, job, out)
-        yield job
+        if q.empty():
+            try:
+                items = [await asyncio.wait_for(q.get(), left)]
+            except TimeoutError:
+                raise RequestTimeout(state.limits.request_timeout) from None
+        else:
+            items = []
+        while not q.empty():
+            items.append(q.get_nowait())
+        pending: dict[int, list] = {}  # choice index -> its outputs, in arrival order
+        error = None
+        for index, out in items:
+            if by_index[index].finished:
+                continue  # output that raced our own abort
+            if isinstance(out, BaseException):
+                error = by_index[index], out
+                break  # the request fails: what came after does not matter
+            pending.setdefault(index, []).append(out)
+        ready = []
+        for index, outs in pending.items():
+            job = by_index[index]
+            _apply(state, job, outs)
+            ready.append(job)
+        if ready:
+            yield ready
+        if error is not None:
+            error[0].finished = True  # the engine already dropped it
+            raise error[1]
 
 
 def _usage(jobs: list[_Job]) -> dict:
@@ -860,13 +885,29 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
                   include_usage: bool, deadline: float | None) -> AsyncIterator[str]:
     created = P.now()
     obj = "chat.completion.chunk" if chat else "text_completion"
+    # Every event of this stream shares its head and tail; only the choices are encoded per event.
+    # json.dumps keeps the default ASCII escaping: no U+2028 etc. inside an SSE line.
+    head = (f'data: {{"id": {json.dumps(rid)}, "object": "{obj}", "created": {created}, '
+            f'"model": {json.dumps(state.model_name)}, "system_fingerprint": null, "choices": [')
+    tail = '], "usage": null}\n\n' if include_usage else "]}\n\n"
 
     def chunk(choices: list[dict], usage=None) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name,
                 "system_fingerprint": None, "choices": choices}
         if include_usage:
             body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"  # ASCII: no U+2028 etc. inside an SSE line
+        return f"data: {json.dumps(body)}\n\n"
+
+    def event(job: _Job, text: str, finish: str | None) -> str:
+        """One choice's SSE event; the plain case (no logprobs) from a template, not a dict."""
+        if job.want_logprobs:
+            return chunk([choice(job, text, finish)])
+        fin = "null" if finish is None else json.dumps(finish)
+        if chat:
+            body = f'"delta": {{"content": {json.dumps(text)}}}' if text else '"delta": {}'
+        else:
+            body = f'"text": {json.dumps(text)}'
+        return f'{head}{{"index": {job.index}, {body}, "logprobs": null, "finish_reason": {fin}}}{tail}'
 
     def new_logprobs(job: _Job):
         """The log-probabilities of the tokens generated since the last chunk (None unless asked for)."""
@@ -897,14 +938,18 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
             yield chunk([choice(j, "", None, first=True) for j in jobs])
         elif any(j.echo and not j.echo_logprobs for j in jobs):
             yield chunk([choice(j, j.echo, None) for j in jobs if j.echo and not j.echo_logprobs])
-        async for job in _events(state, jobs, q, deadline):
-            text = job.text.take(final=job.finished)
-            if job.echo_logprobs and job.echo:  # the echo goes out with the prompt's logprobs
-                text, job.echo = job.echo + text, ""
-            if job.finished:
-                yield chunk([choice(job, text, job.finish_reason)])
-            elif text:
-                yield chunk([choice(job, text, None)])
+        async for ready in _events(state, jobs, q, deadline):
+            events = []
+            for job in ready:
+                text = job.text.take(final=job.finished)
+                if job.echo_logprobs and job.echo:  # the echo goes out with the prompt's logprobs
+                    text, job.echo = job.echo + text, ""
+                if job.finished:
+                    events.append(event(job, text, job.finish_reason))
+                elif text:
+                    events.append(event(job, text, None))
+            if events:  # one write for all choices that moved
+                yield "".join(events)
         if include_usage:
             yield chunk([], _usage(jobs))
         yield "data: [DONE]\n\n"

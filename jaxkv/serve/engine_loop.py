@@ -2,10 +2,11 @@
 
 The engine is not thread-safe, so it is touched only by this thread: HTTP handlers send commands
 (add, abort, and `call` for anything else: segment registration, deletion, listing) through a queue, the
-thread applies them between steps, steps while anything is
-unfinished, and hands each `RequestOutput` to the event loop of the request that owns it. One HTTP
-request may own several engine requests (`n > 1`, batched prompts); they share one queue and are told
-apart by their choice index.
+thread applies them between steps, steps while anything is unfinished, and hands each step's
+`RequestOutput`s to the event loops of the requests that own them in one batch per loop (at most one
+wake-up per step however many streams run: the engine thread never waits on output processing;
+detokenization and SSE encoding happen on the event loop). One HTTP request may own several engine
+requests (`n > 1`, batched prompts); they share one queue and are told apart by their choice index.
 
 A step that raises fails only the requests it was running (they get an `EngineStepError`, their pages
 are freed) and the loop goes on; the thread stops (`alive` False, /health 503) only after
@@ -15,6 +16,7 @@ are freed) and the loop goes on; the thread stops (`alive` False, /health 503) o
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -28,6 +30,7 @@ log = logging.getLogger("jaxkv.serve")
 
 
 MAX_CONSECUTIVE_FAILURES = 8
+STATS_INTERVAL_S = 0.05  # while busy, the /metrics gauges are refreshed at most this often (exact when idle)
 DEFAULT_POLICY = "default"  # `add(kv_policy=...)` left out: the engine's own policy
 
 
@@ -59,12 +62,14 @@ class EngineLoop:
         self._metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine thread only
+        self._inboxes: dict[asyncio.AbstractEventLoop, _Inbox] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
         self._stopping = False
         self._lock = threading.Lock()
         self._inflight = 0  # engine requests submitted and not yet finished / aborted / failed
         self.error: str | None = None
         self.last_stats = None  # the latest EngineStats
+        self._stats_at = 0.0  # perf_counter of the last refresh
         self.failed_steps = 0  # since start
 
     # ---------------------------------------------------------------------------- called from asyncio
@@ -210,7 +215,7 @@ class EngineLoop:
                 else:
                     consecutive = 0
                     self._dispatch(outputs)
-                self._refresh_stats()
+                self._maybe_refresh_stats()
         except BaseException:
             self.error = traceback.format_exc()
             log.error("engine thread died:\n%s", self.error)
@@ -262,18 +267,22 @@ class EngineLoop:
             except Exception:  # a failed abort must not stop the loop for everyone
                 log.exception("engine command failed")
         if cmds:
-            self._refresh_stats()
+            self._maybe_refresh_stats()
 
     def _dispatch(self, outputs) -> None:
+        """Hand a step's outputs over in one batch per event loop (not one callback per output): at most one
+        wake-up of each loop per step, whatever the number of streams (`_Inbox`)."""
         now = time.perf_counter()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        metrics = self._metrics
         for out in outputs:
             track = self._tracks.get(out.request_id)
             if track is None:
                 continue  # aborted by the server in the meantime
             n_new = len(out.new_token_ids)
-            if self._metrics is not None and n_new:
+            if metrics is not None and n_new:
                 first = track.last is None
-                self._metrics.observe_tokens(first, now - (track.arrival if first else track.last), n_new)
+                metrics.observe_tokens(first, now - (track.arrival if first else track.last), n_new)
                 track.last = now
             item = out
             if out.finished:
@@ -281,22 +290,71 @@ class EngineLoop:
                 self._count(-1)
                 if out.finish_reason == "abort":  # dropped by the engine itself, not by us
                     item = RequestFailed(out.text or "the engine dropped the request")
-                    if self._metrics is not None:
-                        self._metrics.observe_aborted("error")
-                if self._metrics is not None:
-                    elapsed = now - track.arrival
-                    self._metrics.observe_finished(out.finish_reason, track.prompt_tokens, elapsed)
-            if not _post(track, (track.index, item)):
-                if not out.finished:  # its event loop is gone (the server is shutting down): stop it
-                    self._tracks.pop(out.request_id, None)
-                    self._count(-1)
-                    self._engine.abort(out.request_id)
+                    if metrics is not None:
+                        metrics.observe_aborted("error")
+                if metrics is not None:
+                    metrics.observe_finished(out.finish_reason, track.prompt_tokens, now - track.arrival)
+            batch = batches.get(track.loop)
+            if batch is None:
+                batch = batches[track.loop] = []
+            batch.append((track.queue, (track.index, item), out))
+        for loop, batch in batches.items():
+            inbox = self._inboxes.get(loop)
+            if inbox is None:
+                inbox = self._inboxes[loop] = _Inbox(loop)
+            if not inbox.post(batch):  # "Event loop is closed" (its server stopped): stop what runs there
+                del self._inboxes[loop]
+                for _, _, out in batch:
+                    if not out.finished and self._tracks.pop(out.request_id, None) is not None:
+                        self._count(-1)
+                        self._engine.abort(out.request_id)
+
+    def _maybe_refresh_stats(self) -> None:
+        """Refresh when idle (so /metrics is exact once requests end) or when the last is STATS_INTERVAL_S
+        old: the gauges walk every page table, too dear for every step of a busy engine."""
+        if time.perf_counter() - self._stats_at >= STATS_INTERVAL_S or not self._engine.has_unfinished():
+            self._refresh_stats()
 
     def _refresh_stats(self) -> None:
+        self._stats_at = time.perf_counter()
         self.last_stats = self._engine.stats()
         if self._metrics is not None:
             self._metrics.set_stats(self.last_stats)
             self._metrics.set_kv_stats(self._engine)
+
+
+class _Inbox:
+    """Outputs on their way to one event loop.
+
+    The engine thread appends a step's batch and wakes the loop only when no wake-up is pending already:
+    a loop that lags behind takes several steps' outputs in one callback, and the engine thread makes no
+    system call (the self-pipe write of `call_soon_threadsafe`) that would hand the GIL over mid-step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._batches: collections.deque = collections.deque()  # append / popleft are thread-safe
+        self._scheduled = False
+
+    def post(self, batch: list) -> bool:
+        """Engine thread. False when the loop is closed."""
+        self._batches.append(batch)
+        if self._scheduled:
+            return not self.loop.is_closed()
+        self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            return False
+        return True
+
+    def _drain(self) -> None:
+        """Event loop: put every waiting item into its request's queue."""
+        self._scheduled = False  # first: a batch appended from now on schedules another drain
+        batches = self._batches
+        while batches:
+            for q, item, _ in batches.popleft():
+                q.put_nowait(item)
 
 
 def _post(track: _Track, item) -> bool:
