@@ -171,6 +171,10 @@ def main(argv=None) -> int:
                    help="also time the same requests through an in-process Engine built with these "
                         "keyword arguments (match the server's sizes, e.g. '{\"max_num_seqs\": 128}'), after "
                         "the server stops: the serving overhead side by side")
+    p.add_argument("--wait-loaded", action="store_true",
+                   help="measure only once the server's background loads of kept programs are done (the "
+                        "step cache's 'kept programs loaded' line; a warm start) and report when that was")
+    p.add_argument("--server-log", default=None, help="write the server's output to this file")
     args = p.parse_args(argv)
 
     load_before = os.getloadavg()[0]
@@ -182,10 +186,19 @@ def main(argv=None) -> int:
     try:
         ready = [line for line in server.log if line.startswith("jaxkv: ") and " on " in line]
         backend = ready[0].split(" on ")[1].split(" ")[0] if ready else "?"
+        if args.wait_loaded:
+            t0 = time.perf_counter()
+            while (not any("kept programs loaded" in line for line in server.log)
+                   and any("load in the background" in line for line in server.log)
+                   and time.perf_counter() - t0 < 600):
+                time.sleep(0.2)
+            print(f"background loads done {time.perf_counter() - t0:.1f} s after ready", flush=True)
         res = measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats, procs,
                       server_cpu=lambda: proc_cpu_seconds(server.proc.pid))
     finally:
         server.stop()
+        if args.server_log:
+            Path(args.server_log).write_text("".join(server.log))
     if args.offline is not None:
         offline = offline_throughput(args.model, json.loads(args.offline), args.concurrency, args.max_tokens,
                                      args.repeats)

@@ -159,9 +159,14 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
                 cache.save(key, compiled, scratch_bytes(compiled))
     if cache is not None and background:
         pending = len(runner.compiled.pending) + len(compressor.compiled.pending)
-        engine.program_loader = threading.Thread(
-            target=lambda: (runner.compiled.load_all(), compressor.compiled.load_all()), daemon=True,
-            name="jaxkv-program-loader")
+        started = time.perf_counter()
+
+        def load_all():
+            runner.compiled.load_all()
+            compressor.compiled.load_all()
+            log.info("jaxkv: %d kept programs loaded in %.1f s", pending, time.perf_counter() - started)
+
+        engine.program_loader = threading.Thread(target=load_all, daemon=True, name="jaxkv-program-loader")
         engine.program_loader.start()
         log.info("jaxkv: %d kept programs load in the background", pending)
     engine.largest_step_scratch = largest
