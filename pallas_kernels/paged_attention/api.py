@@ -419,8 +419,9 @@ def paged_attention(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q
     head's slots are stored in non-decreasing position order (no ring), letting local heads read only their
     sink and window pages;
     with `ordered=False` every page up to the head's length is scanned (masking stays exact).
-    `implementation=None`: the Pallas kernel on a GPU; elsewhere "dense" (dense.py: one matrix product per
-    sequence) when a sequence's scores fit `dense.MAX_SCORES`, else the jnp twin ("reference").
+    `implementation=None`: the Pallas kernel on a GPU; elsewhere "dense" (dense.py: matrix products per
+    sequence, query block and tile) when the step's query rows times one tile fit `dense.MAX_SCORES`, else
+    the jnp twin ("reference").
     """
     args = (q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window)
     if implementation is None and jax.default_backend() != "gpu":

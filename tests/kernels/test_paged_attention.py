@@ -130,8 +130,8 @@ def test_bias_log_m_equals_m_copies_of_the_slot(implementation):
 
 
 def test_default_off_the_gpu_is_dense_when_it_fits():
-    """`implementation=None` on the CPU: the dense path (equal to the twin) until a sequence's scores would
-    pass dense.MAX_SCORES, then the twin."""
+    """`implementation=None` on the CPU: the dense path (equal to the twin) until a step's query rows times
+    one tile would pass dense.MAX_SCORES, then the twin; a long page list alone does not leave it."""
     from pallas_kernels.paged_attention import dense
 
     c = random_paged_case(np.random.default_rng(5), q_lens=(4, 1, 2))
@@ -143,16 +143,21 @@ def test_default_off_the_gpu_is_dense_when_it_fits():
     t, hq = c["q"].shape[:2]
     mp, ps = c["page_table"].shape[-1], c["k_pages"].shape[1]
     assert dense.fits(t, hq, mp, ps) and not dense.fits(dense.MAX_SCORES, hq, mp, ps)
+    assert dense.fits(512, 32, 1 << 16, 16)  # a 1M-slot page list, 512 queries of 32 heads
 
 
-@pytest.mark.parametrize("case", CASES[:4])
-def test_dense_path_over_many_tiles_matches_the_oracle(case, monkeypatch):
-    """The dense path over several tiles (a 4-slot tile: one page; online softmax across tiles) equals the
-    oracle, with every page past a sequence's longest head poisoned with NaN: nothing of them reaches the
-    output."""
+@pytest.mark.parametrize("q_block", [2, 256])
+@pytest.mark.parametrize("case", CASES[:4] + [((12, 1, 5), False, False, 1, None),   # long chunks
+                                                ((7, 9, 2), True, False, 1, None)])    # over rings
+def test_dense_path_over_many_tiles_matches_the_oracle(case, q_block, monkeypatch):
+    """The dense path over several tiles (a 4-slot tile: one page; online softmax across tiles) and, with
+    `q_block` 2, several query blocks (each skipping the tiles none of its queries sees: the future half of
+    a chunk's own slots, a local head's slots outside its window) equals the oracle, with every page past a
+    sequence's longest head poisoned with NaN: nothing of them reaches the output."""
     from pallas_kernels.paged_attention import dense
 
     monkeypatch.setattr(dense, "TILE_SLOTS", 4)
+    monkeypatch.setattr(dense, "Q_BLOCK", q_block)
     q_lens, ring, _, _, _ = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     c = random_paged_case(rng, q_lens=q_lens, ring=ring, page_size=4, max_pages=8)
@@ -172,3 +177,26 @@ def test_dense_path_over_many_tiles_matches_the_oracle(case, monkeypatch):
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(out, ref_out, atol=1e-4, rtol=2e-5)
+
+
+def test_dense_path_with_sequences_interleaved_across_query_blocks(monkeypatch):
+    """Queries of several sequences interleaved in one step (the contract does not ask a sequence's tokens
+    to be contiguous), split into 3-query blocks: each block sets only its own sequence's rows per pass, so
+    every row ends with its own sequence's attention."""
+    from pallas_kernels.paged_attention import dense
+
+    monkeypatch.setattr(dense, "TILE_SLOTS", 8)
+    monkeypatch.setattr(dense, "Q_BLOCK", 3)
+    c = random_paged_case(np.random.default_rng(21), q_lens=(6, 4, 5), page_size=4, max_pages=8)
+    order = np.random.default_rng(22).permutation(len(c["q_seq"]))
+    for k in ("q", "q_seq", "q_pos"):
+        c[k] = c[k][order]
+    assert len({int(s) for s in c["q_seq"][:3]}) > 1, "the first block should mix sequences"
+    sink, window = np.array([0, 2], np.int32), np.array([0, 5], np.int32)
+    ref_out, ref_lse = oracle_attention(c, sink, window, 0.25)
+    out, lse = paged_attention(*[jnp.asarray(c[k]) for k in ARGS], jnp.asarray(sink), jnp.asarray(window),
+                               scale=0.25, implementation="dense")
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isinf(np.asarray(lse)), np.isinf(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-4, rtol=2e-5)
