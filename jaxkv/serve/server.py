@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +141,17 @@ def precompile(engine, progress: bool = True, logprobs: bool = False) -> tuple[i
     waits for its load, never a compile). Returns (variants, seconds)."""
     t0 = time.perf_counter()
     n = engine.precompile(progress=progress, logprobs=logprobs, background=True)
+    loader = engine.program_loader
+    if loader is not None:
+        print(f"jaxkv: {engine.step_cache_hits} programs from the step cache load in the background",
+              flush=True)
+
+        def report():
+            loader.join()
+            print(f"jaxkv: kept programs loaded {time.perf_counter() - t0:.1f}s after precompile began",
+                  flush=True)
+
+        threading.Thread(target=report, daemon=True, name="jaxkv-loader-report").start()
     return n, time.perf_counter() - t0
 
 
