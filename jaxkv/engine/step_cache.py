@@ -24,6 +24,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -176,6 +177,7 @@ class KeptPrograms(dict):
         self.cache = cache
         self.pending: dict = {}  # signature -> key
         self._loading = False
+        self._wanted = 0  # steps waiting in `get` for a load
 
     def __bool__(self):  # callers skip an empty dict: one with programs still on disk is not empty
         return bool(len(self) or self.pending or self._loading)
@@ -183,7 +185,11 @@ class KeptPrograms(dict):
     def get(self, signature, default=None):
         exe = super().get(signature)
         if exe is None and (self.pending or self._loading):  # kept, or being loaded by the other thread
-            exe = self._load(signature)
+            self._wanted += 1  # the background loader steps aside: a step waiting on a program goes first
+            try:
+                exe = self._load(signature)
+            finally:
+                self._wanted -= 1
         if exe is None:
             exe = super().get(signature)  # stored by the other thread since the first look
         return default if exe is None else exe
@@ -203,4 +209,6 @@ class KeptPrograms(dict):
 
     def load_all(self) -> None:
         for signature in list(self.pending):
+            while self._wanted:  # a step needs a program now (the lock is not fair: let it in first)
+                time.sleep(0.001)
             self._load(signature)

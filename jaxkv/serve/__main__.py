@@ -233,8 +233,10 @@ def main(argv=None) -> int:
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    phases = {"imports": time.perf_counter() - started}  # seconds per startup phase, printed when ready
     try:
         tp = args.tensor_parallel_size
+        t0 = time.perf_counter()
         model = jaxkv.load(args.model, dtype=dtype, mesh=make_mesh(tp) if tp > 1 else None,
                            head_classes=None if args.head_classes in (None, "global") else args.head_classes)
         head_classes = args.head_classes
@@ -242,6 +244,8 @@ def main(argv=None) -> int:
             head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
         chosen = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in
                   (CPU_DEFAULTS if jax.default_backend() == "cpu" else ACCELERATOR_DEFAULTS).items()}
+        phases["load"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         sized = {}
         if args.num_pages is None:  # an accelerator: the pool from its memory (jaxkv/engine/memory.py)
             kv_bytes = device_kv_bytes(args.memory_utilization)
@@ -260,6 +264,7 @@ def main(argv=None) -> int:
                            else {"segment_host_bytes": args.segment_host_bytes}),
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None
                         else int(args.segment_ffn_cache_mb * 2**20))
+        phases["engine"] = time.perf_counter() - t0
         name = args.served_model_name or _served_name(Path(args.model))
         limits = ServeLimits(max_body_bytes=args.max_request_bytes or None,
                              request_timeout=args.request_timeout or None,
@@ -278,6 +283,7 @@ def main(argv=None) -> int:
             print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
             return 2
         state.info["precompiled_variants"] = n
+        phases["precompile"] = took
         print(f"jaxkv: precompiled {n} step variants in {took:.1f}s", flush=True)
     else:
         state.info["precompiled_variants"] = 0
@@ -293,7 +299,10 @@ def main(argv=None) -> int:
               f"{time.perf_counter() - t0:.1f}s", flush=True)
     state.info["precompiled_reuse_passes"] = reuse_passes
     if args.warmup:
+        t0 = time.perf_counter()
         warm_up(engine)
+        phases["warm-up"] = time.perf_counter() - t0
+    print("jaxkv: startup phases: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), flush=True)
     policy = "none" if engine.kv_policy is None else (
         f"{engine.kv_policy.name} (budget {engine.kv_policy.budget:g})")
     pool = engine.runner.pool
