@@ -259,7 +259,7 @@ def test_step_cache_loads_every_program_a_second_engine_needs(tmp_path):
     wrote = side("write")
     assert wrote["hits"] == 0 and wrote["kept"] == wrote["programs"] > 0
     read = side("read")
-    # only the small helper programs (page-table updates) compile again, none of the kept ones
+    # only the small page-table programs compile again, none of the kept ones
     assert read["hits"] == wrote["programs"]
     assert read["compiled_in_precompile"] == wrote["compiled_in_precompile"] - wrote["programs"]
     assert read["step_programs_compiled_while_running"] == 0
