@@ -66,3 +66,24 @@ def test_another_layout_is_refused(model, tmp_path):
     engine(model, tmp_path).register_segment(list(range(3, 20)))
     with pytest.raises(StoreMismatchError, match="page_size"):
         engine(model, tmp_path, page_size=8)
+
+
+def test_a_delete_on_one_server_reaches_another_sharing_the_store(model, tmp_path, monkeypatch):
+    """Two engines on one store: a segment one deletes is refused by the other on its next use (it checks the
+    store's commit at most every CONFIRM_EVERY_S), its pages freed; one deleted nowhere keeps serving."""
+    from jaxkv.cache.segments import SegmentError
+    from jaxkv.engine import segment_persist
+
+    rng = np.random.default_rng(1)
+    doc, kept = (rng.integers(3, model.config.vocab_size, n).tolist() for n in (13, 11))
+    a = engine(model, tmp_path)
+    sid, other = a.register_segment(doc), a.register_segment(kept)
+    b = engine(model, tmp_path)
+    assert sid in b.reuser.store and reuse_tokens(b, [sid]) == reuse_tokens(a, [sid])
+    free = b.allocator.num_free
+    a.delete_segment(sid)
+    monkeypatch.setattr(segment_persist, "CONFIRM_EVERY_S", 0.0)
+    with pytest.raises(SegmentError, match="was deleted"):
+        b.add_reuse_request([5, 6, 7], [sid], [9, 10, 11], reuse="naive", sampling=GREEDY)
+    assert sid not in b.reuser.store and b.allocator.num_free > free  # its pages came back
+    assert reuse_tokens(b, [other]) == reuse_tokens(a, [other])

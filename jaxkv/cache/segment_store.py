@@ -154,6 +154,11 @@ class SegmentStore:
         """A committed segment's metadata, or None."""
         return self._read_json(f"segments/{segment_id}/meta.json")
 
+    def committed(self, segment_id: str) -> bool:
+        """Whether the segment's commit is in the store (a listing of one key: its metadata is not read)."""
+        key = f"segments/{segment_id}/meta.json"
+        return bool(self._kv.list(self._ts.KvStore.KeyRange(key, key + "\0")).result())
+
     def list(self) -> list[dict]:
         """Metadata of every committed segment (uncommitted leftovers are skipped)."""
         out = []

@@ -82,6 +82,7 @@ class SegmentStore:
         self.evictions = 0
         self.on_drop = None  # called with each entry that leaves the store (its other tiers go with it)
         self.on_miss = None  # seg_id -> entry or None: a lower tier (the persistent store) may hold it
+        self.on_hit = None  # entry -> False when a lower tier says it was deleted elsewhere (another server)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,6 +112,12 @@ class SegmentStore:
         e = self._entries.get(seg_id)
         if e is None and seg_id not in self._deleted and self.on_miss is not None:
             e = self.on_miss(seg_id)
+        if e is not None and not e.deleted and self.on_hit is not None and not self.on_hit(e):
+            self._deleted.add(seg_id)  # deleted by another server sharing the persistent store
+            if e.refcount == 0:
+                self._drop(e)
+            else:
+                e.deleted = True
         if e is None or e.deleted:
             if seg_id in self._deleted:
                 raise SegmentError(f"segment {seg_id!r} was deleted")

@@ -12,6 +12,7 @@ layers, KV heads, head dim): another model or layout is refused with `StoreMisma
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from jaxkv.cache.segment_store import CorruptSegmentError, SegmentStore, StoredS
 from jaxkv.cache.segments import SegmentError
 
 log = logging.getLogger("jaxkv.engine")
+
+
+CONFIRM_EVERY_S = 1.0  # how stale this engine's view of another server's deletes may be
 
 
 class PersistentSegments:
@@ -32,7 +36,9 @@ class PersistentSegments:
                          "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
         self.disk = SegmentStore(url, self.identity)
         reuser.store.on_miss = self.find
+        reuser.store.on_hit = self.live
         self.ids: set[str] = set()  # segments of this engine committed to the store
+        self._confirmed: dict[str, float] = {}  # segment id -> when its commit was last seen
         self.bytes_written = 0
         self.bytes_read = 0
 
@@ -57,6 +63,25 @@ class PersistentSegments:
     def delete(self, segment_id: str) -> None:
         self.disk.delete(segment_id)
         self.ids.discard(segment_id)
+        self._confirmed.pop(segment_id, None)
+
+    def live(self, entry) -> bool:
+        """False when the store no longer commits a segment this engine had from it: another server sharing
+        the store deleted it (this engine then forgets it too). Checked on use, at most every
+        `CONFIRM_EVERY_S` seconds per segment (a listing of one key)."""
+        sid = entry.segment_id
+        if sid not in self.ids:
+            return True
+        now = time.monotonic()
+        if now - self._confirmed.get(sid, -CONFIRM_EVERY_S) < CONFIRM_EVERY_S:
+            return True
+        if not self.disk.committed(sid):
+            self.ids.discard(sid)
+            self._confirmed.pop(sid, None)
+            log.info("jaxkv: segment %s was deleted from the segment store by another server", sid)
+            return False
+        self._confirmed[sid] = now
+        return True
 
     def restore(self) -> int:
         """Registers every committed segment of the store (no prefill): frozen ones in their pinned tier,
