@@ -81,6 +81,10 @@ class Compressor:
         signature, fn, args, static = self.call(pol, S, P)
         return signature, fn.lower(*args, **static)
 
+    def install(self, signature, compiled) -> None:
+        """A compiled program where `compress` looks first (`warmup.precompile`)."""
+        self.compiled[signature] = compiled
+
     def precompile_policies(self) -> list[CompressPolicy]:
         """Every registered compression press this engine can run, with its default fields (one that needs
         files this model lacks, or a per-slot bias the engine was built without, is left out)."""

@@ -90,8 +90,7 @@ class StepCache:
     def __init__(self, directory: str | os.PathLike, fingerprint: str):
         self.dir = Path(directory)
         self.fingerprint = hashlib.sha256((environment() + "|" + fingerprint).encode()).hexdigest()
-        self.hits = self.misses = self.errors = 0
-        self._lock = threading.Lock()  # `load` runs on compile threads
+        self.hits = self.misses = self.errors = 0  # loads run one at a time (`_LOAD_LOCK` or precompile)
 
     @classmethod
     def for_engine(cls, engine, directory: str | os.PathLike | None = None) -> StepCache | None:
@@ -123,8 +122,7 @@ class StepCache:
         try:
             data = path.read_bytes()
         except OSError:
-            with self._lock:
-                self.misses += 1
+            self.misses += 1
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(data)
@@ -132,11 +130,9 @@ class StepCache:
         except Exception as e:  # noqa: BLE001 - a stale or damaged entry is a miss, compiled again
             log.warning("jaxkv: step cache entry %s unreadable (%s); compiling it again", path.name,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
-            with self._lock:
-                self.errors += 1
+            self.errors += 1
             return None
-        with self._lock:
-            self.hits += 1
+        self.hits += 1
         return compiled
 
     def has(self, key: str) -> bool:

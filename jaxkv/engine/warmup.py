@@ -87,10 +87,9 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
     from jaxkv.engine.step_cache import KeptPrograms, StepCache
 
     runner, compressor = engine.runner, engine.compressor
-    jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.install)
-            for v in variants(engine, logprobs)]
-    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j),
-              lambda sig, exe: compressor.compiled.__setitem__(sig, exe))
+    # (variant, its call, the owner whose `compiled` its program goes to: runner or compressor)
+    jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner) for v in variants(engine, logprobs)]
+    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j), compressor)
              for pol, s, p in press_programs(engine, presses)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
@@ -101,12 +100,12 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
     largest = (0, None)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
         calls = []
-        for variant, call, install in jobs:
+        for variant, call, owner in jobs:
             if stop_near_map_cap(len(calls), len(jobs)):
                 break
             signature, fn, args, static = call()
             key = cache.key(fn, args, static) if cache is not None else None
-            calls.append((variant, install, signature, fn, args, static, key))
+            calls.append((variant, owner, signature, fn, args, static, key))
         done = len(calls)
         # programs kept by an earlier start load here (or later, `background`), one at a time (loads on
         # parallel threads failed on an H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing
@@ -114,38 +113,36 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
         if cache is not None and background:
             for owner in (runner, compressor):
                 owner.compiled = KeptPrograms(owner.compiled, cache)
-            kept = []
-            for variant, install, signature, *_, key in calls:
-                if cache.has(key):
-                    owner = runner if install == runner.install else compressor
+            kept = [True if cache.has(c[-1]) else None for c in calls]
+            for (variant, owner, signature, *_, key), later in zip(calls, kept):
+                if later:
                     owner.compiled.pending[signature] = key
                     largest = max(largest, (cache.scratch(key), variant), key=lambda x: x[0])
                     bar.update()
-                kept.append(True if cache.has(key) else None)
         else:
             kept = [cache.load(c[-1]) for c in calls] if cache is not None else [None] * done
         futures, built = [], []
-        for (variant, install, signature, fn, args, static, key), compiled in zip(calls, kept):
+        for (variant, owner, signature, fn, args, static, key), compiled in zip(calls, kept):
             if compiled is True:  # loads later
                 continue
             if compiled is not None:
-                install(signature, compiled)
+                owner.install(signature, compiled)
                 largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
                 bar.update()
                 continue
             lowered = fn.lower(*args, **static)
             fut = pool.submit(lowered.compile)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
-            futures.append((variant, install, signature, lowered, fut, key))
+            futures.append((variant, owner, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {len(futures)}", refresh=False)
-        for variant, install, signature, lowered, fut, key in futures:
+        for variant, owner, signature, lowered, fut, key in futures:
             try:
                 compiled = fut.result()
             except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
                 log.warning("jaxkv: compiling step variant %s failed on a compile thread (%s); compiling it "
                             "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 compiled = lowered.compile()
-            install(signature, compiled)
+            owner.install(signature, compiled)
             built.append((key, compiled))
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
     bar.close()
