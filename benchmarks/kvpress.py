@@ -69,6 +69,10 @@ METHODS = {
     # attention) with no recent share. Same family, different formula.
     "h2o": ("h2o", {"window": 64, "sink": 0, "recent_fraction": 0.5}, "ObservedAttentionPress", {}, None),
     "hardkv": ("hardkv", {}, None, {}, None),
+    "hardkv_nomerge": ("hardkv", {"merge": False}, None, {}, None),
+    # retrieval policies (full cache held, a per-step selection of `budget` x prompt tokens per KV head read)
+    "quest": ("quest", {}, None, {}, None),
+    "specontext": ("specontext", {}, None, {}, None),
     "expected_attention": (None, {}, "ExpectedAttentionPress", {}, None),
     "knorm": (None, {}, "KnormPress", {}, None),
 }
@@ -312,6 +316,7 @@ def cmd_accuracy(args, model):
         presses = [press_spec(m, b, f"{m}@{b}") for m, b in cells if METHODS[m][2] is not None]
         presses += [None] if args.full else []
         req = {"model": str(hf_checkpoint(args.model, args.hf_dir)), "mode": "generate", "presses": presses,
+               "device": args.device,
                "prompts": [{"ids": p["ids"], "max_new": p["max_new"]} for p in ps], "stop_ids": list(stop)}
         t0 = time.perf_counter()
         res = run_kvpress(args.kvpress_python, req, args.threads) if presses else {"results": []}
@@ -329,9 +334,12 @@ def cmd_accuracy(args, model):
         ours += [("engine", None)] if args.full else []
         for m, b in ours:
             fields = {} if b is None else {"budget": b} | METHODS[m][1]
-            if m == "hardkv" and args.hardkv_calibration:
+            name = METHODS[m][0] if m in METHODS else m  # "engine": the full cache through the engine
+            if name == "hardkv" and args.hardkv_calibration:
                 fields["calibration"] = args.hardkv_calibration
-            meth = get_method(m, model, **fields)
+            if m == "specontext" and args.retrieval_head:
+                fields["head_dir"] = args.retrieval_head
+            meth = get_method(name, model, **fields)
             t0 = time.perf_counter()
             for p in ps:
                 enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -513,6 +521,10 @@ def main(argv=None):
                     "kvpress side (default: the system temp directory)")
     ap.add_argument("--hardkv-calibration", help="HARD-KV temperatures file (tools.calibrate_hardkv); "
                     "default: solved online per request, as `hardkv` does with no file beside the model")
+    ap.add_argument("--retrieval-head", help="SpeContext's retrieval head directory (tools.distil_retrieval_head "
+                    "--export); default: the one shipped beside the model")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the kvpress side runs (auto: a GPU when torch sees one)")
     ap.add_argument("--out", help="JSON report path")
     args = ap.parse_args(argv)
     args.tasks = args.tasks.split(",")
@@ -526,6 +538,10 @@ def main(argv=None):
         if args.out:
             write_json(args.out, report)
         return
+    import jax
+
+    if jax.default_backend() != "cpu":  # float32 matmuls in float32 (not TF32), as the kvpress side runs them
+        jax.config.update("jax_default_matmul_precision", "highest")
     METHODS["adakv"][1]["alpha"] = args.adakv_alpha
     METHODS["adakv"][4]["kwargs"]["alpha_safeguard"] = args.adakv_alpha
     import jaxkv

@@ -6,7 +6,7 @@ a JSON answer on stdout; the token ids come from the caller, so both sides see e
 
 Request::
 
-    {"model": DIR, "threads": 1, "mode": "kept" | "generate",
+    {"model": DIR, "threads": 1, "device": "auto" | "cpu" | "cuda", "mode": "kept" | "generate",
      "presses": [{"label": "snapkv", "press": "SnapKVPress", "kwargs": {...},
                   "wrap": null | {"press": "AdaKVPress", "kwargs": {"alpha_safeguard": 0.2}}}],
      "prompts": [{"ids": [...], "max_new": 16}], "stop_ids": [2, 7]}
@@ -78,7 +78,7 @@ def capture(press, n_layers):
         k_out, v_out = orig_compress(module, hidden_states, keys, values, attentions, kwargs)
         if isinstance(press, kvpress.AdaKVPress):
             n = keys.shape[2]
-            keep = torch.ones(keys.shape[1], n, dtype=torch.bool)
+            keep = torch.ones(keys.shape[1], n, dtype=torch.bool, device=keys.device)
             _, heads, seqs = module.masked_key_indices
             keep[heads, seqs] = False
             rec["kept"][module.layer_idx] = [torch.nonzero(k).flatten().tolist() for k in keep]
@@ -94,7 +94,7 @@ def run_kept(model, spec, ids):
     press = make_press(spec)
     rec = capture(press, model.config.num_hidden_layers)
     with torch.no_grad(), press(model):
-        model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
+        model.model(input_ids=torch.tensor([ids], device=model.device), past_key_values=DynamicCache())
     return {"kept": rec["kept"],
             "scores": [s.tolist() if s is not None else None for s in rec["scores"]]}
 
@@ -102,19 +102,20 @@ def run_kept(model, spec, ids):
 def run_generate(model, spec, ids, max_new, stop_ids):
     press = make_press(spec) if spec else None
     cache = DynamicCache()
+    dev = model.device
     t0 = time.perf_counter()
     with torch.no_grad():
         if press is not None:
             with press(model):
-                out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
+                out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, logits_to_keep=1)
         else:
-            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
+            out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, logits_to_keep=1)
         held = [cache.get_seq_length(i) for i in range(len(cache))]
         toks = [int(out.logits[0, -1].argmax())]
         pos = len(ids)
         while len(toks) < max_new and toks[-1] not in stop_ids:
-            out = model(input_ids=torch.tensor([[toks[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[pos]]))
+            out = model(input_ids=torch.tensor([[toks[-1]]], device=dev), past_key_values=cache,
+                        position_ids=torch.tensor([[pos]], device=dev))
             pos += 1
             toks.append(int(out.logits[0, -1].argmax()))
     return {"tokens": toks, "cache_lengths": held, "seconds": time.perf_counter() - t0}
@@ -132,6 +133,11 @@ def main(argv=None):
                          "(benchmarks/setup_kvpress_venv.sh)")
     req = json.load(sys.stdin)
     torch.set_num_threads(int(req.get("threads", 1)))
+    device = req.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 as float32, as our side computes it
+    torch.backends.cudnn.allow_tf32 = False
     models = {}
 
     def model_for(spec):
@@ -139,10 +145,11 @@ def main(argv=None):
         impl = "eager" if spec and spec["press"] in EAGER_PRESSES else "sdpa"
         if impl not in models:
             models[impl] = LlamaForCausalLM.from_pretrained(req["model"], dtype=torch.float32,
-                                                            attn_implementation=impl).eval()
+                                                            attn_implementation=impl).to(device).eval()
         return models[impl]
 
     res = {"kvpress_version": getattr(kvpress, "__version__", None), "torch": torch.__version__,
+           "device": device,
            "results": []}
     import transformers
 

@@ -55,11 +55,17 @@ def build_teacher_data(model, args) -> dict:
     xs, xqs, qs, ts, names = [], [], [], [], []
     contexts = [int(c) for c in str(args.context).split(",")]
     t = max(contexts)  # every sequence padded to the longest (causal: padding is never seen)
+    mix = args.tasks.split(",") if args.tasks else TASK_MIX
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     for i in tqdm(range(args.num_seqs), desc="teacher", file=sys.stderr):
-        task, ctx = TASK_MIX[i % len(TASK_MIX)], contexts[i % len(contexts)]
-        inst = tasks.make_instance(task, ctx, SEED_BASE + args.seed, i)
-        ids = tok.encode(inst.prompt, add_special_tokens=False)
-        full = ids + tok.encode(inst.target, add_special_tokens=False)
+        task, ctx = mix[i % len(mix)], contexts[i % len(contexts)]
+        if task.startswith("real_"):  # built with the model's tokenizer and chat frame, as jaxkv.eval does
+            (inst,) = tasks.make_instances(task, ctx, 1, seed=SEED_BASE + args.seed + i, tokenizer=tok)
+            ids = enc(inst.prefix) + [t for s in inst.segments for t in enc(s)] + enc(inst.suffix)
+        else:
+            inst = tasks.make_instance(task, ctx, SEED_BASE + args.seed, i)
+            ids = enc(inst.prompt)
+        full = ids + enc(inst.target)
         full = full[:t]
         qidx = query_positions(len(ids), len(full), args.queries, rng)
         toks = np.pad(np.asarray(full, np.int32), (0, t - len(full)))[None]
@@ -224,6 +230,9 @@ def main(argv=None) -> None:
                     help="keys read the stream after N layers (> --tap-layer: a lagged head whose query adds "
                          "the previous token's key stream; default: the tap layer)")
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension (default: the model's)")
+    ap.add_argument("--tasks", default=None,
+                    help="comma-separated task mixture of the teacher sequences (default: the embedded model's "
+                         "synthetic tasks; real-text tasks such as real_niah_multikey,real_vt for any model)")
     ap.add_argument("--context", default="2048", help="context(s) of the teacher sequences, e.g. 2048,8192")
     ap.add_argument("--num-seqs", type=int, default=96)
     ap.add_argument("--queries", type=int, default=64, help="query positions per sequence")

@@ -149,6 +149,10 @@ class EngineMethod(Method):
                                   head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy)
         return self._engine
 
+    def _request_policy(self, num_prompt: int):
+        """The KV policy of one request of `num_prompt` tokens (None: the engine's own)."""
+        return None
+
     def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
         from jaxkv.sampling import SamplingParams
 
@@ -163,7 +167,7 @@ class EngineMethod(Method):
                             ignore_eos=True)
         free0 = eng.allocator.num_free
         t0 = time.perf_counter()
-        rid = eng.add_request(ids, sp)
+        rid = eng.add_request(ids, sp, kv_policy=self._request_policy(len(ids)))
         out, ttft, peak_pages, loaded_slots = [], None, 0, 0
         while eng.has_unfinished():
             for o in eng.step():

@@ -1,7 +1,8 @@
 """Retrieval methods in the eval harness, through the serving engine: ``specontext`` (B = 1024),
 ``specontext_256`` / ``_512``, and ``quest`` (B = 1024).
 
-Each is the engine method (`jaxkv.eval.methods.EngineMethod`: the paged engine that serves, all heads
+A budget below 1 is a fraction of each prompt (rounded up to a multiple of 64 tokens), as the compression
+presses take it. Each is the engine method (`jaxkv.eval.methods.EngineMethod`: the paged engine that serves, all heads
 global) with the retrieval policy as its `kv_policy` (jaxkv/engine/retrieval.py): full-attention prefill,
 then greedy multi-step decoding in which attention reads only the policy's selection per KV head.
 SpeContext's head is the one shipped beside the model (``<model>/retrieval_head``). Nothing is evicted:
@@ -14,6 +15,7 @@ docs/policies.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxkv.eval import metrics
 from jaxkv.eval.methods import EngineMethod, PromptPieces, register_method
@@ -21,14 +23,27 @@ from jaxkv.eval.methods import EngineMethod, PromptPieces, register_method
 
 class RetrievalEngineMethod(EngineMethod):
     budget = 1024
+    BUDGET_STEP = 64  # a fraction budget rounds up to this many tokens, so prompts of one length class share
+    # a compilation (the selection size is a static shape)
 
     def __init__(self, model, budget: float | None = None, **policy_fields):
         budget = self.budget if budget is None else budget
-        if budget != int(budget) or budget < 1:
-            raise ValueError(f"method {self.name!r}: --budget is tokens per KV head, a positive integer "
-                             f"(got {budget})")
-        super().__init__(model, budget=int(budget), **policy_fields)
+        if not (0 < budget < 1 or (budget == int(budget) and budget >= 1)):
+            raise ValueError(f"method {self.name!r}: --budget is tokens per KV head (a positive integer) or a "
+                             f"fraction of the prompt in (0, 1) (got {budget})")
+        self.fraction = float(budget) if budget < 1 else None
+        super().__init__(model, budget=self.BUDGET_STEP if self.fraction else int(budget), **policy_fields)
         self.policy.load_params(model)  # fail early (e.g. no retrieval head beside the model)
+
+    def _tokens(self, num_prompt: int) -> int:
+        if self.fraction is None:
+            return self.policy.budget
+        return max(1, math.ceil(self.fraction * num_prompt / self.BUDGET_STEP)) * self.BUDGET_STEP
+
+    def _request_policy(self, num_prompt: int):
+        if self.fraction is None:
+            return None
+        return dataclasses.replace(self.policy, budget=self._tokens(num_prompt))
 
     def _dense_layers(self) -> int:
         pol = self.policy
@@ -38,13 +53,14 @@ class RetrievalEngineMethod(EngineMethod):
         out = super().run(pieces, max_new_tokens, stop_ids)
         cfg = self.model.config
         n = len(pieces.ids)
+        budget = self._tokens(n)
         item = self._engine.runner.pool.k.dtype.itemsize
         dense = self._dense_layers()
         per_layer = metrics.kv_bytes(cfg, 1, item) // cfg.num_layers  # one token, one layer, all KV heads
         loaded = metrics.kv_bytes(cfg, n * (n + 1) // 2, item)
         for step in range(1, len(out.token_ids)):
             length = n + step
-            sparse = (cfg.num_layers - dense) * min(self.policy.budget, length)
+            sparse = (cfg.num_layers - dense) * min(budget, length)
             loaded += per_layer * (dense * length + sparse)
         return dataclasses.replace(out, kv_bytes_loaded=loaded)
 

@@ -243,6 +243,9 @@ class SpeContext(RetrievalPolicy):
     # the match; docs/specontext.md "Successor spread"). 0 = the paper's rule.
     spread: int = 0
     spread_weight: float = 1.0
+    # The head's directory (`save_head`'s layout); "" = the one shipped beside the model. A model loaded from
+    # a GGUF file or a catalog name has no directory of its own to ship one in.
+    head_dir: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -284,7 +287,7 @@ class SpeContext(RetrievalPolicy):
         return write_keys(head, state, x, positions)[0]
 
     def load_params(self, model) -> RetrievalHead:
-        return load_for_model(model)
+        return load_head(self.head_dir, model) if self.head_dir else load_for_model(model)
 
     def observe_tokens(self, head: RetrievalHead, state, x, positions, rows):
         rows = jnp.where(rows >= 0, rows, key_cache(state).shape[0])  # out of bounds: dropped
