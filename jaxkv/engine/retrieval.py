@@ -81,42 +81,10 @@ def gathered_attention(q, k, v, kpos, q_pos, *, window: int, scale: float):
     return out.reshape(s, hq, d).astype(q.dtype)
 
 
-def init_summary(pool):
-    """Per-page key bounds (kmin, kmax) [num_pages, D] in the pool's dtype (empty: +inf / -inf)."""
-    n, _, d = pool.k.shape
-    return (jnp.full((n, d), jnp.inf, pool.k.dtype), jnp.full((n, d), -jnp.inf, pool.k.dtype))
-
-
-def update_summary(summary, k, slots, page_size: int):
-    """Folds one layer's new keys k [T, Hkv, D] at flat slots [T, Hkv] (-1 = skipped) into the per-page
-    bounds. A write at a page's offset 0 is the page's first (the engine fills a global head's pages in
-    order), so it resets the page (a page reused after another sequence freed it starts clean)."""
-    kmin, kmax = summary
-    n, d = kmin.shape
-    flat = slots.reshape(-1)
-    page = jnp.where(flat >= 0, flat // page_size, n)  # out of bounds: dropped
-    first = jnp.where((flat >= 0) & (flat % page_size == 0), page, n)
-    kk = k.reshape(-1, d).astype(kmin.dtype)
-    kmin = kmin.at[first].set(jnp.inf, mode="drop").at[page].min(kk, mode="drop")
-    kmax = kmax.at[first].set(-jnp.inf, mode="drop").at[page].max(kk, mode="drop")
-    return kmin, kmax
-
-
-def _quest_pages(policy, pool, summary, pt, lengths, q, q_pos):
-    """Quest's read set of one layer from the maintained per-page bounds: pt [S, Hkv, P], lengths [S, Hkv]
-    -> (k, v [S, Hkv, n * ps, D], kpos [S, Hkv, n * ps]). Reads 2 x D bound values per page, then the
-    K/V of the selected pages only."""
-    ps = pool.page_size
-    s, hkv, p = pt.shape
-    ptc = jnp.maximum(pt, 0)
-    j = jnp.arange(p * ps, dtype=jnp.int32).reshape(p, ps)
-    valid = (j < lengths[..., None, None]) & (pt >= 0)[..., None]  # [S, Hkv, P, ps]
-    kmin, kmax = summary[0][ptc].astype(jnp.float32), summary[1][ptc].astype(jnp.float32)
-    scores = policy.page_scores(q, kmin, kmax)
-    idx, count = policy.select_pages(scores, lengths, ps, q_pos)  # [S, Hkv, n]
-    pages = jnp.take_along_axis(ptc, idx, axis=-1)
-    keep = (jnp.arange(idx.shape[-1]) < count[..., None])[..., None] & jnp.take_along_axis(
-        valid, idx[..., None], axis=2)  # [S, Hkv, n, ps]
+def _read_pages(pool, pages, keep):
+    """The K/V of the pages a layer-wise method picked: pages [S, Hkv, n] ids, keep [S, Hkv, n, ps] ->
+    (k, v [S, Hkv, n * ps, D], kpos [S, Hkv, n * ps], -1 where not kept)."""
+    s, hkv = pages.shape[:2]
     d = pool.k.shape[-1]
     k = pool.k[pages].reshape(s, hkv, -1, d)
     v = pool.v[pages].reshape(s, hkv, -1, d)
@@ -258,24 +226,27 @@ def _merge_own(out, lse, q, k, v, scale):
     return merge(out, lse, q, k, v, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "attn_impl", "greedy", "fresh_heads", "mesh"),
-                   donate_argnames=("pool", "rstate", "summary"))
-def _step_tap(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
-              fresh_heads=None, mesh=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "page_state", "attn_impl", "greedy",
+                                             "fresh_heads", "mesh"),
+                   donate_argnames=("pool", "rstate", "pstate"))
+def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
+              greedy=False, fresh_heads=None, mesh=None):
     """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
     head_class_prefill) plus the retrieval state's key write at the key layer of `policy` (None: no
-    state) and, with `summary`, the per-page key bounds of every key written. `mesh`: per shard
+    state) and, with `pstate`, every key written folded into that per-page state (`page_state`, the class
+    a method declares as `RetrievalPolicy.page_state`). `mesh`: per shard
     (`jaxkv.parallel.methods.sharded_step_tap`)."""
-    static = dict(cfg=cfg, policy=policy, attn_impl=attn_impl, greedy=greedy, fresh_heads=fresh_heads)
+    static = dict(cfg=cfg, policy=policy, page_state=page_state, attn_impl=attn_impl, greedy=greedy,
+                  fresh_heads=fresh_heads)
     if mesh is not None:
         from jaxkv.parallel.methods import sharded_step_tap
 
-        return sharded_step_tap(_step_tap_body, params, pool, b, rstate, head, summary, mesh=mesh, **static)
-    return _step_tap_body(params, pool, b, rstate, head, summary, **static)
+        return sharded_step_tap(_step_tap_body, params, pool, b, rstate, head, pstate, mesh=mesh, **static)
+    return _step_tap_body(params, pool, b, rstate, head, pstate, **static)
 
 
-def _step_tap_body(params, pool, b, rstate, head, summary, cfg, policy, attn_impl=None, greedy=False,
-                   fresh_heads=None, tp=False):
+def _step_tap_body(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
+                   greedy=False, fresh_heads=None, tp=False):
     """`_step_tap` on one device, or on one shard with `tp` (the O / down projections all-reduced, the
     logits gathered; the retrieval state, replicated, is written alike on every shard)."""
     scale = cfg.head_dim ** -0.5
@@ -286,10 +257,10 @@ def _step_tap_body(params, pool, b, rstate, head, summary, cfg, policy, attn_imp
     fresh = fresh_attend(fresh_heads, scale, tp=tp) if fresh_heads is not None else None
 
     def attend(layer, q, k, v, state):
-        pool, summary = state
+        pool, pstate = state
         pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
-        if summary is not None:
-            summary = update_summary(summary, k[0], b["slots"][:, layer], pool.page_size)
+        if pstate is not None:
+            pstate = page_state.update(pstate, k[0], b["slots"][:, layer], pool.page_size)
         if fresh is not None:
             out = fresh(layer, q[0], k[0], v[0])
         else:
@@ -297,7 +268,7 @@ def _step_tap_body(params, pool, b, rstate, head, summary, cfg, policy, attn_imp
                 q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
                 b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
                 implementation=attn_impl)
-        return out[None], (pool, summary)
+        return out[None], (pool, pstate)
 
     # The layer loop in two ranges around the tap (the state's key write before `key_layer`): with
     # `SharedLayers` both run the one traced layer body.
@@ -305,14 +276,14 @@ def _step_tap_body(params, pool, b, rstate, head, summary, cfg, policy, attn_imp
     pos = b["positions"][None]
     run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos, freqs=freqs,
                             attend=attend, reduce=_reduce(tp))
-    x, (pool, summary) = run(x=x, state=(pool, summary), stop=key_layer)
+    x, (pool, pstate) = run(x=x, state=(pool, pstate), stop=key_layer)
     if key_layer < cfg.num_layers:
         rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
-    x, (pool, summary) = run(x=x, state=(pool, summary), start=key_layer)
+    x, (pool, pstate) = run(x=x, state=(pool, pstate), start=key_layer)
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
     tokens, logprobs = _sample(logits, b, greedy)
-    return tokens, logprobs, pool, rstate, summary
+    return tokens, logprobs, pool, rstate, pstate
 
 
 def _reduce(tp: bool):
@@ -327,13 +298,13 @@ def _logits(params, cfg, hidden, tp: bool):
     return logits(params, cfg, hidden, tp)
 
 
-def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg, policy, attn_impl=None,
+def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg, policy, attn_impl=None,
                          greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0, mesh=None,
                          tp=False):
     """K decode steps in one lax.scan, attention over the policy's selection (module docstring) ->
     tokens, logprobs, ran [K, S], last [S] (each row's last sampled token), per-step stats [K, S, 3]
     (shared policies: slots selected, of them held by the buffer already, rows loaded from the host), rows
-    moved per step [K, 2] (host, device), pool, rstate, summary, sbuf.
+    moved per step [K, 2] (host, device), pool, rstate, pstate, sbuf.
 
     Shared policies keep the selection in `sbuf` (`host_tier.SelBuffer`, rows ``d["head_rows"]``; a row
     whose ``d["known"]`` is False starts empty) and load only its difference each step, `chunk` rows per
@@ -349,7 +320,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         from jaxkv.parallel.methods import sharded_retrieval_decode
 
         return sharded_retrieval_decode(
-            _decode_retrieval_fn, params, pool, d, rstate, head, summary, sbuf, host, mesh=mesh, cfg=cfg,
+            _decode_retrieval_fn, params, pool, d, rstate, head, pstate, sbuf, host, mesh=mesh, cfg=cfg,
             policy=policy, attn_impl=attn_impl, greedy=greedy, local_layers=local_layers, chunk=chunk,
             inplace=inplace, overlap=overlap)
     s = d["tokens"].shape[0]
@@ -366,7 +337,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
     deferred = shared
     use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
     n_layers = cfg.num_layers
-    first = min(policy.tap_layer(head) if shared else policy.dense_layers, n_layers)
+    first = min(policy.tap_layer(head), n_layers)
     key_layer = policy.key_layer(head) if shared else first  # > first: a lagged head records after selecting
     hkv = cfg.num_kv_heads
     # Per-layer differences as data: ring heads [L, Hkv], windows [L] (Python ints for a static layer).
@@ -390,7 +361,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         sbuf = host_tier.forget_rows(sbuf, forget)
 
     def body(carry, xs):
-        (pool, summary, sbuf), rstate, tok, done = carry
+        (pool, pstate, sbuf), rstate, tok, done = carry
         k, slots, lengths, prev_lengths, active = xs
         live = active & ~done
         positions = d["positions"] + k
@@ -416,16 +387,16 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
                 return merge(out) if has_local[layer] else out
             return jax.lax.cond(jnp.asarray(has_local)[layer], merge, lambda o: o, out)
 
-        def write(layer, kk, vv, pool, summary, ks, vs):
+        def write(layer, kk, vv, pool, pstate, ks, vs):
             """The token's K/V: kept for the one scatter after the last layer (deferred) or written now."""
             if deferred:
                 ks = ks.at[layer].set(kk[:, 0].astype(ks.dtype))
                 vs = vs.at[layer].set(vv[:, 0].astype(vs.dtype))
             else:
                 pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
-            if summary is not None:
-                summary = update_summary(summary, kk[:, 0], slots[:, layer], pool.page_size)
-            return pool, summary, ks, vs
+            if pstate is not None:
+                pstate = policy.page_state.update(pstate, kk[:, 0], slots[:, layer], pool.page_size)
+            return pool, pstate, ks, vs
 
         def full_attention(layer, qq, own_k, own_v, pool):
             def full(now, before):
@@ -439,22 +410,22 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
 
         def dense_attend(layer, q, kk, vv, state):
             """Layers before the tap: attention over the whole pool."""
-            pool, summary, sbuf, ks, vs = state
+            pool, pstate, sbuf, ks, vs = state
             own_k, own_v = kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype)
-            pool, summary, ks, vs = write(layer, kk, vv, pool, summary, ks, vs)
+            pool, pstate, ks, vs = write(layer, kk, vv, pool, pstate, ks, vs)
             full = full_attention(layer, q[:, 0], own_k, own_v, pool)
-            return full(lengths[:, layer], prev_lengths[:, layer])[:, None], (pool, summary, sbuf, ks, vs)
+            return full(lengths[:, layer], prev_lengths[:, layer])[:, None], (pool, pstate, sbuf, ks, vs)
 
         def select_attend(layer, q, kk, vv, state):
             """Layers from the tap on: attention over the selection (shared) or the layer's top pages
             (layer-wise); a shared policy's state pairs the common state with this layer's buffer item
             (k, v, pending host rows)."""
             if shared:
-                (pool, summary, sbuf, ks, vs), item = state
+                (pool, pstate, sbuf, ks, vs), item = state
             else:
-                pool, summary, sbuf, ks, vs = state
+                pool, pstate, sbuf, ks, vs = state
             own_k, own_v = kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype)
-            pool, summary, ks, vs = write(layer, kk, vv, pool, summary, ks, vs)
+            pool, pstate, ks, vs = write(layer, kk, vv, pool, pstate, ks, vs)
             qq = q[:, 0]
             window = window_of(layer)
             if shared and inplace:  # the selected slots read in the pool, then the token by the lse
@@ -480,13 +451,14 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
                 out = _merge_own(out, lse, qq, own_k, own_v, scale)
                 item = (one.k[0], one.v[0], pending)
             else:
-                kq, vq, kpos = _quest_pages(policy, pool, summary, pt_all[:, layer], lengths[:, layer], qq,
-                                            positions)
+                pages, keep = policy.read_pages(pstate, pt_all[:, layer], lengths[:, layer], qq, positions,
+                                                pool.page_size)
+                kq, vq, kpos = _read_pages(pool, pages, keep)
                 kpos = jnp.where(live[:, None, None], kpos, -1)
                 out = gathered_attention(qq, kq, vq, kpos, positions, window=window, scale=scale)
             if any_local:
                 out = ring_heads(layer, out, full_attention(layer, qq, own_k, own_v, pool))
-            state = (pool, summary, sbuf, ks, vs)
+            state = (pool, pstate, sbuf, ks, vs)
             return out[:, None], ((state, item) if shared else state)
 
         def selection_plan(window):
@@ -515,14 +487,14 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         # policies); the retrieval state's key write before `key_layer` (first or deeper).
         x = params["embed"][tok][:, None]
         new = jnp.zeros((n_layers, s, hkv, cfg.head_dim), pool.k.dtype) if deferred else None
-        state = (pool, summary, sbuf, new, new)
+        state = (pool, pstate, sbuf, new, new)
         stats = jnp.zeros((s, 3), jnp.int32)
         moved = jnp.zeros((2,), jnp.int32)
         run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos2, freqs=freqs,
                                 reduce=_reduce(tp))
         x, state = run(x=x, attend=dense_attend, state=state, stop=first)
         if shared and first < n_layers:
-            pool, summary, sbuf, ks, vs = state
+            pool, pstate, sbuf, ks, vs = state
             if key_layer == first:
                 rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
             scores = policy.score_rows(head, rstate, x, pos2, jnp.maximum(d["head_rows"], 0), n_slots)
@@ -538,7 +510,7 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
             if use_plan:
                 tap["plans"] = {w: selection_plan(w) for w in sel_windows}
             items = [(sbuf.k[j], sbuf.v[j], pending[j] if pending else None) for j in range(n_layers - first)]
-            state = (pool, summary, dataclasses.replace(sbuf, k=(), v=()), ks, vs)
+            state = (pool, pstate, dataclasses.replace(sbuf, k=(), v=()), ks, vs)
             split = min(max(key_layer, first), n_layers)
             x, (state, head_items) = run(x=x, attend=select_attend, state=state, start=first, stop=split,
                                          per_layer=items[:split - first])
@@ -547,13 +519,13 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
             x, (state, tail_items) = run(x=x, attend=select_attend, state=state, start=split,
                                          per_layer=items[split - first:])
             done_items = head_items + tail_items
-            pool, summary, sbuf, ks, vs = state
+            pool, pstate, sbuf, ks, vs = state
             sbuf = dataclasses.replace(sbuf, k=tuple(i[0] for i in done_items),
                                        v=tuple(i[1] for i in done_items))
-            state = (pool, summary, sbuf, ks, vs)
+            state = (pool, pstate, sbuf, ks, vs)
         elif not shared:
             x, state = run(x=x, attend=select_attend, state=state, start=first)
-        pool, summary, sbuf, ks, vs = state
+        pool, pstate, sbuf, ks, vs = state
         if deferred:  # every layer's K/V of the step in one scatter (layer-major rows)
             hk, dh = ks.shape[2], ks.shape[3]
             pool = write_kv(pool, ks.reshape(n_layers * s, hk, dh), vs.reshape(n_layers * s, hk, dh),
@@ -564,20 +536,20 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, summary, sbuf, host, cfg
         tokens, logprobs = _sample(_logits(params, cfg, hidden[:, 0], tp), b, greedy)
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         stats = jnp.where(live[:, None], stats, 0)
-        carry = ((pool, summary, sbuf), rstate, jnp.where(live, tokens, tok), done | (live & stop))
+        carry = ((pool, pstate, sbuf), rstate, jnp.where(live, tokens, tok), done | (live & stop))
         return carry, (tokens, logprobs, live, stats, moved)
 
-    carry = ((pool, summary, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
+    carry = ((pool, pstate, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    ((pool, summary, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(
+    ((pool, pstate, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(
         body, carry, xs)
-    return tokens, logprobs, ran, last, stats, moved, pool, rstate, summary, sbuf
+    return tokens, logprobs, ran, last, stats, moved, pool, rstate, pstate, sbuf
 
 
 _DECODE_STATIC = ("cfg", "policy", "attn_impl", "greedy", "local_layers", "chunk", "inplace", "overlap",
                   "mesh", "tp")
-_DECODE_DONATE = ("pool", "rstate", "summary", "sbuf")
+_DECODE_DONATE = ("pool", "rstate", "pstate", "sbuf")
 _decode_retrieval = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
                             donate_argnames=_DECODE_DONATE)
 # The overlapped host tier's variant: XLA's default GPU schedule runs a host computation in stream order
@@ -640,7 +612,7 @@ class Retriever:
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
-        self._summary = None  # per-page key bounds (kmin, kmax) [num_pages, D], made on first use
+        self._page_states: dict = {}  # RetrievalPolicy.page_state class -> its state, made on first use
         self._buf: dict = {}  # shared policy -> host_tier.SelBuffer: each row's selected K/V of layers tap..
         self._owner: dict = {}  # (policy, row) -> request id whose selection the row's buffer holds
         if host_tier and not HOST_TIER_AVAILABLE:
@@ -693,8 +665,8 @@ class Retriever:
         eng, runner = self.engine, self.engine.runner
         cfg = runner.cfg
         L, H = cfg.num_layers, cfg.num_kv_heads
-        head, state, summary = self.params_for(policy), self._state_for(policy), self._summary_for(policy)
-        tap = state is not None or summary is not None  # ragged steps run _step_tap
+        head, state, pstate = self.params_for(policy), self._state_for(policy), self._page_state_for(policy)
+        tap = state is not None or pstate is not None  # ragged steps run _step_tap
         todo = [v[:6] for v in variants(eng) if v[0] == "step"] if tap else []
         seen = set()
         for _, s, _, p, greedy, *_ in variants(eng):
@@ -719,25 +691,24 @@ class Retriever:
                          q_seq=np.full(t, -1, np.int32), slots=np.full((t, L, H), -1, np.int32),
                          lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
                 stateful = policy if state is not None else None
-                _, _, runner.pool, state_out, summary_out = _step_tap(
+                _, _, runner.pool, state_out, pstate_out = _step_tap(
                     runner.params, runner.pool, _on_device(b), self._state.get(type(policy)),
-                    head if stateful else None, self._summary if summary is not None else None, cfg=cfg,
-                    policy=stateful,
-                    attn_impl=runner.attn_impl, greedy=greedy,
+                    head if stateful else None, self._page_states.get(policy.page_state), cfg=cfg,
+                    policy=stateful, page_state=policy.page_state, attn_impl=runner.attn_impl, greedy=greedy,
                     fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None, mesh=runner.mesh)
                 if state_out is not None:
                     self._state[type(policy)] = state_out
-                if summary_out is not None:
-                    self._summary = summary_out
+                if pstate_out is not None:
+                    self._page_states[policy.page_state] = pstate_out
             else:
                 d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
                          stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
                 for inplace in self._decode_variants(policy):
-                    *_, runner.pool, state_out, summary_out, sbuf = self._decode_fn(inplace)(
+                    *_, runner.pool, state_out, pstate_out, sbuf = self._decode_fn(inplace)(
                         runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
-                        self._summary if summary is not None else None, self._buffer_for(policy),
+                        self._page_states.get(policy.page_state), self._buffer_for(policy),
                         None if inplace else self._host_for(policy), cfg=cfg, policy=policy,
                         attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers,
                         chunk=self._chunk(policy, s), inplace=inplace, overlap=0 if inplace else
@@ -746,8 +717,8 @@ class Retriever:
                         self._buf[policy] = sbuf
                     if state_out is not None:
                         self._state[type(policy)] = state_out
-                    if summary_out is not None:
-                        self._summary = summary_out
+                    if pstate_out is not None:
+                        self._page_states[policy.page_state] = pstate_out
         return done
 
     def _state_for(self, policy: RetrievalPolicy):
@@ -944,24 +915,29 @@ class Retriever:
             tokens[dec], logprobs[dec] = t[0, :len(dec)], lp[0, :len(dec)]
         return tokens, logprobs
 
-    def _summary_for(self, policy):
-        """The per-page key bounds when `policy` reads them (Quest), else None."""
-        if not getattr(policy, "page_summary", False):
+    def _page_state_for(self, policy):
+        """The per-page state `policy` declares (`RetrievalPolicy.page_state`), made on first use; else
+        None."""
+        cls = policy.page_state
+        if cls is None:
             return None
-        if self._summary is None:
-            self._summary = init_summary(self.engine.runner.pool)
-        return self._summary
+        if cls not in self._page_states:
+            pool = self.engine.runner.pool
+            self._page_states[cls] = cls.init(pool.k.shape[0], pool.k.shape[-1], pool.k.dtype)
+        return self._page_states[cls]
 
     def _ragged(self, chunks):
         eng, runner = self.engine, self.engine.runner
         b = eng._build_batch(chunks)
         pols = [c.request.kv_policy for c in chunks if is_retrieval(c.request)]
         stateful = {type(p): p for p in pols if self._state_for(p) is not None}
-        summary = next((self._summary_for(p) for p in pols if self._summary_for(p) is not None), None)
-        if not stateful and summary is None:
+        paged = {p.page_state: p for p in pols if p.page_state is not None}
+        if not stateful and not paged:
             return runner.run(b)
-        if len(stateful) > 1:
+        if len(stateful) > 1 or len(paged) > 1:
             raise NotImplementedError("one stateful retrieval policy class per engine step")
+        page_cls = next(iter(paged), None)
+        pstate = self._page_state_for(paged[page_cls]) if page_cls is not None else None
         (key, policy), = stateful.items() if stateful else [(None, None)]
         rows = np.full(b.temperature.shape[0], -1, np.int32)
         for row, c in enumerate(chunks):
@@ -972,16 +948,17 @@ class Retriever:
         skip = ("fresh", "top_width", "prompt_next")
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
         fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
-        tokens, logprobs, runner.pool, state, summary = _step_tap(
+        tokens, logprobs, runner.pool, state, pstate = _step_tap(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads, "head_rows": rows}),
             self._state.get(key),
-            self.params_for(policy) if policy is not None else None, summary, cfg=runner.cfg, policy=policy,
-            attn_impl=runner.attn_impl, greedy=not b.temperature.any(), fresh_heads=fresh, mesh=runner.mesh)
+            self.params_for(policy) if policy is not None else None, pstate, cfg=runner.cfg, policy=policy,
+            page_state=page_cls, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
+            fresh_heads=fresh, mesh=runner.mesh)
         self._mirror(b.slots)
         if key is not None:
             self._state[key] = state
-        if summary is not None:
-            self._summary = summary
+        if pstate is not None:
+            self._page_states[page_cls] = pstate
         return jax.device_get((tokens, logprobs))  # one sync for both
 
     # ---- decode -----------------------------------------------------------------------------------
@@ -1033,17 +1010,18 @@ class Retriever:
         arrays.update(head_rows=rows, known=known)
         inplace = self._reads_in_place(policy, chunks)
         decode = self._decode_fn(inplace)
-        tokens, logprobs, ran, last, stats, moved, runner.pool, state, summary, sbuf = decode(
+        tokens, logprobs, ran, last, stats, moved, runner.pool, state, pstate, sbuf = decode(
             runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
-            self._summary_for(policy), self._buffer_for(policy), None if inplace else self._host_for(policy),
+            self._page_state_for(policy), self._buffer_for(policy),
+            None if inplace else self._host_for(policy),
             cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
             local_layers=self.local_layers, chunk=self._chunk(policy, len(rows)), inplace=inplace,
             overlap=0 if inplace else self._overlap_rows(policy, len(rows)), mesh=runner.mesh)
         self._mirror(b.slots)
         if state is not None:
             self._state[type(policy)] = state
-        if summary is not None:
-            self._summary = summary
+        if pstate is not None:
+            self._page_states[policy.page_state] = pstate
         if sbuf is None:
             return PendingDecode(tokens, logprobs, ran, last)
         self._buf[policy] = sbuf
