@@ -50,6 +50,7 @@ class RetrievalPolicy:
     """
 
     name: ClassVar[str] = "retrieval-base"
+    kind: ClassVar[str] = "retrieval"  # the engine decodes its requests through the selection seam
     budget: int = 1024
     sink: int = 0
     recent: int = 0
