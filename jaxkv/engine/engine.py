@@ -196,7 +196,7 @@ class Engine:
         # `retrieval_host_pages` (host tier only): pages of host memory that retrieval requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:
-            self.scheduler.offload = self.retriever.offload
+            self.scheduler.offload = self.retriever.buffers.offload
             self.scheduler.offload_headroom = self.allocator.num_pages // OFFLOAD_HEADROOM_DIV
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
@@ -632,7 +632,7 @@ class Engine:
             host_pages_total=getattr(self.allocator, "host_pages", 0),
             host_pages_in_use=getattr(self.allocator, "host_pages", 0)
             - getattr(self.allocator, "num_free_host", 0),
-            pages_offloaded=self.retriever.pages_offloaded)
+            pages_offloaded=self.retriever.buffers.pages_offloaded)
 
 
 # ---- logprob extras (top alternatives, prompt logprobs) ----------------------------------------------
