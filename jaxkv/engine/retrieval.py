@@ -460,7 +460,8 @@ def num_compilations() -> int:
 
 
 class Retriever:
-    """Host side: state rows, splitting steps, grouping decode rows by policy, selection statistics."""
+    """Host side: state rows, the methods' device and per-page states, splitting steps, grouping decode rows
+    by policy; the shared methods' buffers through `buffers` (`SelectionBuffers`)."""
 
     def __init__(self, engine, host_tier: bool = False, resident: float | None = None,
                  inplace: bool | None = None, overlap: bool = False, eager: bool = False):

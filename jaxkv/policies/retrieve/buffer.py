@@ -160,8 +160,6 @@ def selected_slots(page_table, idx, count, live, page_size: int):
 DEFAULT_HOST_RESIDENT = 2.0
 
 
-
-
 class SelectionBuffers:
     """Host side of the shared methods' selection buffers: one buffer per policy, the row owners, the host
     mirror and offload, the selection and transfer statistics (options: `RetrievalConfig`)."""
