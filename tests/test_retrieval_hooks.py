@@ -1,6 +1,7 @@
-"""A retrieval method defined outside the package plugs into the engine through the policy hooks only
-(`layer_wise`, `page_state`, `read_pages`, `tap_layer`): the engine keeps and updates its per-page state and
-reads the pages it picks."""
+"""Retrieval methods defined outside the package plug into the engine through the policy hooks only: a
+layer-wise one (`layer_wise`, `page_state`, `read_pages`, `tap_layer`), whose per-page state the engine keeps
+and updates and whose pages it reads, and a shared one (`for_model`, `scores` / `score_rows`), whose one
+selection per step every later layer reads."""
 
 import dataclasses
 
@@ -49,6 +50,56 @@ class RecentPages(RetrievalPolicy):
         pages = jnp.maximum(jnp.take_along_axis(page_table, j, axis=-1), 0)
         keep = real[..., None] & (jnp.arange(page_size) < counts[pages][..., None])
         return pages, keep
+
+
+@dataclasses.dataclass(frozen=True)
+class NewestSlots(RetrievalPolicy):
+    """A shared method without parameters: after the first layer each KV head reads the newest `budget`
+    positions its state saw written (state: [rows, slots] bool; a slot never recorded scores -inf, so a
+    state the engine failed to keep picks the oldest slots instead)."""
+
+    name = "newest-slots"
+    num_kv_heads: int = 0  # resolved from the model (`for_model`)
+
+    def for_model(self, model):
+        return dataclasses.replace(self, num_kv_heads=model.config.num_kv_heads)
+
+    def tap_layer(self, head) -> int:
+        return 1
+
+    def init_state(self, head, num_seqs: int, max_len: int):
+        return jnp.zeros((num_seqs, max_len), bool)
+
+    def observe(self, head, state, x, positions):
+        return state.at[jnp.arange(state.shape[0])[:, None], positions].set(True, mode="drop")
+
+    def observe_tokens(self, head, state, x, positions, rows):
+        return state.at[jnp.where(rows >= 0, rows, state.shape[0]), positions].set(True, mode="drop")
+
+    def scores(self, head, state, x, positions):
+        state = self.observe(head, state, x, positions)  # the library decode: the step's token first
+        return self._newest(state), state
+
+    def score_rows(self, head, state, x, positions, rows, num_slots):
+        return self._newest(state[rows, :num_slots])
+
+    def _newest(self, seen):
+        s, n = seen.shape
+        score = jnp.where(seen, jnp.arange(n, dtype=jnp.float32), -jnp.inf)
+        return jnp.broadcast_to(score[:, None], (s, self.num_kv_heads, n))
+
+
+def test_a_shared_method_outside_the_package_equals_its_library_decode(toy):  # noqa: F811
+    from jaxkv.policies.retrieve import decode
+
+    ids = _prompt(toy, 45, 9)
+    pol = NewestSlots(budget=6)
+    want = decode.generate(toy, pol, None, ids, 10)["token_ids"]
+    (full,) = _run(toy, [(ids, None, None)])
+    for inplace in (True, False):  # in place in the pool, and through the selection buffer
+        (got,) = _run(toy, [(ids, pol, None)], decode_steps=3, retrieval_inplace=inplace)
+        assert got == want
+    assert want != full
 
 
 def test_a_method_outside_the_package_reads_its_own_pages_with_its_own_state(toy):  # noqa: F811
