@@ -14,6 +14,10 @@ argument) with one pure-jnp device hook:
   query of each row; higher = more worth reading. ``head`` is the method's parameter pytree (None when it
   has none), passed as an argument so weights are never static.
 
+A *layer-wise* method (``layer_wise = True``, Quest) picks pages inside each layer instead: `read_pages`
+from the layer's query and the per-page state it declares (``page_state``), which the engine keeps beside
+the pool. Either kind's state is defined here, with the method; the engine only keeps and passes it.
+
 The shared rule `select` forces the current token, the first ``sink`` and the newest ``recent`` positions,
 then fills the budget with the best-scoring visible slots.
 """
