@@ -17,7 +17,7 @@ def measure(total: int, counts=(512, 64, 8, 1), repeats: int = 4) -> list[dict]:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from jaxkv.engine.host_tier import host_memory_kind
+    from jaxkv.cache.memory_kinds import host_memory_kind
 
     dev = jax.devices()[0]
     host = SingleDeviceSharding(dev, memory_kind=host_memory_kind())

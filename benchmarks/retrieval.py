@@ -147,9 +147,9 @@ def step_cost(model, method: str, args) -> dict:
         d |= dict(head_rows=np.arange(s, dtype=np.int32), known=np.ones(s, bool))
         lowered = retrieval._decode_retrieval.lower(
             rn.params, rn.pool, retrieval._on_device(d), r._state_for(pol), r.params_for(pol),
-            r._summary_for(pol), r._buffer_for(pol), r._host_for(pol), cfg=cfg, policy=pol,
+            r._page_state_for(pol), r.buffers.buffer_for(pol), r.buffers.host_for(pol), cfg=cfg, policy=pol,
             attn_impl=rn.attn_impl, greedy=True,
-            local_layers=r.local_layers, chunk=r._chunk(pol, s))
+            local_layers=r.local_layers, chunk=r.buffers.chunk(pol, s))
     compiled = lowered.compile()
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, list) else c
@@ -199,7 +199,7 @@ def run_method(model, method: str, args) -> dict:
             last_print = time.perf_counter()
             print(f"[{method}] {last_print - t_all:.0f}s: {steps} steps ({compiles} compiled), {all_tokens} "
                   f"tokens, {eng.scheduler.num_preemptions} preemptions, "
-                  f"{eng.retriever.pages_offloaded} pages offloaded", file=sys.stderr, flush=True)
+                  f"{eng.retriever.buffers.pages_offloaded} pages offloaded", file=sys.stderr, flush=True)
         if args.max_wall_s and time.perf_counter() - t_all > args.max_wall_s:
             finished = False   # a row that thrashes (e.g. preempting) reports what it did, not a timeout
             break
@@ -207,7 +207,7 @@ def run_method(model, method: str, args) -> dict:
         if decode_started and not compiled and n:
             steady_tokens += n
             steady_s += dt
-    r = eng.retriever
+    r = eng.retriever.buffers
     row = {"method": method, "steps": steps, "compiled_steps": compiles, "finished": finished,
            "budget": None if policy_of(method) is None else args.budget, "tokens": all_tokens,
            "wall_s": time.perf_counter() - t_all, "steady_tokens": steady_tokens, "steady_s": steady_s,
@@ -245,7 +245,7 @@ def run_points(model, method: str, args) -> list[dict]:
         row = {"method": method, "context": ctx, "batch": args.batch, "steady_tokens": tokens,
                "ms_per_token_step": 1e3 * secs * args.batch / tokens if tokens else float("nan"),
                "preemptions": eng.scheduler.num_preemptions}  # > 0: the pool was too small, timings moot
-        r = eng.retriever
+        r = eng.retriever.buffers
         if r.slots_selected:  # what a step's diff load moved: 1 - overlap of the selection (a random head:
             row["overlap"] = 1 - r.slots_new / r.slots_selected  # little overlap, the load's worst case)
         out.append(row)

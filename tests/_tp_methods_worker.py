@@ -147,7 +147,7 @@ def run_retrieval(ckpt, tp, name):
     ids = [engine.add_request(p, sp, kv_policy=None if engine_wide else policy)
            for p in prompts(model.config, (40, 33))]
     tokens, _ = drive(engine, ids)
-    r = engine.retriever
+    r = engine.retriever.buffers
     return {"tokens": tokens, "steps": r.steps, "selected": r.slots_selected, "new": r.slots_new}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxkv.cache.pool import KVPool
-from jaxkv.engine import host_tier as ht
+from jaxkv.policies.retrieve import host_tier as ht
 
 
 def test_plan_diff_keeps_held_slots_and_fills_free_ones():

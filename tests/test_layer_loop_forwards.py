@@ -136,7 +136,7 @@ def test_lowered_retrieval_decode_holds_one_layer_function_per_attention(toy, in
                  counters=np.zeros(s, np.int32), head_rows=np.full(s, -1, np.int32), **runner._heads)
         texts[loop] = R._decode_retrieval.lower(
             runner.params, runner.pool, R._on_device(d), r._state_for(pol), r.params_for(pol), None,
-            r._buffer_for(pol), None, cfg=cfg, policy=pol, attn_impl=None, greedy=True,
+            r.buffers.buffer_for(pol), None, cfg=cfg, policy=pol, attn_impl=None, greedy=True,
             local_layers=r.local_layers, chunk=1, inplace=inplace, overlap=0).as_text()
     calls = re.findall(r"call @(layer\w*)\(", texts["shared"])
     bodies = re.findall(r"func\.func private @(layer\w*)\(", texts["shared"])

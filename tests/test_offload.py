@@ -39,15 +39,15 @@ def test_offload_replaces_preemption_and_keeps_the_tokens(toy, host_pages):  # n
                            retrieval_host_tier=True, retrieval_host_pages=host_pages)
     assert eng.allocator.num_free_host == host_pages  # every host page came back too
     if host_pages:
-        assert eng.retriever.pages_offloaded > 0 and eng.scheduler.num_preemptions == 0
+        assert eng.retriever.buffers.pages_offloaded > 0 and eng.scheduler.num_preemptions == 0
         assert got == want  # offloaded pages are read from host memory: the same selection, same tokens
         # The lazy host tier reads in place until the offload, then loads from host memory. `steps` counts
         # every step but each request's first; eager loads would count those two among `host_steps` too.
-        r = eng.retriever
+        r = eng.retriever.buffers
         assert 0 < r.host_steps <= r.steps and r.host_rows_moved > 0
     else:  # the same load without host pages preempts a request (its recompute samples one token with
         # full attention, docs/specontext.md, so its tokens may differ from the library decode's)
-        assert eng.retriever.pages_offloaded == 0 and eng.scheduler.num_preemptions > 0
+        assert eng.retriever.buffers.pages_offloaded == 0 and eng.scheduler.num_preemptions > 0
 
 
 def test_offload_headroom_serves_many_reservations_per_pass(toy):  # noqa: F811
@@ -66,7 +66,7 @@ def test_offload_headroom_serves_many_reservations_per_pass(toy):  # noqa: F811
     (tok0, e0), (tok16, e16) = runs[0], runs[16]
     assert tok0 == tok16
     assert e0.scheduler.num_preemptions == e16.scheduler.num_preemptions == 0
-    assert 0 < e16.retriever.offload_passes < e0.retriever.offload_passes
+    assert 0 < e16.retriever.buffers.offload_passes < e0.retriever.buffers.offload_passes
 
 
 def test_offload_needs_the_host_tier(toy):  # noqa: F811
@@ -101,10 +101,10 @@ def test_offload_moves_mirror_rows_deepest_layer_first(toy):  # noqa: F811
     d = eng.runner.pool.k.shape[-1]
     pool_k = np.asarray(eng.runner.pool.k).reshape(-1, d)
     safe = (eng._requests[rid].num_computed - 2 * 2 - 4) // 4  # pages written by dispatched calls (margin)
-    assert eng.retriever.offload(6) == 6
+    assert eng.retriever.buffers.offload(6) == 6
     after = eng.tables.page_lists(rid)
     ps, dev = eng.page_size, eng.allocator.num_pages
-    host_k = np.asarray(eng.retriever._host[0])
+    host_k = np.asarray(eng.retriever.buffers._host[0])
     moved, pages = 0, []
     for layer in range(model.config.num_layers):
         for h in range(model.config.num_kv_heads):
@@ -120,8 +120,9 @@ def test_offload_moves_mirror_rows_deepest_layer_first(toy):  # noqa: F811
     assert moved == 6 and eng.allocator.num_free_host == 32 - 6
     st = eng.stats()
     assert (st.host_pages_total, st.host_pages_in_use, st.pages_offloaded) == (32, 6, 6)
-    eng.retriever._owner.clear()  # the buffer forgets its rows: the next step reloads every selected row,
-    # the offloaded ones from their host pages (the path a long decode takes as its selection drifts)
+    # The buffer forgets its rows: the next step reloads every selected row, the offloaded ones from their
+    # host pages (the path a long decode takes as its selection drifts).
+    eng.retriever.buffers._owner.clear()
     while eng.has_unfinished():
         for o in eng.step():
             got += o.new_token_ids

@@ -174,7 +174,7 @@ def test_maintained_page_bounds_equal_the_pool(toy):
     assert rid in eng.tables
     ps = eng.page_size
     lists, lengths = eng.tables.page_lists(rid), eng.tables.lengths(rid)
-    kmin, kmax = (np.asarray(a) for a in eng.retriever._summary)
+    kmin, kmax = (np.asarray(a) for a in eng.retriever._page_states[Quest.page_state])
     pool_k = np.asarray(eng.runner.pool.k)
     for layer, row in enumerate(lists):
         for h, pages in enumerate(row):

@@ -449,7 +449,7 @@ def test_engine_full_budget_equals_full_attention(toy, decode_steps):
     ref = _full_reference(model, ids + got)
     assert got == [int(ref[len(ids) - 1 + i].argmax()) for i in range(len(got))]
     # Everything is selected: each step's selection holds the previous one plus the new token.
-    r = eng.retriever
+    r = eng.retriever.buffers
     assert r.steps > 0 and r.slots_new == r.steps * model.config.num_kv_heads
 
 
@@ -635,7 +635,7 @@ def test_engine_retrieval_precompile_covers_serving(toy, policy):
 
 def test_buffer_diff_held_count_equals_overlap():
     """The selection buffer's diff: entries it already holds are exactly `overlap(prev, now)`."""
-    from jaxkv.engine.host_tier import plan_diff
+    from jaxkv.policies.retrieve.host_tier import plan_diff
 
     rng = np.random.default_rng(0)
     s, h, n, b = 3, 2, 50, 8
@@ -658,8 +658,8 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
     layer's rows before the first selected layer). The host-tier cases run `retrieval_host_eager=True` (every
     dispatch loads from the mirror); "lazy" is the default host tier, which with nothing offloaded reads the
     selection in place, makes no mirror and moves nothing."""
-    from jaxkv.engine import host_tier as ht
     from jaxkv.policies.retrieve import decode
+    from jaxkv.policies.retrieve import host_tier as ht
 
     if host == "keyword":
         monkeypatch.setattr(ht, "_host_gather", ht._on_host(ht._gather_host_rows, 2, form="keyword"))
@@ -675,13 +675,13 @@ def test_engine_buffer_and_host_tier_equal_library_decode(toy, host, monkeypatch
                            retrieval_host_tier=host, retrieval_inplace=False,   # the buffer path
                            retrieval_host_overlap=overlap, retrieval_host_eager=host and not lazy)
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
-    assert eng.retriever.overlap == bool(overlap)
-    t = eng.retriever.transfer()
-    assert eng.retriever.resident == (2.0 if host else 1.0)  # the host tier defaults to 2
+    assert eng.retriever.buffers.overlap == bool(overlap)
+    t = eng.retriever.buffers.transfer()
+    assert eng.retriever.buffers.resident == (2.0 if host else 1.0)  # the host tier defaults to 2
     if lazy:
-        assert eng.retriever._host is None and t == {} and eng.retriever.steps > 0
+        assert eng.retriever.buffers._host is None and t == {} and eng.retriever.buffers.steps > 0
     elif host:
-        assert eng.retriever._host[0].sharding.memory_kind in ("pinned_host", "unpinned_host")
+        assert eng.retriever.buffers._host[0].sharding.memory_kind in ("pinned_host", "unpinned_host")
         assert 0 < t["h2d_bytes_needed_per_step"] <= t["h2d_bytes_per_step"] < t["h2d_bytes_refetch_per_step"]
     else:
         assert t == {}
@@ -703,9 +703,9 @@ def test_resident_buffer_gives_the_same_tokens_and_moves_fewer_rows(toy):
                                retrieval_host_tier=True, retrieval_resident=resident,
                                retrieval_host_eager=True)
         assert got == want
-        (buf,) = eng.retriever._buf.values()
+        (buf,) = eng.retriever.buffers._buf.values()
         assert buf.shape[3] == {1.0: 8, 3.0: 20}[resident]   # whole pages of 4
-        needed[resident] = eng.retriever.transfer()["h2d_bytes_needed_per_step"]
+        needed[resident] = eng.retriever.buffers.transfer()["h2d_bytes_needed_per_step"]
     assert needed[3.0] < needed[1.0]
     with pytest.raises(ValueError, match="retrieval_resident"):
         _engine_run(model, [(a, pol, None)], retrieval_resident=0.5)
@@ -724,8 +724,8 @@ def test_inplace_selection_reads_give_the_buffer_paths_tokens(toy, attn_impl):
     got, eng = _engine_run(model, [(a, pol, None), (b, pol, None)], decode_steps=4, retrieval_inplace=True,
                            attn_impl=attn_impl)
     assert got == [decode.generate(model, pol, head, p, 12)["token_ids"] for p in (a, b)]
-    (buf,) = eng.retriever._buf.values()
-    r = eng.retriever
+    (buf,) = eng.retriever.buffers._buf.values()
+    r = eng.retriever.buffers
     assert all(k.size == 0 for k in buf.k) and r.steps > 0 and 0 < r.slots_new < r.slots_selected
     assert _inplace_is_the_default_without_a_host_tier(model)
     with pytest.raises(ValueError, match="retrieval_inplace"):
@@ -743,4 +743,4 @@ def _inplace_is_the_default_without_a_host_tier(model) -> bool:
 
     eng = Engine(model, page_size=4, max_model_len=64, max_num_seqs=2)
     host = Engine(model, page_size=4, max_model_len=64, max_num_seqs=2, retrieval_host_tier=True)
-    return eng.retriever.inplace and not host.retriever.inplace
+    return eng.retriever.buffers.inplace and not host.retriever.buffers.inplace

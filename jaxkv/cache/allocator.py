@@ -4,7 +4,7 @@ A page is owned by whoever holds a reference: a sequence's page list (``HeadPage
 prefix cache. A page returns to the free stack when its count drops to zero.
 
 ``host_pages`` adds page ids ``[num_pages, num_pages + host_pages)`` that exist only in host memory (the
-SpeContext host tier's mirror, where offloaded pages live; jaxkv/engine/retrieval.py): `allocate` never
+retrieval host tier's mirror, where offloaded pages live): `allocate` never
 hands them out, `allocate_host` does, and a freed one returns to its own stack.
 """
 

@@ -19,9 +19,9 @@ DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running reque
 
 @dataclasses.dataclass(frozen=True)
 class RetrievalConfig:
-    """Retrieval policies' decode (SpeContext, Quest; jaxkv/engine/retrieval.py).
+    """Retrieval policies' decode (jaxkv/engine/retrieval.py).
 
-    host_tier: SpeContext's selection differences load from a host-memory mirror of the pool.
+    host_tier: a shared method's selection differences load from a host-memory mirror of the pool.
     resident: buffer slots per (sequence, KV head) as a multiple of the budget (None: 2 with the host tier).
     inplace: attention reads the selected slots in the pool, no buffer copy (None: whenever no host tier).
     host_pages: host-memory pages that older K/V moves to when the device pool runs short (host tier only).

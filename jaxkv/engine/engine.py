@@ -63,7 +63,7 @@ class EngineStats:
     prefix_cache_query_tokens: int  # prompt tokens looked up
     prefix_cache_hit_tokens: int  # of those, tokens served from cached pages
     num_preemptions: int  # since start
-    host_pages_total: int = 0  # host-only pages of the SpeContext offload (retrieval_host_pages)
+    host_pages_total: int = 0  # host-only pages of the retrieval offload (retrieval_host_pages)
     host_pages_in_use: int = 0  # of those, held by requests (pages_in_use_by_class counts them too)
     pages_offloaded: int = 0  # device pages moved to host pages since start
 
@@ -130,7 +130,7 @@ class Engine:
         mesh, tp = getattr(model, "mesh", None), 1  # tensor parallel over KV heads (docs/parallel.md)
         host_pages = _host_pages(c.retrieval.host_pages, c.retrieval.host_tier)
         if host_pages and mesh is not None:
-            raise ValueError("retrieval_host_pages is not supported with tensor parallelism: the SpeContext "
+            raise ValueError("retrieval_host_pages is not supported with tensor parallelism: the retrieval "
                              "host tier keeps a single-device host mirror of the pool")
         if mesh is not None:
             from jaxkv.parallel import setup_engine
@@ -191,12 +191,12 @@ class Engine:
         r = c.retrieval
         self.retriever = Retriever(self, host_tier=r.host_tier, resident=r.resident, inplace=r.inplace,
                                    overlap=r.host_overlap, eager=r.host_eager)
-        if mesh is not None and isinstance(self.kv_policy, RetrievalPolicy):
+        if mesh is not None and _retrieves(self.kv_policy):
             self.retriever.params_for(self.kv_policy)  # its head in placed order, or a clear error now
-        # `retrieval_host_pages` (host tier only): pages of host memory that SpeContext requests' older K/V
+        # `retrieval_host_pages` (host tier only): pages of host memory that retrieval requests' older K/V
         # move to when the device pool runs short (progressive offload), before anything is preempted.
         if host_pages:
-            self.scheduler.offload = self.retriever.offload
+            self.scheduler.offload = self.retriever.buffers.offload
             self.scheduler.offload_headroom = self.allocator.num_pages // OFFLOAD_HEADROOM_DIV
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
@@ -259,9 +259,9 @@ class Engine:
             raise ValueError(f"KV policy {policy.name!r} merges evicted tokens; this engine was built "
                              "without a per-slot logit bias (Engine(kv_merge=True))")
         wants_extras = sampling.logprobs or sampling.prompt_logprobs is not None
-        if isinstance(policy, RetrievalPolicy) and getattr(self.model, "mesh", None) is not None:
+        if _retrieves(policy) and getattr(self.model, "mesh", None) is not None:
             self.retriever.params_for(policy)  # a placement its selection cannot serve is refused here
-        if isinstance(policy, RetrievalPolicy) and wants_extras and _queue:  # (reuse: full-cache decode)
+        if _retrieves(policy) and wants_extras and _queue:  # (reuse: full-cache decode)
             raise ValueError(f"top logprobs and prompt logprobs are not available with the retrieval policy "
                              f"{policy.name!r}; only the sampled token's logprob is")
         req = Request(request_id, prompt_ids, sampling, seed=seed & 0xFFFFFFFF, extra_key=extra_key,
@@ -290,7 +290,7 @@ class Engine:
         for part in (prefix_ids, *seg_ids, suffix_ids):
             prompt.extend(_int_ids(part))
         request_id = self.add_request(prompt, sampling, request_id, extra_key, _queue=False)
-        if isinstance(self._requests[request_id].kv_policy, RetrievalPolicy):
+        if _retrieves(self._requests[request_id].kv_policy):
             self._requests[request_id].kv_policy = None  # reuse prefill fills no retrieval state: full decode
         self.reuser.add(self._requests[request_id], prefix_ids, segments, suffix_ids, policy)
         return request_id
@@ -329,7 +329,7 @@ class Engine:
         from jaxkv.engine.warmup import precompile
 
         n = precompile(self, progress, workers, logprobs, presses, step_cache, background)
-        if isinstance(self.kv_policy, RetrievalPolicy):  # an engine-wide retrieval policy's own variants
+        if _retrieves(self.kv_policy):  # an engine-wide retrieval policy's own variants
             n += self.retriever.precompile(self.kv_policy, progress)
         return n
 
@@ -632,7 +632,7 @@ class Engine:
             host_pages_total=getattr(self.allocator, "host_pages", 0),
             host_pages_in_use=getattr(self.allocator, "host_pages", 0)
             - getattr(self.allocator, "num_free_host", 0),
-            pages_offloaded=self.retriever.pages_offloaded)
+            pages_offloaded=self.retriever.buffers.pages_offloaded)
 
 
 # ---- logprob extras (top alternatives, prompt logprobs) ----------------------------------------------
@@ -724,7 +724,7 @@ def _host_pages(n, host_tier: bool) -> int:
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"retrieval_host_pages must be an integer >= 0 (got {n!r})")
     if n and not host_tier:
-        raise ValueError("retrieval_host_pages is host memory of the SpeContext host tier: it needs "
+        raise ValueError("retrieval_host_pages is host memory of the retrieval host tier: it needs "
                          "retrieval_host_tier=True")
     return int(n)
 
@@ -740,11 +740,11 @@ def _resolve_policy(policy, budget, model) -> CompressPolicy | RetrievalPolicy |
     if isinstance(policy, str):
         from jaxkv.policies import POLICIES
 
-        if isinstance(POLICIES.get(policy), type) and issubclass(POLICIES[policy], RetrievalPolicy):
+        if _retrieves(POLICIES.get(policy)):
             policy = get_policy(policy, **({} if budget is None else {"budget": _token_budget(budget)}))
         else:
             policy = get_policy(policy, **({} if budget is None else {"budget": budget}))
-        if isinstance(policy, RetrievalPolicy):
+        if _retrieves(policy):
             return _bind_retrieval(policy, model)
     elif isinstance(policy, RetrievalPolicy):
         if budget is not None:
@@ -756,6 +756,12 @@ def _resolve_policy(policy, budget, model) -> CompressPolicy | RetrievalPolicy |
     elif budget is not None:
         policy = dataclasses.replace(policy, budget=budget)
     return policy.bind(model)
+
+
+def _retrieves(policy) -> bool:
+    """Whether a KV policy (an instance or a registered class; None = full cache) decodes through the
+    retrieval seam, by the kind it declares."""
+    return getattr(policy, "kind", None) == "retrieval"
 
 
 def _token_budget(budget) -> int:
@@ -770,7 +776,7 @@ _RETRIEVAL_CHECKED: set = set()  # (policy class, model path, model id) whose pa
 
 
 def _bind_retrieval(policy: RetrievalPolicy, model) -> RetrievalPolicy:
-    """Checks the policy's parameters load for this model (e.g. SpeContext's shipped retrieval head); once
+    """Checks the policy's parameters load for this model (e.g. a retrieval head shipped beside it); once
     per policy class and model, so per-request policies do not re-read files."""
     policy = policy.for_model(model)
     key = (type(policy), str(getattr(model, "path", "")), getattr(model, "model_id", ""))

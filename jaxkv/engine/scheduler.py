@@ -47,8 +47,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
         self.segments = None  # segment tiers (jaxkv/engine/segment_tiers.py): evict(n) moves idle ones off
-        # offload(n) -> device pages freed by moving running requests' pages to host memory (SpeContext's
-        # progressive offload, jaxkv/engine/retrieval.py), tried before preempting; None: no offload.
+        # offload(n) -> device pages freed by moving running requests' pages to host memory (the retrieval
+        # host tier's progressive offload), tried before preempting; None: no offload.
         self.offload = None
         # Pages an offload pass frees beyond the need: one pass then serves many reservations, instead of
         # one pass per request per step (each pass scans every running request's tables and copies on the

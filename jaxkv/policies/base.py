@@ -91,6 +91,7 @@ class CompressPolicy:
     """
 
     name: ClassVar[str] = "base"
+    kind: ClassVar[str] = "compress"  # which seam the engine runs it through (retrieval methods: "retrieval")
     budget: float = 0.25
     window: int = 32
     sink: int = 4

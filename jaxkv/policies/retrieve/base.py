@@ -14,6 +14,10 @@ argument) with one pure-jnp device hook:
   query of each row; higher = more worth reading. ``head`` is the method's parameter pytree (None when it
   has none), passed as an argument so weights are never static.
 
+A *layer-wise* method (``layer_wise = True``, Quest) picks pages inside each layer instead: `read_pages`
+from the layer's query and the per-page state it declares (``page_state``), which the engine keeps beside
+the pool. Either kind's state is defined here, with the method; the engine only keeps and passes it.
+
 The shared rule `select` forces the current token, the first ``sink`` and the newest ``recent`` positions,
 then fills the budget with the best-scoring visible slots.
 """
@@ -50,6 +54,7 @@ class RetrievalPolicy:
     """
 
     name: ClassVar[str] = "retrieval-base"
+    kind: ClassVar[str] = "retrieval"  # the engine decodes its requests through the selection seam
     budget: int = 1024
     sink: int = 0
     recent: int = 0
@@ -86,10 +91,22 @@ class RetrievalPolicy:
         """The method's device state for `num_seqs` rows of up to `max_len` slots (None when stateless)."""
         return None
 
-    # Which seam the engine runs (jaxkv/engine/retrieval.py): a *shared* policy scores once per step after
-    # `tap_layer` layers and every later layer reads the one selection; a *layer-wise* policy (Quest) picks
-    # pages inside each layer from that layer's query (`page_scores` / `select_pages`).
+    # Which seam the engine runs: a *shared* policy scores once per step after `tap_layer` layers and every
+    # later layer reads the one selection (`score_rows` / `select`); a *layer-wise* policy picks pages
+    # inside each layer from that layer's query (`read_pages`).
     layer_wise: ClassVar[bool] = False
+    # A per-page state the method keeps beside the pool (None: none), e.g. Quest's key bounds: a class with
+    # ``init(num_pages, head_dim, dtype)`` -> a pytree of arrays with a leading page axis, and
+    # ``update(state, k [T, Hkv, D], slots [T, Hkv], page_size)`` -> state. The engine makes one per class
+    # on first use and updates it at every K write of a step that holds a request of such a method.
+    page_state: ClassVar[type | None] = None
+
+    def read_pages(self, page_state, page_table: jax.Array, lengths: jax.Array, q: jax.Array,
+                   q_pos: jax.Array, page_size: int):
+        """Layer-wise methods: the pages one layer reads. page_table [S, Hkv, P] page ids of each head's
+        list (-1 padding), lengths [S, Hkv], q [S, Hq, D] the layer's query, q_pos [S] -> (page ids
+        [S, Hkv, n], keep [S, Hkv, n, page_size] bool: the slots attention reads)."""
+        raise NotImplementedError(f"{self.name} is not a layer-wise retrieval method")
 
     def load_params(self, model):
         """The method's parameter pytree for a loaded model (e.g. the retrieval head shipped beside it)."""

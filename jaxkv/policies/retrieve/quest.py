@@ -9,9 +9,10 @@ layer-wise retrieval policy (`layer_wise = True`); the paper keeps the first two
 (``dense_layers``). The page holding the current token is always read, as are pages holding a position
 ``< sink`` or ``>= pos - recent``.
 
-The engine (jaxkv/engine/retrieval.py) maintains the per-page min/max beside the pool (updated at every K
-write of a step that holds a Quest request, prefill included), so a decode step reads 2 x D bounds per page
-plus the selected pages' K/V; `page_bounds` is the same bound computed from a page's keys (tests).
+The per-page min/max is Quest's state, `PageBounds` (``Quest.page_state``): the engine keeps one beside the
+pool and folds every K write of a step that holds a Quest request into it (prefill included), so a decode
+step reads 2 x D bounds per page (`Quest.read_pages`) plus the selected pages' K/V; `page_bounds` is the
+same bound computed from a page's keys (tests).
 """
 
 from __future__ import annotations
@@ -33,6 +34,31 @@ def page_bounds(k_pages: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Ar
     return jnp.min(jnp.where(m, kf, jnp.inf), axis=-2), jnp.max(jnp.where(m, kf, -jnp.inf), axis=-2)
 
 
+class PageBounds:
+    """Quest's per-page state: the key bounds (kmin, kmax) [num_pages, D] in the pool's dtype, indexed by
+    page id (empty: +inf / -inf)."""
+
+    @staticmethod
+    def init(num_pages: int, head_dim: int, dtype):
+        shape = (num_pages, head_dim)
+        return jnp.full(shape, jnp.inf, dtype), jnp.full(shape, -jnp.inf, dtype)
+
+    @staticmethod
+    def update(bounds, k: jax.Array, slots: jax.Array, page_size: int):
+        """Folds one layer's new keys k [T, Hkv, D] at flat slots [T, Hkv] (-1 = skipped) into the bounds. A
+        write at a page's offset 0 is the page's first (the engine fills a global head's pages in order), so
+        it resets the page (a page reused after another sequence freed it starts clean)."""
+        kmin, kmax = bounds
+        n, d = kmin.shape
+        flat = slots.reshape(-1)
+        page = jnp.where(flat >= 0, flat // page_size, n)  # out of bounds: dropped
+        first = jnp.where((flat >= 0) & (flat % page_size == 0), page, n)
+        kk = k.reshape(-1, d).astype(kmin.dtype)
+        kmin = kmin.at[first].set(jnp.inf, mode="drop").at[page].min(kk, mode="drop")
+        kmax = kmax.at[first].set(-jnp.inf, mode="drop").at[page].max(kk, mode="drop")
+        return kmin, kmax
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class Quest(RetrievalPolicy):
@@ -40,7 +66,7 @@ class Quest(RetrievalPolicy):
 
     name = "quest"
     layer_wise = True
-    page_summary = True  # the engine maintains per-page key min/max for it (jaxkv/engine/retrieval.py)
+    page_state = PageBounds
     dense_layers: int = 2
 
     def __post_init__(self):
@@ -49,8 +75,27 @@ class Quest(RetrievalPolicy):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{self.name}: dense_layers must be a non-negative integer (got {v!r})")
 
+    def tap_layer(self, head) -> int:
+        """The first ``dense_layers`` layers read the whole cache; the page choice starts after them."""
+        return self.dense_layers
+
     def scores(self, head, state, x, positions):
         raise NotImplementedError("quest scores pages inside each layer (page_scores), not once per step")
+
+    def read_pages(self, bounds, page_table, lengths, q, q_pos, page_size: int):
+        """This layer's read set from the maintained bounds: page_table [S, Hkv, P] page ids (-1 padding),
+        lengths [S, Hkv], q [S, Hq, D], q_pos [S] -> (page ids [S, Hkv, n], keep [S, Hkv, n, page_size]: the
+        slots of those pages attention reads). Reads 2 x D bound values per page of the list."""
+        p = page_table.shape[-1]
+        ptc = jnp.maximum(page_table, 0)
+        j = jnp.arange(p * page_size, dtype=jnp.int32).reshape(p, page_size)
+        valid = (j < lengths[..., None, None]) & (page_table >= 0)[..., None]  # [S, Hkv, P, ps]
+        kmin, kmax = bounds[0][ptc].astype(jnp.float32), bounds[1][ptc].astype(jnp.float32)
+        idx, count = self.select_pages(self.page_scores(q, kmin, kmax), lengths, page_size, q_pos)
+        pages = jnp.take_along_axis(ptc, idx, axis=-1)
+        keep = (jnp.arange(idx.shape[-1]) < count[..., None])[..., None] & jnp.take_along_axis(
+            valid, idx[..., None], axis=2)
+        return pages, keep
 
     def num_pages(self, page_size: int) -> int:
         return max(1, self.budget // page_size)
