@@ -393,3 +393,69 @@ def test_pinned_host_copies_move_whole_layers_and_serve_a_method_reading_some_he
     assert got[True][0] == got[False][0]
     per_head = got[False][1]  # the local heads only
     assert got[True][1] == per_head * cfg.num_kv_heads // (cfg.num_kv_heads - 1)
+
+
+@pytest.fixture(scope="module")
+def model5(tmp_path_factory):
+    """Five layers: three layer groups of unequal size (2, 1, 2), the first holding SparseX's selection
+    layer and RedKnot's dense FFN layers."""
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-5"), num_hidden_layers=5))
+
+
+def poison_free_pages(eng):
+    """Free pages get K/V far from any real one and position 0: a pass that read a promoted page before
+    its K/V were written would attend to them."""
+    import dataclasses
+
+    alloc = eng.allocator
+    free = alloc._free[:alloc.num_free]
+    pool = eng.runner.pool
+    eng.runner.pool = dataclasses.replace(pool, k=pool.k.at[free].set(40.0), v=pool.v.at[free].set(-60.0),
+                                          pos=pool.pos.at[free].set(0))
+
+
+# Methods that keep most reused K/V in this small prompt (SparseX's default blocks would recompute every
+# token of it, RedKnot's edge-mass restore every local head of these random weights).
+KEEPING = {"naive": "naive", "sparsex": dict(block=4, ratio=0.25), "redknot": dict(edge_thresh=1.0)}
+
+
+@pytest.mark.parametrize("method", list(KEEPING))
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5, method, pinned):
+    """Segments promoted from host memory: the pass runs as one program per layer group, each group's
+    promoted pages written just before its layers; tokens and every pool page equal the single program's.
+    Free pages are poisoned first, so a group whose layers ran before its pages were written would differ."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
+    L, H = model5.config.num_layers, model5.config.num_kv_heads
+    # RedKnot reads (so promotes) the local heads: head 0 global, the others sink 2 + window 4
+    hc = HeadClassMap(L, H, tuple(tuple(HeadClass.global_() if h == 0 else HeadClass.local(2, 4)
+                                        for h in range(H)) for _ in range(L)))
+    policy = get_reuse_policy(method, **KEEPING[method]) if method != "naive" else method
+    got = {}
+    for groups in (1, 3):
+        eng = engine(model5, 600, segment_head_classes=hc)
+        eng.reuser.layer_groups = groups
+        eng.reuser.tiers.memory_kinds = pinned
+        ids = [eng.register_segment(d) for d in docs]
+        eng.reuser.tiers.evict(eng.allocator.num_pages)
+        assert all(where(eng, s) == ["host"] for s in ids)
+        poison_free_pages(eng)
+        rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse=policy, sampling=GREEDY)
+        tokens = []
+        while eng.has_unfinished():
+            tokens += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        pool = eng.runner.pool
+        got[groups] = (tokens, eng.reuser.stats[rid], np.asarray(pool.k), np.asarray(pool.v),
+                       np.asarray(pool.pos))
+        # the segments are on the device now: the next request runs the single program
+        ask(eng, ids, policy)
+        assert list(eng.reuser.stats.values())[-1].layer_groups == 1
+    (tokens, stats, *pool), (tokens3, stats3, *pool3) = got[1], got[3]
+    assert len(tokens) == GREEDY.max_tokens and tokens3 == tokens
+    assert (stats.layer_groups, stats3.layer_groups) == (1, 3)
+    assert stats3.kv_writes == stats.kv_writes and stats3.ffn_rows == stats.ffn_rows
+    # most reused K/V are kept, not recomputed: the pass reads the promoted pages
+    assert stats.recompute_fraction < 0.75
+    for a, b in zip(pool, pool3):
+        np.testing.assert_array_equal(a, b)
