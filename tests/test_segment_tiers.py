@@ -3,6 +3,7 @@ serves requests over all of them with the tokens of a large pool and no segment 
 recently used segments leave the device first; frozen ones stay where they were pinned; RedKnot's promotion
 moves only the heads it reads; the store tier; cards and metrics show the tiers."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from jaxkv.cache.segments import SegmentError
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.segment_tiers import SegmentCapacityError, SegmentTiers
 from jaxkv.policies.reuse import get_reuse_policy
+from jaxkv.policies.reuse.apply import reuse_prefill
 from jaxkv.sampling import SamplingParams
 from jaxkv.serve import kv as K
 from jaxkv.serve.metrics import ServeMetrics
@@ -397,8 +399,7 @@ def test_pinned_host_copies_move_whole_layers_and_serve_a_method_reading_some_he
 
 @pytest.fixture(scope="module")
 def model5(tmp_path_factory):
-    """Five layers: three layer groups of unequal size (2, 1, 2), the first holding SparseX's selection
-    layer and RedKnot's dense FFN layers."""
+    """Five layers: five layer groups of one layer (SparseX: four, its first holding the selection layer)."""
     return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-5"), num_hidden_layers=5))
 
 
@@ -415,8 +416,11 @@ def poison_free_pages(eng):
 
 
 # Methods that keep most reused K/V in this small prompt (SparseX's default blocks would recompute every
-# token of it, RedKnot's edge-mass restore every local head of these random weights).
+# token of it, RedKnot's edge-mass restore every local head of these random weights), and the programs
+# their pass compiles in five layer groups: the first, one shared by the middle groups (their layer offset
+# is data), the last; RedKnot's per-layer static choices (`layer_breaks`) keep one program per group.
 KEEPING = {"naive": "naive", "sparsex": dict(block=4, ratio=0.25), "redknot": dict(edge_thresh=1.0)}
+GROUP_PROGRAMS = {"naive": 3, "sparsex": 3, "redknot": 5}
 
 
 @pytest.mark.parametrize("method", list(KEEPING))
@@ -433,7 +437,7 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
                                         for h in range(H)) for _ in range(L)))
     policy = get_reuse_policy(method, **KEEPING[method]) if method != "naive" else method
     got = {}
-    for groups in (1, 3):
+    for groups in (1, 5):
         eng = engine(model5, 600, segment_head_classes=hc)
         eng.reuser.layer_groups = groups
         eng.reuser.tiers.memory_kinds = pinned
@@ -441,19 +445,21 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
         eng.reuser.tiers.evict(eng.allocator.num_pages)
         assert all(where(eng, s) == ["host"] for s in ids)
         poison_free_pages(eng)
+        jax.clear_caches()
         rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse=policy, sampling=GREEDY)
         tokens = []
         while eng.has_unfinished():
             tokens += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        assert reuse_prefill._cache_size() == (1 if groups == 1 else GROUP_PROGRAMS[method])
         pool = eng.runner.pool
         got[groups] = (tokens, eng.reuser.stats[rid], np.asarray(pool.k), np.asarray(pool.v),
                        np.asarray(pool.pos))
         # the segments are on the device now: the next request runs the single program
         ask(eng, ids, policy)
         assert list(eng.reuser.stats.values())[-1].layer_groups == 1
-    (tokens, stats, *pool), (tokens3, stats3, *pool3) = got[1], got[3]
+    (tokens, stats, *pool), (tokens3, stats3, *pool3) = got[1], got[5]
     assert len(tokens) == GREEDY.max_tokens and tokens3 == tokens
-    assert (stats.layer_groups, stats3.layer_groups) == (1, 3)
+    assert (stats.layer_groups, stats3.layer_groups) == (1, 4 if method == "sparsex" else 5)
     assert stats3.kv_writes == stats.kv_writes and stats3.ffn_rows == stats.ffn_rows
     # most reused K/V are kept, not recomputed: the pass reads the promoted pages
     assert stats.recompute_fraction < 0.75

@@ -29,8 +29,9 @@ from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.runner import StepBatch
 from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
+from jaxkv.models import llama
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
-from jaxkv.policies.reuse.apply import layer_groups, reuse_prefill
+from jaxkv.policies.reuse.apply import layer_groups, offset_group_ok, reuse_prefill
 from jaxkv.sampling import top_logprobs_host
 
 # Probe queries (the new text after the first segment) are padded to at least this many: questions of up
@@ -597,17 +598,25 @@ class Reuser:
         and XLA runs a transfer beside a program only when the transfer was dispatched first (docs/
         segments.md, "Layer groups"). The pass's inputs go to the device before the segments' K/V, so they
         do not queue behind them. Returns what `reuse_prefill` does, the pool aside (set on the runner)."""
-        eng = self.engine
+        eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
         per_group = _group_copies(b, copy_layer, groups, self.cfg.num_kv_heads)
         common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
-        common, per_group, heads = jax.device_put((common, per_group, self.heads))
+        offsets = [np.int32(l0) for l0, _ in groups]
+        common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
+        # middle groups of one size share a compiled program: their layer offset is data
+        by_offset = offset_group_ok(static["policy"], params, b)
         promotion.start(groups)
         carry = None
         for g, (l0, l1) in enumerate(groups):
             promotion.write(g)
-            out = reuse_prefill(eng.runner.params, eng.runner.pool, {**common, **per_group[g]}, heads, carry,
-                                layers=(l0, l1), **static)
-            if l1 < self.cfg.num_layers:
+            bg = {**common, **per_group[g]}
+            if by_offset and 0 < l0 and l1 < L:
+                part = {**params, "layers": llama.SharedLayers(params["layers"][l0:l1])}
+                out = reuse_prefill(part, eng.runner.pool, bg, heads, carry, offsets[g], layers=(0, l1 - l0),
+                                    **static)
+            else:
+                out = reuse_prefill(params, eng.runner.pool, bg, heads, carry, layers=(l0, l1), **static)
+            if l1 < L:
                 eng.runner.pool, carry = out
         eng.runner.pool = out[0]
         return out[1:]

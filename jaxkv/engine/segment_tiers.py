@@ -27,7 +27,10 @@ every head for naive / SparseX / CacheBlend / EPIC, the local heads only for Red
 global heads' K/V for every token) and the device lacks are copied into newly allocated pages, from host
 memory or the store (a store read started when the request was queued: `prefetch`). Nothing is prefilled
 again. Every segment's transfer is dispatched before any is written, and before the prefill pass (JAX runs
-them asynchronously), so host-side work of the pass overlaps the transfers.
+them asynchronously), so host-side work of the pass overlaps the transfers. A reuse request defers it
+(`promote(..., defer=True)` -> `Promotion`): its pass runs in layer groups, each group's pages written just
+before that group's program, so the transfers of later groups run beside the earlier groups' layers
+(jaxkv/engine/reuse.py, `LAYER_GROUPS`).
 
 **Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
 leaves the pool; ``"host"`` is kept in host memory (its pool pages freed right after registration,

@@ -11,6 +11,12 @@ last prompt token's logits are sampled like an engine step. Attention is the eng
 the request's page table (keys masked by their stored positions), so recomputed and reused K/V mix exactly
 as a later decode sees them.
 
+Layer groups (`layers=`, `layer_groups`): the same pass as several programs over layer ranges, each doing
+(1) + (2) for its own layers' pages only, so a program depends on no later layer's promoted pages (the
+engine promotes segments group by group beside them, jaxkv/engine/reuse.py). The first group holds the
+dense phase and the selection layer; the carry between groups is the rows' hidden states, their indices
+and selections, and the per-layer stats.
+
 Phases (3) and (5) run through the model's layer loop (`llama.run_layers`): with `SharedLayers` one traced
 layer body per phase, the sparse phase split where the method's static choices change
 (`ReusePolicy.layer_breaks`); per-layer statistics are `[L]` arrays each layer writes at its index.
@@ -94,14 +100,18 @@ def storage_slots(table, storage, ps: int):
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
                                              "rows_are_tokens", "head_windows", "mesh", "layers"),
                    donate_argnames=("pool",))
-def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, policy: ReusePolicy,
-                  num_rows: int, select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
-                  head_windows: tuple | None = None, mesh=None, layers: tuple[int, int] | None = None):
+def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, offset=None, *, cfg,
+                  policy: ReusePolicy, num_rows: int, select_cap: int, impl: str | None = None,
+                  rows_are_tokens: bool = False, head_windows: tuple | None = None, mesh=None,
+                  layers: tuple[int, int] | None = None):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
 
     `layers` = (l0, l1): only layers [l0, l1) of the pass (a layer group, see `layer_groups`): b's clear /
     src / dst / delta are then that group's pages, `carry` what the group before returned (None for the
-    first); a group that does not end at the last layer returns (pool, carry) instead.
+    first); a group that does not end at the last layer returns (pool, carry) instead. `offset` (int32 []
+    data): a middle group whose position is data, so equal-size groups share one compiled program:
+    params["layers"] (`SharedLayers`) holds only its layers, `layers` = (0, their count), and layer j of
+    them is layer offset + j of the model (`offset_group_ok` says where this applies).
 
     b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); storage [T] (each token's
     storage slot, the same for every head, -1 = padding: slots [T, L, H] are gathered here from the page
@@ -126,7 +136,15 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg
         from jaxkv.parallel.methods import sharded_reuse
 
         return sharded_reuse(reuse_body, params, pool, b, heads, mesh=mesh, **static)
-    return reuse_body(params, pool, b, heads, carry, layers=layers, **static)
+    return reuse_body(params, pool, b, heads, carry, layers=layers, offset=offset, **static)
+
+
+def offset_group_ok(policy: ReusePolicy, params, b: dict) -> bool:
+    """Whether a middle layer group may take its layer offset as data: the layers run through one shared
+    body (their index is traced anyway), the method makes no static per-layer choice (`layer_breaks`, which
+    its hooks read through `LayerView.span`) and no per-layer FFN cache is sliced by layer."""
+    return (isinstance(params["layers"], llama.SharedLayers) and not policy.layer_breaks()
+            and "ffn_cache" not in b)
 
 
 def first_group_stop(policy: ReusePolicy, num_layers: int) -> int:
@@ -148,18 +166,25 @@ def layer_groups(policy: ReusePolicy, num_layers: int, groups: int) -> list[tupl
 
 def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, policy: ReusePolicy,
                num_rows: int, select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
-               head_windows: tuple | None = None, tp=None, layers: tuple[int, int] | None = None):
+               head_windows: tuple | None = None, tp=None, layers: tuple[int, int] | None = None,
+               offset=None):
     """`reuse_prefill` on one device, or on one shard with `tp` (jaxkv.parallel.methods.ReuseShard: the
     all-reduces after the O and down projections, page ids made local, and the hooks that look across
-    heads (`score`, `ffn_rows`) handed every shard's heads). `layers`, `carry`: one layer group of the
-    pass (see `reuse_prefill`); the carry between groups is (rows' hidden states, row indices, rows'
+    heads (`score`, `ffn_rows`) handed every shard's heads). `layers`, `carry`, `offset`: one layer group of
+    the pass (see `reuse_prefill`); the carry between groups is (rows' hidden states, row indices, rows'
     selection, per-layer stats)."""
     L, H = cfg.num_layers, cfg.num_kv_heads
     l0, l1 = (0, L) if layers is None else (int(layers[0]), int(layers[1]))
-    if not 0 <= l0 < l1 <= L or (l0 == 0) != (carry is None):
+    last = l1 == L
+    if offset is not None:  # params["layers"] holds this middle group's layers; [l0, l1) index them
+        if carry is None or l0 != 0 or l1 != len(params["layers"]) or not offset_group_ok(policy, params, b):
+            raise ValueError("reuse pass: a layer group with its offset as data is a middle group of shared "
+                             "layers, given as its own layers, for a method without layer breaks")
+        last = False
+    elif not 0 <= l0 < l1 <= L or (l0 == 0) != (carry is None):
         raise ValueError(f"reuse pass: bad layer group [{l0}, {l1}) of {L} layers (the first group, and only "
                          "it, starts at layer 0 without a carry)")
-    if l0 == 0 and l1 < first_group_stop(policy, L):
+    if carry is None and l1 < first_group_stop(policy, L):
         raise ValueError(f"reuse pass: the first layer group must hold at least "
                          f"{first_group_stop(policy, L)} layers (dense phase + selection layer)")
     reduce = (lambda a: a) if tp is None else tp.reduce
@@ -325,20 +350,22 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
         with `SharedLayers` one traced body per phase range `span`."""
         def layer(p, cfg_, i, x, positions_, freqs_, attend_, state, reduce_=None):
             pool, stats = state
+            i = i if offset is None else i + offset  # the model's layer index (data for such a group)
             x, pool, st, _ = layer_step(p, i, x, rows, pool, writes_mask, span=span, **kw)
             return x, (pool, tuple(a.at[i].set(v.astype(a.dtype)) for a, v in zip(stats, st)))
 
         return layer
 
     def run_phase(x, pool, stats, rows, start, stop, writes_mask, **kw):
+        span = (start, stop) if offset is None else None  # a data offset: no static span to give hooks
         return llama.run_layers(params["layers"], cfg, x, rows["positions"], freqs, None, (pool, stats),
-                                start=start, stop=stop, layer=phase(rows, writes_mask, (start, stop), **kw))
+                                start=start, stop=stop, layer=phase(rows, writes_mask, span, **kw))
 
     T = b["tokens"].shape[0]
     valid = b["positions"] >= 0
     forced = b["forced"] & valid
     F = min(policy.full_layers, L)
-    if l0 == 0:
+    if carry is None:
         all_rows = {k_: b[k_] for k_ in ("positions", "slots", "is_new", "forced", "seg_offset", "probe")}
         x = params["embed"][b["tokens"]]
         # per-layer stats, written by each layer: kv_writes, query_rows, ffn_rows, promoted_heads, ffn_dropped
@@ -397,7 +424,7 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
         if s0 < s1:
             xr, (pool, stats) = run_phase(xr, pool, stats, rows, s0, s1, True, want_view=True,
                                           selected=sel_rows, tokens=rows_are_tokens and num_rows == T)
-    if l1 < L:
+    if not last:
         return pool, (xr, idx, sel_rows, stats)
 
     hidden = llama.rms_norm(xr, params["final_norm"], cfg.rms_norm_eps)
