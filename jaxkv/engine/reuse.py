@@ -461,6 +461,8 @@ class Reuser:
             promotion = self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]),
                                            defer=len(groups) > 1)
             try:
+                if promotion is not None:  # the first group's K/V move while the pass's inputs are built
+                    promotion.start(groups, send=1)
                 return self._prefill(p, entries, seg_tokens, promotion, groups)
             finally:
                 if promotion is not None:
@@ -591,13 +593,13 @@ class Reuser:
             eng.scheduler.add_running(req)
         return out
 
-
     def _grouped(self, b: dict, copy_layer: np.ndarray, groups, promotion, static: dict):
         """The reuse pass as one program per layer group, each dispatched right after its layers' promoted
         pages are written, so it depends on no later group's transfer: a program waits for all its inputs,
         and XLA runs a transfer beside a program only when the transfer was dispatched first (docs/
-        segments.md, "Layer groups"). The pass's inputs go to the device before the segments' K/V, so they
-        do not queue behind them. Returns what `reuse_prefill` does, the pool aside (set on the runner)."""
+        segments.md, "Layer groups"). The pass's inputs go to the device right after the first group's K/V
+        (sent while they were built), before the other groups', so they do not queue behind them. Returns
+        what `reuse_prefill` does, the pool aside (set on the runner)."""
         eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
         per_group = _group_copies(b, copy_layer, groups, self.cfg.num_kv_heads)
         common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
@@ -605,7 +607,7 @@ class Reuser:
         common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
         # middle groups of one size share a compiled program: their layer offset is data
         by_offset = offset_group_ok(static["policy"], params, b)
-        promotion.start(groups)
+        promotion.send()
         carry = None
         for g, (l0, l1) in enumerate(groups):
             promotion.write(g)

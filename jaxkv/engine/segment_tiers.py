@@ -470,54 +470,57 @@ class _Move:
 
 class Promotion:
     """Promoted heads written into their pages per layer group, so a program over some layers depends only
-    on those layers' transfers: `start` dispatches every group's transfers, the first group's first;
-    `write(g)` writes group g's pages (call it just before the program over those layers); `finish` starts
-    and writes whatever is left (always call it: the entries already name these pages). One group of every
-    layer is the plain promotion."""
+    on those layers' transfers: `start` plans the groups and dispatches the first ones' transfers, `send`
+    the others' (a group's page ids and positions, then its K/V; group after group, the first group's
+    first); `write(g)` writes group g's pages (call it just before the program over those layers);
+    `finish` sends and writes whatever is left (always call it: the entries already name these pages). One
+    group of every layer is the plain promotion."""
 
     def __init__(self, tiers: SegmentTiers, moves: list[_Move]):
         self.tiers, self.moves = tiers, moves
         self.groups: list[tuple[int, int]] | None = None
-        self._parts: list[list] = []  # per group: (k, v, rows, pages, pos) device arrays, one per segment
+        self._plans: list[list] = []  # per group: `_part`s on the host, one per segment holding its layers
+        self._parts: list[list] = []  # per group sent: (k, v, rows, pages, pos) on the device, per segment
         self._written: set[int] = set()
 
-    def start(self, groups: list[tuple[int, int]] | None = None) -> None:
-        """Dispatches the transfers of layer groups `groups` ([l0, l1) ranges covering every layer; default
-        one group): every write's page ids and positions first (small: nothing the programs need waits
-        behind the K/V), then K/V group after group."""
-        if self.groups is not None:
-            return
-        L, H = self.tiers.L, self.tiers.H
-        self.groups = [(0, L)] if groups is None else [tuple(g) for g in groups]
-        plans = [[p for p in (_part(mv, l0, l1, H) for mv in self.moves) if p is not None]
-                 for l0, l1 in self.groups]
-        meta = jax.device_put([(rows, ids, pos) for plan in plans for _, _, rows, ids, pos in plan])
-        at = 0
-        for plan in plans:
+    def start(self, groups: list[tuple[int, int]] | None = None, send: int | None = None) -> None:
+        """Plans layer groups `groups` ([l0, l1) ranges covering every layer; default one group) and sends
+        the first `send` of them (None: all)."""
+        if self.groups is None:
+            L, H = self.tiers.L, self.tiers.H
+            self.groups = [(0, L)] if groups is None else [tuple(g) for g in groups]
+            self._plans = [[p for p in (_part(mv, l0, l1, H) for mv in self.moves) if p is not None]
+                           for l0, l1 in self.groups]
+        self.send(send)
+
+    def send(self, upto: int | None = None) -> None:
+        """Dispatches the transfers of the groups before `upto` (None: every group) not sent yet."""
+        from jaxkv.engine.host_tier import device_sharding
+
+        for plan in self._plans[len(self._parts):upto]:
+            meta = jax.device_put([(rows, ids, pos) for *_, rows, ids, pos in plan])
             parts = []
-            for host_k, host_v, *_ in plan:
+            for (host_k, host_v, *_), (rows, ids, pos) in zip(plan, meta):
                 n = len(host_k)
                 if isinstance(host_k[0], np.ndarray):
                     kv = jax.device_put(host_k + host_v)
-                else:
-                    from jaxkv.engine.host_tier import device_sharding
-
+                else:  # pinned host arrays
                     kv = jax.device_put(host_k + host_v, device_sharding())
-                parts.append((tuple(kv[:n]), tuple(kv[n:]), *meta[at]))
-                at += 1
+                parts.append((tuple(kv[:n]), tuple(kv[n:]), rows, ids, pos))
             self._parts.append(parts)
 
     def write(self, group: int) -> None:
-        """Writes layer group `group`'s promoted pages into the pool (once)."""
+        """Writes layer group `group`'s promoted pages into the pool (once), its transfers sent if not yet."""
         if group in self._written:
             return
+        self.send(group + 1)
         self._written.add(group)
         runner = self.tiers.engine.runner
         for k, v, rows, ids, pos in self._parts[group]:
             runner.pool = _write_pages(runner.pool, k, v, rows, ids, pos)
 
     def finish(self) -> None:
-        """Starts the transfers if not started and writes every group not written yet."""
+        """Sends and writes every group not sent or written yet."""
         self.start()
         for g in range(len(self.groups)):
             self.write(g)
