@@ -465,3 +465,18 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
     assert stats.recompute_fraction < 0.75
     for a, b in zip(pool, pool3):
         np.testing.assert_array_equal(a, b)
+
+
+def test_layer_groups_cover_every_layer_and_the_first_holds_the_selection_layer():
+    from jaxkv.policies.reuse.apply import layer_groups
+
+    naive, sparsex = get_reuse_policy("naive"), get_reuse_policy("sparsex", full_layers=6)
+    assert layer_groups(naive, 32, 8) == [(i, i + 4) for i in range(0, 32, 4)]
+    # SparseX scores layer 6's reused K/V: the first group runs layers 0..6, the boundary at 4 goes
+    assert layer_groups(sparsex, 32, 8) == [(0, 8)] + [(i, i + 4) for i in range(8, 32, 4)]
+    assert layer_groups(naive, 30, 8) == [(0, 4), (4, 8), (8, 11), (11, 15), (15, 19), (19, 22), (22, 26),
+                                          (26, 30)]
+    assert layer_groups(naive, 3, 8) == [(0, 1), (1, 2), (2, 3)]  # at most one group per layer
+    assert layer_groups(get_reuse_policy("sparsex", full_layers=2), 3, 8) == [(0, 3)]  # layer 2 selects
+    assert layer_groups(get_reuse_policy("sparsex", full_layers=9), 4, 8) == [(0, 4)]  # every layer dense
+    assert layer_groups(naive, 32, 1) == [(0, 32)]
