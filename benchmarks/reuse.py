@@ -18,8 +18,9 @@ first timed):
 
 `--tiers device,host,store` times every reuse method with its segments starting in each tier (placed there
 before every run, untimed; the request promotes the heads its method reads, which is timed) and reports
-the bytes each request moved. `--restart` then starts a second engine on the same store and times
-restart -> first reused token (no segment prefilled again).
+the bytes each request moved and the programs its pass ran in (segments promoted: one per layer group,
+`--layer-groups`, each beside the next group's transfer; on the device: one). `--restart` then starts a
+second engine on the same store and times restart -> first reused token (no segment prefilled again).
 
 RedKnot reads the reuse head-class map next to the model: random-weight shapes get a synthetic one (KV head
 0 of every layer global, the rest sink 64 + window 256), the embedded model its profiled
@@ -62,7 +63,7 @@ TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", 
 HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
           "query rows", "FFN rows", "notes"]
 TIER_HEADER = ["method", "segments in", "TTFT (s)", "speed-up vs full", "share of the device speed-up",
-               "moved to the device (MB)", "read from the store (MB)"]
+               "moved to the device (MB)", "read from the store (MB)", "pass programs"]
 TIER_INDEPENDENT = {"full", "reuse_full"}  # read no segment: timed once, in the first tier
 
 
@@ -258,10 +259,11 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
                 "query_rows": float(np.mean(stats.recomputed_rows)) / n,
                 "ffn_rows": float(np.mean(stats.ffn_rows)) / n, "prefill_s": stats.prefill_s,
                 "promoted_heads": int(np.sum(stats.promoted_heads)),
-                "fields": dataclasses.asdict(policy)}
+                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy)}
     log(f"  {spec}{'' if tier is None else ' @ ' + tier}: warm-up (compile) {warm:.2f} s, "
         f"timed {', '.join(f'{t:.4f}' for t in times)} s "
-        f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s)" if stats else ""))
+        f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s in {stats.layer_groups} "
+                                              "program(s))" if stats else ""))
     return row
 
 
@@ -303,7 +305,8 @@ def tier_table(rows: list[dict]) -> str:
         dev = on_device.get(r["method"])
         share = f"{dev / r['ttft_s']:.0%}" if dev and r["tier"] != "device" else ""
         out.append([r["method"], r["tier"], f"{r['ttft_s']:.4f}", speedup, share,
-                    f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}"])
+                    f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}",
+                    str(r.get("pass_programs", ""))])
     return markdown_table(TIER_HEADER, out)
 
 
@@ -373,10 +376,13 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     store = args.store or (tempfile.mkdtemp(prefix="jaxkv-bench-store-")
                            if "store" in tiers or args.restart else None)
     eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    if args.layer_groups is not None:
+        eng.reuser.layer_groups = args.layer_groups
     t0 = time.perf_counter()
     prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"])
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
               "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers, "tiers": tiers,
+              "layer_groups": eng.reuser.layer_groups,
               "register_s": time.perf_counter() - t0,
               "reuse_heads": describe_heads(eng.reuser.heads, shape), "rows": []}
     last_cost = 0.0
@@ -503,6 +509,9 @@ def parse_args(argv):
                     help="comma list of device, host, store: where the segments start each run")
     ap.add_argument("--store", default=None, help="segment store directory or URL for the store tier and "
                                                   "--restart (default: a fresh temporary directory)")
+    ap.add_argument("--layer-groups", type=int, default=None,
+                    help="programs a reuse pass runs in when its segments come up from host memory or the "
+                         "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")
     ap.add_argument("--restart", action="store_true",
                     help="then time a second engine on the store: restart -> first reused token")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
@@ -513,6 +522,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.layer_groups is not None and args.layer_groups < 1:
+        ap.error("--layer-groups must be >= 1")
     args.tier_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
     bad = [t for t in args.tier_list if t not in ("device", "host", "store")]
     if bad or not args.tier_list:

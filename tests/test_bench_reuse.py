@@ -56,6 +56,9 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     assert segment_bytes > 0 and rows["naive", "device"]["promoted_bytes"] == 0
     assert rows["naive", "store"]["promoted_bytes"] == rows["naive", "store"]["store_read_bytes"] == segment_bytes
     assert rows["naive", "host"]["store_read_bytes"] == 0
+    # segments promoted for the request: the pass runs in layer groups; on the device in one program
+    assert rows["naive", "host"]["pass_programs"] == rows["naive", "store"]["pass_programs"] > 1
+    assert rows["naive", "device"]["pass_programs"] == 1
     # RedKnot promotes only its local heads (the small model's head-class map has global heads)
     assert 0 < rows["redknot", "host"]["promoted_bytes"] < segment_bytes
     r = result["restart"]

@@ -3,6 +3,7 @@ serves requests over all of them with the tokens of a large pool and no segment 
 recently used segments leave the device first; frozen ones stay where they were pinned; RedKnot's promotion
 moves only the heads it reads; the store tier; cards and metrics show the tiers."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from jaxkv.cache.segments import SegmentError
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.segment_tiers import SegmentCapacityError, SegmentTiers
 from jaxkv.policies.reuse import get_reuse_policy
+from jaxkv.policies.reuse.apply import reuse_prefill
 from jaxkv.sampling import SamplingParams
 from jaxkv.serve import kv as K
 from jaxkv.serve.metrics import ServeMetrics
@@ -393,3 +395,88 @@ def test_pinned_host_copies_move_whole_layers_and_serve_a_method_reading_some_he
     assert got[True][0] == got[False][0]
     per_head = got[False][1]  # the local heads only
     assert got[True][1] == per_head * cfg.num_kv_heads // (cfg.num_kv_heads - 1)
+
+
+@pytest.fixture(scope="module")
+def model5(tmp_path_factory):
+    """Five layers: five layer groups of one layer (SparseX: four, its first holding the selection layer)."""
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-5"), num_hidden_layers=5))
+
+
+def poison_free_pages(eng):
+    """Free pages get K/V far from any real one and position 0: a pass that read a promoted page before
+    its K/V were written would attend to them."""
+    import dataclasses
+
+    alloc = eng.allocator
+    free = alloc._free[:alloc.num_free]
+    pool = eng.runner.pool
+    eng.runner.pool = dataclasses.replace(pool, k=pool.k.at[free].set(40.0), v=pool.v.at[free].set(-60.0),
+                                          pos=pool.pos.at[free].set(0))
+
+
+# Methods that keep most reused K/V in this small prompt (SparseX's default blocks would recompute every
+# token of it, RedKnot's edge-mass restore every local head of these random weights), and the programs
+# their pass compiles in five layer groups: the first, one shared by the middle groups (their layer offset
+# is data), the last; RedKnot's per-layer static choices (`layer_breaks`) keep one program per group.
+KEEPING = {"naive": "naive", "sparsex": dict(block=4, ratio=0.25), "redknot": dict(edge_thresh=1.0)}
+GROUP_PROGRAMS = {"naive": 3, "sparsex": 3, "redknot": 5}
+
+
+@pytest.mark.parametrize("method", list(KEEPING))
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5, method, pinned):
+    """Segments promoted from host memory: the pass runs as one program per layer group, each group's
+    promoted pages written just before its layers; tokens and every pool page equal the single program's.
+    Free pages are poisoned first, so a group whose layers ran before its pages were written would differ."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
+    L, H = model5.config.num_layers, model5.config.num_kv_heads
+    # RedKnot reads (so promotes) the local heads: head 0 global, the others sink 2 + window 4
+    hc = HeadClassMap(L, H, tuple(tuple(HeadClass.global_() if h == 0 else HeadClass.local(2, 4)
+                                        for h in range(H)) for _ in range(L)))
+    policy = get_reuse_policy(method, **KEEPING[method]) if method != "naive" else method
+    got = {}
+    for groups in (1, 5):
+        eng = engine(model5, 600, segment_head_classes=hc)
+        eng.reuser.layer_groups = groups
+        eng.reuser.tiers.memory_kinds = pinned
+        ids = [eng.register_segment(d) for d in docs]
+        eng.reuser.tiers.evict(eng.allocator.num_pages)
+        assert all(where(eng, s) == ["host"] for s in ids)
+        poison_free_pages(eng)
+        jax.clear_caches()
+        rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse=policy, sampling=GREEDY)
+        tokens = []
+        while eng.has_unfinished():
+            tokens += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        assert reuse_prefill._cache_size() == (1 if groups == 1 else GROUP_PROGRAMS[method])
+        pool = eng.runner.pool
+        got[groups] = (tokens, eng.reuser.stats[rid], np.asarray(pool.k), np.asarray(pool.v),
+                       np.asarray(pool.pos))
+        # the segments are on the device now: the next request runs the single program
+        ask(eng, ids, policy)
+        assert list(eng.reuser.stats.values())[-1].layer_groups == 1
+    (tokens, stats, *pool), (tokens3, stats3, *pool3) = got[1], got[5]
+    assert len(tokens) == GREEDY.max_tokens and tokens3 == tokens
+    assert (stats.layer_groups, stats3.layer_groups) == (1, 4 if method == "sparsex" else 5)
+    assert stats3.kv_writes == stats.kv_writes and stats3.ffn_rows == stats.ffn_rows
+    # most reused K/V are kept, not recomputed: the pass reads the promoted pages
+    assert stats.recompute_fraction < 0.75
+    for a, b in zip(pool, pool3):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_layer_groups_cover_every_layer_and_the_first_holds_the_selection_layer():
+    from jaxkv.policies.reuse.apply import layer_groups
+
+    naive, sparsex = get_reuse_policy("naive"), get_reuse_policy("sparsex", full_layers=6)
+    assert layer_groups(naive, 32, 8) == [(i, i + 4) for i in range(0, 32, 4)]
+    # SparseX scores layer 6's reused K/V: the first group runs layers 0..6, the boundary at 4 goes
+    assert layer_groups(sparsex, 32, 8) == [(0, 8)] + [(i, i + 4) for i in range(8, 32, 4)]
+    assert layer_groups(naive, 30, 8) == [(0, 4), (4, 8), (8, 11), (11, 15), (15, 19), (19, 22), (22, 26),
+                                          (26, 30)]
+    assert layer_groups(naive, 3, 8) == [(0, 1), (1, 2), (2, 3)]  # at most one group per layer
+    assert layer_groups(get_reuse_policy("sparsex", full_layers=2), 3, 8) == [(0, 3)]  # layer 2 selects
+    assert layer_groups(get_reuse_policy("sparsex", full_layers=9), 4, 8) == [(0, 4)]  # every layer dense
+    assert layer_groups(naive, 32, 1) == [(0, 32)]

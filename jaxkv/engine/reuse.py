@@ -29,13 +29,20 @@ from jaxkv.engine.buckets import bucket_for, powers_of_two
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.runner import StepBatch
 from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
+from jaxkv.models import llama
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
-from jaxkv.policies.reuse.apply import reuse_prefill
+from jaxkv.policies.reuse.apply import layer_groups, offset_group_ok, reuse_prefill
 from jaxkv.sampling import top_logprobs_host
 
 # Probe queries (the new text after the first segment) are padded to at least this many: questions of up
 # to 64 tokens share one compiled variant.
 PROBE_FLOOR = 64
+# A reuse pass whose segments come up from host memory or the store runs in this many layer-group programs,
+# each dispatched after its own layers' transfers, so group g's transfer runs while group g-1 computes.
+# What stays exposed is about the first group's transfer (1/8 of it) plus a few dispatches per group; 8
+# groups of the 8B shape's 32 layers move ~0.54 GB each, far above the size where a transfer reaches the
+# link's speed. Segments already on the device keep the single program.
+LAYER_GROUPS = 8
 
 
 @dataclasses.dataclass
@@ -65,6 +72,7 @@ class ReuseStats:
         return float(np.clip(per_head / self.reused_tokens, 0, 1).mean())
 
     heads: int = 1
+    layer_groups: int = 1  # programs the pass ran in (> 1: segments promoted beside it, layer group by group)
     # per layer: rows the sparse FFN chose but its capacity dropped (lowest mass first; with RedKnot's
     # ffn_select="deviation" every reused row is a candidate, so this counts every reused row it skipped)
     ffn_dropped: list[int] = dataclasses.field(default_factory=list)
@@ -155,6 +163,8 @@ class Reuser:
         if self.ffn_cache_bytes < 0:
             raise ValueError(f"segment_ffn_cache_bytes must be >= 0 (got {ffn_cache_bytes})")
         self._ffn_lru: OrderedDict[str, SegmentEntry] = OrderedDict()  # entries holding `ffn`, LRU first
+        # layer-group programs of a pass whose segments are promoted for it (1: always one program)
+        self.layer_groups = LAYER_GROUPS
 
     # ---- segments -----------------------------------------------------------------------------
     def register(self, tokens, extra_key: str | None = None, frozen: bool = False,
@@ -445,15 +455,32 @@ class Reuser:
             if e is not None:
                 self.store.acquire(e)
         try:
-            # the heads the method reads come to the device (from host memory or the store) first
-            self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]))
-            return self._prefill(p, entries, seg_tokens)
+            # The heads the method reads come to the device (from host memory or the store) first: all at
+            # once before a single-program pass, or layer group by layer group beside a grouped one.
+            groups = self._groups(pol)
+            promotion = self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]),
+                                           defer=len(groups) > 1)
+            try:
+                if promotion is not None:  # the first group's K/V move while the pass's inputs are built
+                    promotion.start(groups, send=1)
+                return self._prefill(p, entries, seg_tokens, promotion, groups)
+            finally:
+                if promotion is not None:
+                    promotion.finish()
         finally:
             for e in entries:
                 if e is not None:
                     self.store.release(e)
 
-    def _prefill(self, p: _Pending, entries, seg_tokens):
+    def _groups(self, pol: ReusePolicy) -> list[tuple[int, int]]:
+        """Layer ranges of the pass's programs when its segments must be promoted: `layer_groups` of them
+        on one device; one under tensor parallelism (the sharded pass is one shard_map program)."""
+        L = self.cfg.num_layers
+        if self.engine.runner.mesh is not None or self.layer_groups <= 1 or not pol.reuses:
+            return [(0, L)]
+        return layer_groups(pol, L, self.layer_groups)
+
+    def _prefill(self, p: _Pending, entries, seg_tokens, promotion=None, groups=None):
         eng, req, pol = self.engine, p.req, p.policy
         cfg = self.cfg
         L, H, ps = cfg.num_layers, cfg.num_kv_heads, self.page_size
@@ -509,12 +536,14 @@ class Reuser:
         b["page_table"][0, :, :, :npg] = table
         b["probe"][:probe.size] = probe
         at = 0
+        copy_layer = np.full(b["src"].shape, -1, np.int32)  # each copy's layer (for layer groups)
         for e, page0, d in copies:  # heads the method does not read may be off the device (-1: no copy)
             m, size = e.pages.shape[2], e.pages.size
             src = e.pages.ravel()
             b["src"][at:at + size] = src
             b["dst"][at:at + size] = np.where(src >= 0, table[:, :, page0:page0 + m].ravel(), -1)
             b["delta"][at:at + size] = d
+            copy_layer[at:at + size] = np.arange(size) // (size // L)
             at += size
         b["clear"][:table.size] = table.ravel()
         if getattr(pol, "ffn_reuse", False):
@@ -523,12 +552,17 @@ class Reuser:
         b["temperature"][0], b["top_k"][0], b["top_p"][0], b["seeds"][0] = (sp.temperature, sp.top_k,
                                                                             sp.top_p, req.seed)
 
+        static = dict(cfg=cfg, policy=pol, num_rows=R, select_cap=select_cap, impl=self.impl,
+                      rows_are_tokens=rows_are_tokens, head_windows=self.head_windows, mesh=eng.runner.mesh)
         t0 = time.perf_counter()
-        pool, tok, logprob, logits, st = reuse_prefill(
-            eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg, policy=pol, num_rows=R,
-            select_cap=select_cap, impl=self.impl, rows_are_tokens=rows_are_tokens,
-            head_windows=self.head_windows, mesh=eng.runner.mesh)
-        eng.runner.pool = pool
+        if promotion is None:
+            pool, tok, logprob, logits, st = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads,
+                                                           **static)
+            eng.runner.pool = pool
+            programs = 1
+        else:
+            tok, logprob, logits, st = self._grouped(b, copy_layer, groups, promotion, static)
+            programs = len(groups)
         # One sync for the token, its logprob and the stats (a fetch each cost ~0.5-0.9 ms on an H200).
         alts = req.sampling.logprobs  # the first token's alternatives come from its logits, on the host
         tok, logprob, st, logits = jax.device_get((tok, logprob, st,
@@ -544,7 +578,7 @@ class Reuser:
         self.stats[req.request_id] = ReuseStats(
             pol.name, n, lay.num_reused, ints("query_rows"), ints("kv_writes"), ints("ffn_rows"),
             ints("promoted_heads"), ints("keys_seen"), elapsed,
-            logits, heads=H, ffn_dropped=ints("ffn_dropped"))
+            logits, heads=H, layer_groups=programs, ffn_dropped=ints("ffn_dropped"))
 
         eng.tables.adopt_pages(req.request_id, table, slot, n - 1)
         req.num_computed = n
@@ -558,6 +592,56 @@ class Reuser:
         else:
             eng.scheduler.add_running(req)
         return out
+
+    def _grouped(self, b: dict, copy_layer: np.ndarray, groups, promotion, static: dict):
+        """The reuse pass as one program per layer group, each dispatched right after its layers' promoted
+        pages are written, so it depends on no later group's transfer: a program waits for all its inputs,
+        and XLA runs a transfer beside a program only when the transfer was dispatched first (docs/
+        segments.md, "Layer groups"). The pass's inputs go to the device right after the first group's K/V
+        (sent while they were built), before the other groups', so they do not queue behind them. Returns
+        what `reuse_prefill` does, the pool aside (set on the runner)."""
+        eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
+        per_group = _group_copies(b, copy_layer, groups, self.cfg.num_kv_heads)
+        common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
+        offsets = [np.int32(l0) for l0, _ in groups]
+        common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
+        # middle groups of one size share a compiled program: their layer offset is data
+        by_offset = offset_group_ok(static["policy"], params, b)
+        promotion.send()
+        carry = None
+        for g, (l0, l1) in enumerate(groups):
+            promotion.write(g)
+            bg = {**common, **per_group[g]}
+            if by_offset and 0 < l0 and l1 < L:
+                part = {**params, "layers": llama.SharedLayers(params["layers"][l0:l1])}
+                out = reuse_prefill(part, eng.runner.pool, bg, heads, carry, offsets[g], layers=(0, l1 - l0),
+                                    **static)
+            else:
+                out = reuse_prefill(params, eng.runner.pool, bg, heads, carry, layers=(l0, l1), **static)
+            if l1 < L:
+                eng.runner.pool, carry = out
+        eng.runner.pool = out[0]
+        return out[1:]
+
+
+def _group_copies(b: dict, copy_layer: np.ndarray, groups, H: int) -> list[dict]:
+    """Per layer group, the pass's page copies (src / dst / delta; `copy_layer` [M]: each copy's layer) and
+    pages to blank (clear) of that group's layers only, each padded to the group's share of the table
+    ((l1 - l0) * H * P entries of L * H * P), so groups of one size share their shapes."""
+    table = b["page_table"][0]
+    P = table.shape[2]
+    out = []
+    for l0, l1 in groups:
+        size = (l1 - l0) * H * P
+        mine = np.nonzero((copy_layer >= l0) & (copy_layer < l1))[0]
+        part = {k: np.full(size, 0 if k == "delta" else -1, np.int32)
+                for k in ("src", "dst", "delta", "clear")}
+        for k in ("src", "dst", "delta"):
+            part[k][:len(mine)] = b[k][mine]
+        clear = table[l0:l1].reshape(-1)
+        part["clear"][:len(clear)] = clear
+        out.append(part)
+    return out
 
 
 def prompt_pages(pieces, page_size: int) -> int:

@@ -27,7 +27,10 @@ every head for naive / SparseX / CacheBlend / EPIC, the local heads only for Red
 global heads' K/V for every token) and the device lacks are copied into newly allocated pages, from host
 memory or the store (a store read started when the request was queued: `prefetch`). Nothing is prefilled
 again. Every segment's transfer is dispatched before any is written, and before the prefill pass (JAX runs
-them asynchronously), so host-side work of the pass overlaps the transfers.
+them asynchronously), so host-side work of the pass overlaps the transfers. A reuse request defers it
+(`promote(..., defer=True)` -> `Promotion`): its pass runs in layer groups, each group's pages written just
+before that group's program, so the transfers of later groups run beside the earlier groups' layers
+(jaxkv/engine/reuse.py, `LAYER_GROUPS`).
 
 **Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
 leaves the pool; ``"host"`` is kept in host memory (its pool pages freed right after registration,
@@ -329,16 +332,20 @@ class SegmentTiers:
         self._moves += 1
 
     # ---- promotion ------------------------------------------------------------------------------
-    def promote(self, entries, heads: np.ndarray) -> None:
+    def promote(self, entries, heads: np.ndarray, defer: bool = False) -> Promotion | None:
         """Brings heads [L, H] of every entry (in use by the caller, so none of them is demoted meanwhile)
         to the device: from host memory, else from the store. Raises OutOfPages when the pool has no room
         (nothing changed for the entry that failed), SegmentError when the store's copy is unreadable.
 
         Every segment's transfer is started before any of them is written into its pages: a host-to-device
         copy queued behind a running program waits for it, one queued first runs beside it (H200: 2 GB of
-        pinned arrays beside a 78 ms program, 88 ms put first vs 118 ms put second)."""
+        pinned arrays beside a 78 ms program, 88 ms put first vs 118 ms put second).
+
+        `defer`: the entries' pages are allocated and set (`entry.pages`) but nothing moves yet; returns the
+        `Promotion` (None when every head is already on the device) whose `start` / `write` the caller runs
+        per layer group around its own programs, and whose `finish` it must call in any case."""
         heads = np.asarray(heads, bool)
-        moves = []  # (entry, missing, absent, page ids, source)
+        moves: list[_Move] = []
         try:
             for e in {x.segment_id: x for x in entries if x is not None}.values():
                 absent = ~self.device_heads(e)
@@ -350,21 +357,28 @@ class SegmentTiers:
                 heads_of = np.nonzero(missing)[1].repeat(npg)  # each page's KV head (a TP pool places by it)
                 ids = self.reuser._allocate(len(heads_of), heads=heads_of).reshape(-1, npg)
                 try:
-                    source = self._source(e, missing)
+                    k, v, pos = self._stage(e, missing)
                 except Exception:
                     self.engine.allocator.decref(ids)
                     raise
-                moves.append((e, missing, absent, ids, source))
-        finally:  # the segments whose transfer started are promoted, also when a later one failed
-            for e, missing, absent, ids, (k, v, rows, pos, moved) in moves:
-                self._write(ids, k, v, rows, pos)
+                moves.append(_Move(missing, ids, k, v, pos))
                 e.pages[missing] = ids
                 if e.segment_id in self._host:
                     self._host.move_to_end(e.segment_id)
                 self.promotions += 1
                 self._moves += 1
+                pinned = isinstance(k, list)  # pinned host copies move whole layers
+                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
                 self.bytes_promoted += moved * self.head_bytes(e)
                 self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
+        except BaseException:  # the segments planned so far are promoted, also when a later one failed
+            Promotion(self, moves).finish()
+            raise
+        promotion = Promotion(self, moves)
+        if not defer:
+            promotion.finish()
+            return None
+        return promotion if moves else None
 
     def prefetch(self, entries, heads: np.ndarray) -> None:
         """Starts reading from the store, on a background thread, the heads [L, H] of each entry that no
@@ -399,25 +413,14 @@ class SegmentTiers:
                 pass
         return self.persist.disk.get(e.segment_id, heads=missing)
 
-    def _source(self, e: SegmentEntry, missing: np.ndarray):
-        """The `missing` heads' K/V on their way to the device: (k, v, rows, pos, moved). k, v: tuples of
-        device arrays [n, slots, D] (their transfers started) whose concatenation, at `rows` (None: all of
-        it), are the heads in order; pos [m, slots] numpy; moved: heads' bytes crossing to the device (pinned
-        host copies move whole layers)."""
-        flat = np.nonzero(missing.reshape(-1))[0]
+    def _stage(self, e: SegmentEntry, missing: np.ndarray):
+        """The `missing` heads' K/V on the host, ready to move: (k, v, pos). k, v: a list of L pinned host
+        arrays [H, slots, D] (a pinned copy, which moves whole layers) or numpy [L * H, slots, D] whose
+        missing rows hold the heads; pos [L * H, slots] numpy. A store read happens here."""
         c = self._host.get(e.segment_id)
         if c is not None:
             self._drop_read(e.segment_id)
-            if isinstance(c.k, list):  # pinned, per layer: the layers holding a missing head move whole
-                from jaxkv.engine.host_tier import device_sharding
-
-                layers = np.nonzero(missing.any(axis=1))[0]
-                rows = np.nonzero(missing[layers].reshape(-1))[0]
-                rows = None if len(rows) == len(layers) * missing.shape[1] else rows.astype(np.int32)
-                kv = jax.device_put([c.k[i] for i in layers] + [c.v[i] for i in layers], device_sharding())
-                n = len(layers)
-                return tuple(kv[:n]), tuple(kv[n:]), rows, c.pos[flat], n * missing.shape[1]
-            return (jnp.asarray(c.k[flat]),), (jnp.asarray(c.v[flat]),), None, c.pos[flat], len(flat)
+            return c.k, c.v, c.pos
         if not self.stored(e):
             raise SegmentError(f"segment {e.segment_id!r} is in no tier that holds its heads")
         from jaxkv.cache.segment_store import CorruptSegmentError
@@ -428,20 +431,8 @@ class SegmentTiers:
             raise SegmentError(f"segment {e.segment_id!r} cannot be read from the segment store: {err}") \
                 from None
         L, H, slots = seg.pos.shape
-        self.persist.bytes_read += len(flat) * slots * self.slot_bytes
-        k, v = seg.k.reshape(L * H, slots, -1), seg.v.reshape(L * H, slots, -1)
-        pos = seg.pos.reshape(L * H, slots)
-        if len(flat) < L * H:  # some heads: only theirs (every head: the arrays as read, no copy)
-            k, v, pos = k[flat], v[flat], pos[flat]
-        return (jnp.asarray(k),), (jnp.asarray(v),), None, pos, len(flat)
-
-    def _write(self, ids: np.ndarray, k: tuple, v: tuple, rows, pos: np.ndarray) -> None:
-        """Writes heads' K/V (`_source`'s form) and positions [m, slots] into their pages `ids` [m, npg]:
-        whole pages, one program per segment shape (segments of one length share it)."""
-        self.engine.runner.pool = _write_pages(self.engine.runner.pool, k, v,
-                                               None if rows is None else jnp.asarray(rows),
-                                               jnp.asarray(ids.reshape(-1), jnp.int32),
-                                               jnp.asarray(pos, jnp.int32))
+        self.persist.bytes_read += int(missing.sum()) * slots * self.slot_bytes
+        return seg.k.reshape(L * H, slots, -1), seg.v.reshape(L * H, slots, -1), seg.pos.reshape(L * H, slots)
 
     # ---- reads for the store --------------------------------------------------------------------
     def arrays(self, e: SegmentEntry):
@@ -463,6 +454,96 @@ class SegmentTiers:
         v = np.stack([np.asarray(x) for x in c.v]) if isinstance(c.v, list) else c.v
         return k.reshape(L, H, slots, -1), v.reshape(L, H, slots, -1), c.pos.reshape(L, H, slots)
 
+
+
+@dataclasses.dataclass
+class _Move:
+    """One segment's heads on their way to the device: `missing` [L, H], their new pages `ids` [m, npg] (in
+    the flattened order of `missing`), K/V and positions on the host (`SegmentTiers._stage`)."""
+
+    missing: np.ndarray
+    ids: np.ndarray
+    k: object
+    v: object
+    pos: np.ndarray
+
+
+class Promotion:
+    """Promoted heads written into their pages per layer group, so a program over some layers depends only
+    on those layers' transfers: `start` plans the groups and dispatches the first ones' transfers, `send`
+    the others' (a group's page ids and positions, then its K/V; group after group, the first group's
+    first); `write(g)` writes group g's pages (call it just before the program over those layers);
+    `finish` sends and writes whatever is left (always call it: the entries already name these pages). One
+    group of every layer is the plain promotion."""
+
+    def __init__(self, tiers: SegmentTiers, moves: list[_Move]):
+        self.tiers, self.moves = tiers, moves
+        self.groups: list[tuple[int, int]] | None = None
+        self._plans: list[list] = []  # per group: `_part`s on the host, one per segment holding its layers
+        self._parts: list[list] = []  # per group sent: (k, v, rows, pages, pos) on the device, per segment
+        self._written: set[int] = set()
+
+    def start(self, groups: list[tuple[int, int]] | None = None, send: int | None = None) -> None:
+        """Plans layer groups `groups` ([l0, l1) ranges covering every layer; default one group) and sends
+        the first `send` of them (None: all)."""
+        if self.groups is None:
+            L, H = self.tiers.L, self.tiers.H
+            self.groups = [(0, L)] if groups is None else [tuple(g) for g in groups]
+            self._plans = [[p for p in (_part(mv, l0, l1, H) for mv in self.moves) if p is not None]
+                           for l0, l1 in self.groups]
+        self.send(send)
+
+    def send(self, upto: int | None = None) -> None:
+        """Dispatches the transfers of the groups before `upto` (None: every group) not sent yet."""
+        from jaxkv.engine.host_tier import device_sharding
+
+        for plan in self._plans[len(self._parts):upto]:
+            meta = jax.device_put([(rows, ids, pos) for *_, rows, ids, pos in plan])
+            parts = []
+            for (host_k, host_v, *_), (rows, ids, pos) in zip(plan, meta):
+                n = len(host_k)
+                if isinstance(host_k[0], np.ndarray):
+                    kv = jax.device_put(host_k + host_v)
+                else:  # pinned host arrays
+                    kv = jax.device_put(host_k + host_v, device_sharding())
+                parts.append((tuple(kv[:n]), tuple(kv[n:]), rows, ids, pos))
+            self._parts.append(parts)
+
+    def write(self, group: int) -> None:
+        """Writes layer group `group`'s promoted pages into the pool (once), its transfers sent if not yet."""
+        if group in self._written:
+            return
+        self.send(group + 1)
+        self._written.add(group)
+        runner = self.tiers.engine.runner
+        for k, v, rows, ids, pos in self._parts[group]:
+            runner.pool = _write_pages(runner.pool, k, v, rows, ids, pos)
+
+    def finish(self) -> None:
+        """Sends and writes every group not sent or written yet."""
+        self.start()
+        for g in range(len(self.groups)):
+            self.write(g)
+
+
+def _part(mv: _Move, l0: int, l1: int, H: int):
+    """The heads of layers [l0, l1) of one move: (host K arrays, host V arrays, rows, page ids [m * npg],
+    positions [m, slots]) as `_write_pages` takes them once moved, or None when none of them is missing."""
+    flat = np.nonzero(mv.missing.reshape(-1))[0]
+    mine = (flat >= l0 * H) & (flat < l1 * H)
+    if not mine.any():
+        return None
+    flat = flat[mine]
+    ids = np.ascontiguousarray(mv.ids[mine].reshape(-1), np.int32)
+    pos = np.asarray(mv.pos[flat], np.int32)
+    if isinstance(mv.k, list):  # pinned, per layer: the layers holding a missing head move whole
+        layers = np.unique(flat // H)
+        rows = np.nonzero(mv.missing[layers].reshape(-1))[0]
+        rows = None if len(rows) == len(layers) * H else rows.astype(np.int32)
+        return [mv.k[i] for i in layers], [mv.v[i] for i in layers], rows, ids, pos
+    a, b = int(flat[0]), int(flat[-1]) + 1  # a contiguous run of heads is a view (no copy)
+    take = (lambda x: x[a:b]) if b - a == len(flat) else (lambda x: x[flat])
+    return [take(mv.k)], [take(mv.v)], None, ids, pos
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -11,6 +11,12 @@ last prompt token's logits are sampled like an engine step. Attention is the eng
 the request's page table (keys masked by their stored positions), so recomputed and reused K/V mix exactly
 as a later decode sees them.
 
+Layer groups (`layers=`, `layer_groups`): the same pass as several programs over layer ranges, each doing
+(1) + (2) for its own layers' pages only, so a program depends on no later layer's promoted pages (the
+engine promotes segments group by group beside them, jaxkv/engine/reuse.py). The first group holds the
+dense phase and the selection layer; the carry between groups is the rows' hidden states, their indices
+and selections, and the per-layer stats.
+
 Phases (3) and (5) run through the model's layer loop (`llama.run_layers`): with `SharedLayers` one traced
 layer body per phase, the sparse phase split where the method's static choices change
 (`ReusePolicy.layer_breaks`); per-layer statistics are `[L]` arrays each layer writes at its index.
@@ -92,12 +98,20 @@ def storage_slots(table, storage, ps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
-                                             "rows_are_tokens", "head_windows", "mesh"),
+                                             "rows_are_tokens", "head_windows", "mesh", "layers"),
                    donate_argnames=("pool",))
-def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
-                  select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
-                  head_windows: tuple | None = None, mesh=None):
+def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, offset=None, *, cfg,
+                  policy: ReusePolicy, num_rows: int, select_cap: int, impl: str | None = None,
+                  rows_are_tokens: bool = False, head_windows: tuple | None = None, mesh=None,
+                  layers: tuple[int, int] | None = None):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
+
+    `layers` = (l0, l1): only layers [l0, l1) of the pass (a layer group, see `layer_groups`): b's clear /
+    src / dst / delta are then that group's pages, `carry` what the group before returned (None for the
+    first); a group that does not end at the last layer returns (pool, carry) instead. `offset` (int32 []
+    data): a middle group whose position is data, so equal-size groups share one compiled program:
+    params["layers"] (`SharedLayers`) holds only its layers, `layers` = (0, their count), and layer j of
+    them is layer offset + j of the model (`offset_group_ok` says where this applies).
 
     b: tokens, positions, is_new, forced, seg_offset [T] (positions -1 = padding); storage [T] (each token's
     storage slot, the same for every head, -1 = padding: slots [T, L, H] are gathered here from the page
@@ -116,19 +130,63 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Re
     static = dict(cfg=cfg, policy=policy, num_rows=num_rows, select_cap=select_cap, impl=impl,
                   rows_are_tokens=rows_are_tokens, head_windows=head_windows)
     if mesh is not None:
+        # The layer-group split runs on one device only: under tensor parallelism the pass stays one program.
+        if layers is not None and tuple(layers) != (0, cfg.num_layers):
+            raise ValueError("a reuse pass in layer groups runs on one device (no tensor parallelism)")
         from jaxkv.parallel.methods import sharded_reuse
 
         return sharded_reuse(reuse_body, params, pool, b, heads, mesh=mesh, **static)
-    return reuse_body(params, pool, b, heads, **static)
+    return reuse_body(params, pool, b, heads, carry, layers=layers, offset=offset, **static)
 
 
-def reuse_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: ReusePolicy, num_rows: int,
-               select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
-               head_windows: tuple | None = None, tp=None):
+def offset_group_ok(policy: ReusePolicy, params, b: dict) -> bool:
+    """Whether a middle layer group may take its layer offset as data: the layers run through one shared
+    body (their index is traced anyway), the method makes no static per-layer choice (`layer_breaks`, which
+    its hooks read through `LayerView.span`) and no per-layer FFN cache is sliced by layer."""
+    return (isinstance(params["layers"], llama.SharedLayers) and not policy.layer_breaks()
+            and "ffn_cache" not in b)
+
+
+def first_group_stop(policy: ReusePolicy, num_layers: int) -> int:
+    """The fewest layers the first layer group may hold: the dense phase and, for a method that selects,
+    layer `full_layers` too (its selection reads that layer's reused K/V)."""
+    F = min(policy.full_layers, num_layers)
+    return min(F + 1, num_layers) if policy.selects and F < num_layers else max(F, 1)
+
+
+def layer_groups(policy: ReusePolicy, num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """Layer ranges [l0, l1) covering every layer in about `groups` equal parts; the first holds at least
+    `first_group_stop` layers (boundaries inside it are dropped)."""
+    groups = max(1, min(int(groups), num_layers))
+    first = first_group_stop(policy, num_layers)
+    cuts = [c for c in (round(g * num_layers / groups) for g in range(1, groups)) if c >= first]
+    bounds = [0, *sorted(set(cuts)), num_layers]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, policy: ReusePolicy,
+               num_rows: int, select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
+               head_windows: tuple | None = None, tp=None, layers: tuple[int, int] | None = None,
+               offset=None):
     """`reuse_prefill` on one device, or on one shard with `tp` (jaxkv.parallel.methods.ReuseShard: the
     all-reduces after the O and down projections, page ids made local, and the hooks that look across
-    heads (`score`, `ffn_rows`) handed every shard's heads)."""
+    heads (`score`, `ffn_rows`) handed every shard's heads). `layers`, `carry`, `offset`: one layer group of
+    the pass (see `reuse_prefill`); the carry between groups is (rows' hidden states, row indices, rows'
+    selection, per-layer stats)."""
     L, H = cfg.num_layers, cfg.num_kv_heads
+    l0, l1 = (0, L) if layers is None else (int(layers[0]), int(layers[1]))
+    last = l1 == L
+    if offset is not None:  # params["layers"] holds this middle group's layers; [l0, l1) index them
+        if carry is None or l0 != 0 or l1 != len(params["layers"]) or not offset_group_ok(policy, params, b):
+            raise ValueError("reuse pass: a layer group with its offset as data is a middle group of shared "
+                             "layers, given as its own layers, for a method without layer breaks")
+        last = False
+    elif not 0 <= l0 < l1 <= L or (l0 == 0) != (carry is None):
+        raise ValueError(f"reuse pass: bad layer group [{l0}, {l1}) of {L} layers (the first group, and only "
+                         "it, starts at layer 0 without a carry)")
+    if carry is None and l1 < first_group_stop(policy, L):
+        raise ValueError(f"reuse pass: the first layer group must hold at least "
+                         f"{first_group_stop(policy, L)} layers (dense phase + selection layer)")
     reduce = (lambda a: a) if tp is None else tp.reduce
     tp_size = 1 if tp is None else tp.size
     scale = cfg.head_dim ** -0.5
@@ -282,7 +340,7 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Reuse
                 x, ran, dropped, fm = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap, reduce)
             if "ffn_cached" in rows:  # FFN reuse: skipped reused rows add their segment's own FFN output
                 skipped = valid & ~fm & ~rows["is_new"]
-                x = x + jnp.where(skipped[:, None], rows["ffn_cached"][i], 0).astype(x.dtype)
+                x = x + jnp.where(skipped[:, None], rows["ffn_cached"][i - ffn_from], 0).astype(x.dtype)
         stats = (reduce(jnp.sum(w)), jnp.sum(valid), ran, reduce(jnp.sum(promoted)), dropped,
                  reduce(_keys_seen(positions, sink, window)) / tp_size)
         return x, pool, stats, view
@@ -292,71 +350,82 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Reuse
         with `SharedLayers` one traced body per phase range `span`."""
         def layer(p, cfg_, i, x, positions_, freqs_, attend_, state, reduce_=None):
             pool, stats = state
+            i = i if offset is None else i + offset  # the model's layer index (data for such a group)
             x, pool, st, _ = layer_step(p, i, x, rows, pool, writes_mask, span=span, **kw)
             return x, (pool, tuple(a.at[i].set(v.astype(a.dtype)) for a, v in zip(stats, st)))
 
         return layer
 
     def run_phase(x, pool, stats, rows, start, stop, writes_mask, **kw):
+        span = (start, stop) if offset is None else None  # a data offset: no static span to give hooks
         return llama.run_layers(params["layers"], cfg, x, rows["positions"], freqs, None, (pool, stats),
-                                start=start, stop=stop, layer=phase(rows, writes_mask, (start, stop), **kw))
+                                start=start, stop=stop, layer=phase(rows, writes_mask, span, **kw))
 
-    all_rows = {k_: b[k_] for k_ in ("positions", "slots", "is_new", "forced", "seg_offset", "probe")}
-    x = params["embed"][b["tokens"]]
-    F = min(policy.full_layers, L)
-    # per-layer stats, written by each layer: kv_writes, query_rows, ffn_rows, promoted_heads, ffn_dropped
-    # (int32) and keys_seen (float32)
-    stats = tuple(jnp.zeros((L,), jnp.int32) for _ in range(5)) + (jnp.zeros((L,), jnp.float32),)
-    x, (pool, stats) = run_phase(x, pool, stats, all_rows, 0, F, None, tokens=True)  # (3) dense phase
-
-    # (4) selection at layer F.
     T = b["tokens"].shape[0]
     valid = b["positions"] >= 0
     forced = b["forced"] & valid
-    selected = jnp.ones((T, H), bool)
-    if F < L and policy.selects and select_cap > 0:
-        p = llama.layer_params(params, F)
-        q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
-                               jnp.maximum(b["positions"], 0)[None], freqs)
-        kc, vc = cached_kv(pool, b["slots"][:, F])
-        view = LayerView(q=q[0], k=kf[0], v=vf[0], k_cached=kc, v_cached=vc, positions=b["positions"],
-                         is_new=b["is_new"], forced=forced, seg_offset=b["seg_offset"], probe=b["probe"],
-                         is_global=heads["is_global"][F], sink=heads["sink"][F], window=heads["window"][F],
-                         layer=F)
-        sc = policy.score(view if tp is None else tp.view(view)).astype(jnp.float32)
-        sc2 = sc if sc.ndim == 2 else sc[:, None]
-        cand = valid & ~forced
-        sc2 = jnp.where(cand[:, None], sc2, NEG)
-        val, idx = jax.lax.top_k(sc2.T, min(select_cap, T))  # [H', cap], descending: first k = the top-k
-        take = (val > NEG / 2) & (jnp.arange(val.shape[1])[None] < b["num_selected"])
-        hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(take).T
-        alive = forced | jnp.any(hsel, axis=1)
-        selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads; every shard's heads)
-        selected = jnp.broadcast_to(selected, (T, H * tp_size))
-        if tp is not None:
-            selected = tp.own(selected, 1)
-    else:
-        alive = forced
+    F = min(policy.full_layers, L)
+    if carry is None:
+        all_rows = {k_: b[k_] for k_ in ("positions", "slots", "is_new", "forced", "seg_offset", "probe")}
+        x = params["embed"][b["tokens"]]
+        # per-layer stats, written by each layer: kv_writes, query_rows, ffn_rows, promoted_heads, ffn_dropped
+        # (int32) and keys_seen (float32)
+        stats = tuple(jnp.zeros((L,), jnp.int32) for _ in range(5)) + (jnp.zeros((L,), jnp.float32),)
+        x, (pool, stats) = run_phase(x, pool, stats, all_rows, 0, F, None, tokens=True)  # (3) dense phase
 
-    # (5) sparse phase on the alive rows (ascending token order; padding rows at the end).
-    (idx,) = jnp.nonzero(alive, size=num_rows, fill_value=-1)
+        # (4) selection at layer F.
+        selected = jnp.ones((T, H), bool)
+        if F < L and policy.selects and select_cap > 0:
+            p = llama.layer_params(params, F)
+            q, kf, vf = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)[None],
+                                   jnp.maximum(b["positions"], 0)[None], freqs)
+            kc, vc = cached_kv(pool, b["slots"][:, F])
+            view = LayerView(q=q[0], k=kf[0], v=vf[0], k_cached=kc, v_cached=vc, positions=b["positions"],
+                             is_new=b["is_new"], forced=forced, seg_offset=b["seg_offset"], probe=b["probe"],
+                             is_global=heads["is_global"][F], sink=heads["sink"][F],
+                             window=heads["window"][F], layer=F)
+            sc = policy.score(view if tp is None else tp.view(view)).astype(jnp.float32)
+            sc2 = sc if sc.ndim == 2 else sc[:, None]
+            cand = valid & ~forced
+            sc2 = jnp.where(cand[:, None], sc2, NEG)
+            val, idx = jax.lax.top_k(sc2.T, min(select_cap, T))  # [H', cap], descending: first k = the top-k
+            take = (val > NEG / 2) & (jnp.arange(val.shape[1])[None] < b["num_selected"])
+            hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(take).T
+            alive = forced | jnp.any(hsel, axis=1)
+            selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads; every shard's heads)
+            selected = jnp.broadcast_to(selected, (T, H * tp_size))
+            if tp is not None:
+                selected = tp.own(selected, 1)
+        else:
+            alive = forced
+        # (5) sparse phase on the alive rows (ascending token order; padding rows at the end).
+        (idx,) = jnp.nonzero(alive, size=num_rows, fill_value=-1)
+        gi = jnp.maximum(idx, 0)
+        sel_rows = selected[gi] & (idx >= 0)[:, None]
+        xr = x[gi]
+        start = F
+    else:  # a later layer group: the rows chosen by the first, their hidden states after the group before
+        xr, idx, sel_rows, stats = carry
+        gi = jnp.maximum(idx, 0)
+        start = l0
     ok = idx >= 0
-    gi = jnp.maximum(idx, 0)
     rows = {"positions": jnp.where(ok, b["positions"][gi], -1), "slots": jnp.where(ok[:, None, None],
             b["slots"][gi], -1), "is_new": b["is_new"][gi] & ok, "forced": forced[gi] & ok,
             "seg_offset": jnp.where(ok, b["seg_offset"][gi], -1)}
     # Probe rows re-indexed into the compacted rows.
     where_row = jnp.full((T + 1,), -1, jnp.int32).at[jnp.where(ok, idx, T)].set(jnp.arange(num_rows))
     rows["probe"] = jnp.where(b["probe"] >= 0, where_row[jnp.maximum(b["probe"], 0)], -1)
+    ffn_from = start  # rows["ffn_cached"] holds layers [start, l1)
     if "ffn_cache" in b:  # [L, T, hidden] per prompt token (zeros for new text) -> per row
-        rows["ffn_cached"] = jnp.where(ok[None, :, None], b["ffn_cache"][:, gi], 0)
-    sel_rows = selected[gi] & ok[:, None]
-    xr = x[gi]
+        rows["ffn_cached"] = jnp.where(ok[None, :, None], b["ffn_cache"][start:l1][:, gi], 0)
     # the sparse phase's layer loop, split where the method's static per-layer choices change
-    cuts = [F, *sorted({c for c in policy.layer_breaks() if F < c < L}), L]
-    for start, stop in zip(cuts[:-1], cuts[1:]):
-        xr, (pool, stats) = run_phase(xr, pool, stats, rows, start, stop, True, want_view=True,
-                                      selected=sel_rows, tokens=rows_are_tokens and num_rows == T)
+    cuts = [start, *sorted({c for c in policy.layer_breaks() if start < c < l1}), l1]
+    for s0, s1 in zip(cuts[:-1], cuts[1:]):
+        if s0 < s1:
+            xr, (pool, stats) = run_phase(xr, pool, stats, rows, s0, s1, True, want_view=True,
+                                          selected=sel_rows, tokens=rows_are_tokens and num_rows == T)
+    if not last:
+        return pool, (xr, idx, sel_rows, stats)
 
     hidden = llama.rms_norm(xr, params["final_norm"], cfg.rms_norm_eps)
     last_row = jnp.argmax(rows["positions"] == b["last"])
