@@ -42,3 +42,29 @@ def test_run_many_equals_run_one_by_one(model, prompts, name, budget, rows):
 def test_run_many_rejects_bad_rows(model):
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
         get_method("engine", model).run_many([([1, 2, 3], 2)], (), max_num_seqs=0)
+
+
+def test_kvpress_accuracy_batched_rows_equal_one_by_one(tmp_path):
+    """`benchmarks.kvpress accuracy`, our side: `--batch 4` writes the rows `--batch 1` writes."""
+    import json
+
+    from benchmarks import kvpress as kvp
+
+    rows = {}
+    for batch in (1, 4):
+        out = tmp_path / f"b{batch}.json"
+        kvp.main(["accuracy", "--skip-kvpress", "--tasks", "vt", "--context", "512", "--num", "3",
+                  "--methods", "snapkv", "--budgets", "0.25", "--full", "--batch", str(batch),
+                  "--out", str(out)])
+        rows[batch] = json.loads(out.read_text())["rows"]
+    assert len(rows[1]) == 6 and {r["cell"] for r in rows[1]} == {"snapkv@0.25", "full"}
+    assert any(r["tokens"] for r in rows[1])
+    assert rows[4] == rows[1]
+
+
+def test_kvpress_batch_must_be_positive(capsys):
+    from benchmarks import kvpress as kvp
+
+    with pytest.raises(SystemExit):
+        kvp.main(["accuracy", "--skip-kvpress", "--batch", "0"])
+    assert "--batch must be a positive integer" in capsys.readouterr().err
