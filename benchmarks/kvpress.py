@@ -32,7 +32,9 @@ prefilled under ``press(model)``, then greedy decoding over the compressed cache
 setting as our engine), scored by the same metric. Also per cell: how many instances the two sides complete
 identically (the same generated ids; with ``--full`` the full-cache row is the parity check of the two
 implementations), and the share of each side's own full-cache completion a press reproduces before its first
-differing token. Methods one side lacks run on the other alone (`METHODS`). ``table`` merges logs.
+differing token. Methods one side lacks run on the other alone (`METHODS`). Our side runs a cell's instances
+through one engine, ``--batch`` rows a step (`EngineMethod.run_many`, the same tokens as one by one;
+``--batch 1``: one at a time). ``table`` merges logs.
 """
 
 from __future__ import annotations
@@ -341,15 +343,21 @@ def cmd_accuracy(args, model):
                 fields["head_dir"] = args.retrieval_head
             meth = get_method(name, model, **fields)
             t0 = time.perf_counter()
+            enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+            pieces = []
             for p in ps:
-                enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
                 inst = p["inst"]
-                pieces = PromptPieces(enc(inst.prefix), [enc(s) for s in inst.segments], enc(inst.suffix))
-                assert pieces.ids == p["ids"]
-                out = meth.run(pieces, p["max_new"], stop)
+                segments = [enc(s) for s in inst.segments]
+                pieces.append(PromptPieces(enc(inst.prefix), segments, enc(inst.suffix)))
+                assert pieces[-1].ids == p["ids"]
+            if args.batch > 1:  # every instance through one engine, `--batch` rows a step
+                outs = meth.run_many([(p["ids"], p["max_new"]) for p in ps], stop, max_num_seqs=args.batch)
+            else:
+                outs = [meth.run(pc, p["max_new"], stop).token_ids for pc, p in zip(pieces, ps)]
+            for p, token_ids in zip(ps, outs):
                 report["rows"].append({"side": "ours", "cell": f"{m}@{b}" if b is not None else "full",
                                        "task": p["task"], "index": p["index"],
-                                       "score": score(p, out.token_ids), "tokens": generated(out.token_ids)})
+                                       "score": score(p, token_ids), "tokens": generated(token_ids)})
             print(f"ours {m}@{b}: {time.perf_counter() - t0:.0f} s", flush=True)
     labels = [f"{m}@{b}" for m, b in cells] + (["full"] if args.full else [])
     report["table"] = summarize(report["rows"], labels, args.tasks)
@@ -525,8 +533,12 @@ def main(argv=None):
                     "--export); default: the one shipped beside the model")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="where the kvpress side runs (auto: a GPU when torch sees one)")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="accuracy: our side's instances per engine step (1: one at a time through `run`)")
     ap.add_argument("--out", help="JSON report path")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch must be a positive integer (got {args.batch})")
     args.tasks = args.tasks.split(",")
     args.methods = [m for m in args.methods.split(",") if m]  # "" with --full: the full cache alone
     args.budgets = [float(b) for b in args.budgets.split(",")]

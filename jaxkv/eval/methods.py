@@ -135,19 +135,72 @@ class EngineMethod(Method):
         self._engine = None
 
     def _engine_for(self, total: int):
+        if self._engine is None or self._engine.max_model_len < total:
+            self._engine = None  # release the old pool before sizing the new one
+            self._engine = self._build_engine(total, max_num_seqs=1)
+        return self._engine
+
+    def _build_engine(self, total: int, max_num_seqs: int, kv_cache_bytes: int | None = None):
+        """An engine for sequences of up to `total` tokens (a power-of-two bucket), this method's head classes
+        and policy, no prefix sharing (every instance is computed on its own)."""
         from jaxkv.cache.head_classes import all_global
         from jaxkv.engine.engine import Engine
 
         cfg = self.model.config
-        hc = self.head_classes  # "global", "model" (None: the engine reads the file beside the model) or a map
+        hc = self.head_classes  # "global", "model" (None: the engine reads the file beside the model), a map
         if hc == "global":
             hc = all_global(cfg.num_layers, cfg.num_kv_heads)
         elif hc == "model":
             hc = None
-        if self._engine is None or self._engine.max_model_len < total:
-            self._engine = Engine(self.model, max_num_seqs=1, max_model_len=pow2_bucket(total),
-                                  head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy)
-        return self._engine
+        sizing = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+        return Engine(self.model, max_num_seqs=max_num_seqs, max_model_len=pow2_bucket(total),
+                      head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy, **sizing)
+
+    def _batch_kv_bytes(self, max_model_len: int, max_num_seqs: int, page_size: int) -> int:
+        """Pool bytes for `max_num_seqs` sequences of `max_model_len` tokens on every head (K + V in the
+        parameters' dtype, the int32 slot position, a float32 logit bias), at most what the device allows
+        (on the CPU, which reports no allocator limit: the engine's default)."""
+        from jaxkv.engine.config import DEFAULT_KV_CACHE_BYTES
+        from jaxkv.engine.memory import device_kv_bytes
+
+        cfg = self.model.config
+        itemsize = jax.tree.leaves(self.model.params)[0].dtype.itemsize
+        per_page = page_size * (2 * cfg.head_dim * itemsize + 4 + 4)
+        pages = max_num_seqs * cfg.num_layers * cfg.num_kv_heads * -(-max_model_len // page_size)
+        allowed = device_kv_bytes(0.9) or DEFAULT_KV_CACHE_BYTES
+        return min(pages * per_page, allowed)
+
+    def run_many(self, prompts: list[tuple[list[int], int]], stop_ids: tuple[int, ...],
+                 max_num_seqs: int = 32) -> list[list[int]]:
+        """Greedy completions of many (prompt ids, max_new_tokens) at once, `max_num_seqs` rows a step (the
+        rest queue in the engine): the same tokens as `run` one by one, without one engine step per token
+        per instance. Token ids only, the stop token stripped as `run` strips it."""
+        from jaxkv.engine.config import EngineConfig
+        from jaxkv.sampling import SamplingParams
+
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"run_many: max_num_seqs must be a positive integer (got {max_num_seqs!r})")
+        if not prompts:
+            return []
+        total = max(len(ids) + max_new for ids, max_new in prompts) + 1
+        rows = min(max_num_seqs, len(prompts))
+        self._engine = None  # one engine at a time on the device (the device's free memory sizes the pool)
+        kv_bytes = self._batch_kv_bytes(pow2_bucket(total), rows, EngineConfig.page_size)
+        eng = self._build_engine(total, max_num_seqs=rows, kv_cache_bytes=kv_bytes)
+        rids = []
+        for ids, max_new in prompts:
+            sp = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=list(stop_ids),
+                                ignore_eos=True)
+            rids.append(eng.add_request(list(ids), sp, kv_policy=self._request_policy(len(ids))))
+        outs: dict[str, list[int]] = {rid: [] for rid in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        result = []
+        for rid in rids:
+            out = outs[rid]
+            result.append(out[:-1] if out and out[-1] in stop_ids else out)
+        return result
 
     def _request_policy(self, num_prompt: int):
         """The KV policy of one request of `num_prompt` tokens (None: the engine's own)."""
