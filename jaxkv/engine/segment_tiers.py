@@ -91,7 +91,7 @@ class SegmentTiers:
         # bytes of one slot of one (layer, KV head): K + V + its int32 position
         self.slot_bytes = 2 * cfg.head_dim * pool.k.dtype.itemsize + 4
         if memory_kinds is None:
-            from jaxkv.engine.host_tier import host_memory_kind
+            from jaxkv.cache.memory_kinds import host_memory_kind
 
             memory_kinds = jax.default_backend() != "cpu" and host_memory_kind() is not None
         self.memory_kinds = bool(memory_kinds)
@@ -316,7 +316,7 @@ class SegmentTiers:
         v = pool.v[ids].reshape(L * H, npg * ps, -1)
         pos = np.asarray(pool.pos[ids].reshape(L * H, npg * ps))
         if self.memory_kinds:
-            from jaxkv.engine.host_tier import host_sharding
+            from jaxkv.cache.memory_kinds import host_sharding
 
             k = jax.device_put(list(k.reshape(L, H, npg * ps, -1)), host_sharding())
             v = jax.device_put(list(v.reshape(L, H, npg * ps, -1)), host_sharding())
@@ -495,7 +495,7 @@ class Promotion:
 
     def send(self, upto: int | None = None) -> None:
         """Dispatches the transfers of the groups before `upto` (None: every group) not sent yet."""
-        from jaxkv.engine.host_tier import device_sharding
+        from jaxkv.cache.memory_kinds import device_sharding
 
         for plan in self._plans[len(self._parts):upto]:
             meta = jax.device_put([(rows, ids, pos) for *_, rows, ids, pos in plan])
