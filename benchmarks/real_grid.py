@@ -42,7 +42,7 @@ REUSE = ("naive", "epic", "cacheblend", "sparsex", "redknot")  # redknot here: i
 
 
 def jobs(args) -> list[tuple[str, str, list[str]]]:
-    """(kind, log name, argv) of every process of the grid, the shorter contexts first."""
+    """(kind, log name, argv) of every process of the grid, the shorter contexts first, reuse last."""
     out = []
     common = ["--model", args.model, "--tasks", ",".join(args.tasks), "--budgets", args.budgets]
     for ctx in args.contexts:
@@ -70,6 +70,7 @@ def jobs(args) -> list[tuple[str, str, list[str]]]:
                 out.append(("ours", f"reuse_{ctx}_{seed}_redknot-map.json",
                             [*reuse, f"redknot:head_classes={args.head_classes};ffn_reuse=true;"
                                      "ffn_select=deviation"]))
+    out.sort(key=lambda j: j[1].startswith("reuse_"))  # the reuse passes (instances one at a time) last
     return [j for j in out if not args.only or any(k in j[1] for k in args.only)]
 
 
