@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     rows = []
     t_start = time.time()
     for task in args.tasks.split(","):
-        for i, inst in enumerate(tasks.make_instances(task, args.context, args.num, seed=args.seed, tokenizer=tok)):
+        instances = tasks.make_instances(task, args.context, args.num, seed=args.seed, tokenizer=tok)
+        for i, inst in enumerate(instances):
             enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
             pieces = PromptPieces(enc(inst.prefix), [enc(s) for s in inst.segments], enc(inst.suffix))
             max_new = len(enc(inst.target)) + 8

@@ -529,7 +529,8 @@ def main(argv=None):
                     "kvpress side (default: the system temp directory)")
     ap.add_argument("--hardkv-calibration", help="HARD-KV temperatures file (tools.calibrate_hardkv); "
                     "default: solved online per request, as `hardkv` does with no file beside the model")
-    ap.add_argument("--retrieval-head", help="SpeContext's retrieval head directory (tools.distil_retrieval_head "
+    ap.add_argument("--retrieval-head",
+                    help="SpeContext's retrieval head directory (tools.distil_retrieval_head "
                     "--export); default: the one shipped beside the model")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="where the kvpress side runs (auto: a GPU when torch sees one)")

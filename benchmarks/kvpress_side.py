@@ -107,7 +107,8 @@ def run_generate(model, spec, ids, max_new, stop_ids):
     with torch.no_grad():
         if press is not None:
             with press(model):
-                out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, logits_to_keep=1)
+                out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache,
+                            logits_to_keep=1)
         else:
             out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, logits_to_keep=1)
         held = [cache.get_seq_length(i) for i in range(len(cache))]

@@ -16,7 +16,8 @@ is never run again, so an interrupted grid resumes):
 ``--jobs`` of our processes and ``--kvpress-jobs`` of kvpress's run at once (on a GPU they share the card:
 each JAX process gets 0.9 / (jobs + kvpress-jobs) of it). ``--table`` merges the logs: per context, the
 method x budget table of accuracy (ours / kvpress, mean over tasks and seeds), identical completions of
-the two sides, the reuse table, and a plot of accuracy against budget (``accuracy_vs_budget.png``).
+the two sides, the reuse table, a plot of accuracy against budget (``accuracy_vs_budget.png``) and
+``summary.json`` (mean score and count per log, context, seed, side, method cell and task).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def run_all(args) -> None:
             (ours if job[0] == "ours" else theirs).submit(run, job)
 
 
-# ---- the table ----------------------------------------------------------------------------------------------
+# ---- the table --------------------------------------------------------------------------------------------
 
 def _logs(out_dir: Path, prefix: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob(f"{prefix}_*.json"))]
@@ -127,14 +128,14 @@ def press_table(out_dir: Path) -> tuple[str, dict]:
         methods = list(dict.fromkeys(lab.partition("@")[0] for lab in labels))
         tasks = list(dict.fromkeys(r["task"] for r in rows))
 
-        def acc(lab, side):
-            per_task = [[r["score"] for r in rows if r["cell"] == lab and r["side"] == side and r["task"] == t]
-                        for t in tasks]
+        def acc(lab, side, rows=rows, tasks=tasks):
+            mine = [r for r in rows if r["cell"] == lab and r["side"] == side]
+            per_task = [[r["score"] for r in mine if r["task"] == t] for t in tasks]
             per_task = [np.mean(v) for v in per_task if v]
             n = sum(1 for r in rows if r["cell"] == lab and r["side"] == side)
             return (float(np.mean(per_task)), n) if per_task else (None, 0)
 
-        def same(lab):
+        def same(lab, rows=rows):
             ours = {(r["seed"], r["task"], r["index"]): r["tokens"] for r in rows
                     if r["cell"] == lab and r["side"] == "ours"}
             theirs = {(r["seed"], r["task"], r["index"]): r["tokens"] for r in rows
@@ -163,6 +164,19 @@ def press_table(out_dir: Path) -> tuple[str, dict]:
                   f"({max(n, nk)}) | {same('full')} |" + " |" * (2 * len(budgets) - 2))
         curves[(ctx, "full", "ours")] = [(1.0, a)]
         md.append("")
+        mid = budgets[len(budgets) // 2] if budgets else None  # per task at the middle budget, ours
+        if mid is not None:
+            short = [t.removeprefix("real_") for t in tasks]
+            md += [f"Per task, ours at {mid} (full cache first):", "",
+                   "| method | " + " | ".join(short) + " |", "|---|" + "---|" * len(tasks)]
+            for m in ["full"] + [m for m in methods if m not in ("full", "engine")]:
+                lab = "full" if m == "full" else f"{m}@{mid}"
+                mine = [r for r in rows if r["cell"] == lab and r["side"] == "ours"]
+                vals = [[r["score"] for r in mine if r["task"] == t] for t in tasks]
+                if any(vals):
+                    cols = [f"{np.mean(v):.3f}" if v else "-" for v in vals]
+                    md.append(f"| {m} | " + " | ".join(cols) + " |")
+            md.append("")
     return "\n".join(md), curves
 
 
@@ -183,7 +197,7 @@ def reuse_table(out_dir: Path) -> str:
         for c in sorted(by_ctx):
             rs = by_ctx[c].get(m, [])
             sc = [r["score"] for r in rs]
-            t1 = [r["top1"] for r in rs if r.get("top1") is not None]
+            t1 = [r["top1_agree"] for r in rs if r.get("top1_agree") is not None]
             cols += [f"{np.mean(sc):.3f} ({len(sc)})" if sc else "-", f"{np.mean(t1):.3f}" if t1 else "-"]
         md.append(f"| {m} | " + " | ".join(cols) + " |")
     return "\n".join(md)
@@ -206,20 +220,41 @@ def plot(curves: dict, path: Path) -> None:
             if m == "full":
                 ax.axhline(pts[0][1], color="black", lw=1, label="full cache")
                 continue
-            color = colors.setdefault(m, f"C{len(colors) % 10}")
+            color = colors.setdefault(m, plt.get_cmap("tab20")(len(colors) % 20))
             ax.plot(*zip(*pts), marker="o" if side == "ours" else "x", ls="-" if side == "ours" else "--",
                     color=color, label=f"{m} ({'jaxkv' if side == 'ours' else 'kvpress'})")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{ctx} tokens")
         ax.set_xlabel("KV budget (fraction of the prompt)")
     axes[0][0].set_ylabel("accuracy (mean over tasks)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110)
+
+
+def summary(out_dir: Path) -> list[dict]:
+    """Every log's rows as mean score and instance count per (log, context, seed, side, cell, task)."""
+    cells: dict[tuple, list[float]] = {}
+    for p in sorted(out_dir.glob("*.json")):
+        if p.name == "summary.json":
+            continue
+        log = json.loads(p.read_text())
+        args = log.get("args", {})
+        ctx, seed = log.get("context", args.get("context")), log.get("seed", args.get("seed"))
+        for r in log.get("rows", []):
+            key = (p.name, ctx, seed, r.get("side", "ours"), r.get("cell", r.get("method")), r["task"])
+            cells.setdefault(key, []).append(float(r["score"]))
+    return [{"log": k[0], "context": k[1], "seed": k[2], "side": k[3], "cell": k[4], "task": k[5],
+             "num": len(v), "score": float(np.mean(v))} for k, v in cells.items()]
 
 
 def table(args) -> None:
     out_dir = Path(args.out_dir)
+    (out_dir / "summary.json").write_text(json.dumps(summary(out_dir), indent=0))
     md, curves = press_table(out_dir)
     reuse = reuse_table(out_dir)
     text = md + ("\n**Reuse methods on `real_rag`**\n\n" + reuse + "\n" if reuse else "")
@@ -242,10 +277,12 @@ def main(argv=None) -> None:
     ap.add_argument("--kvpress-jobs", type=int, default=2, help="kvpress processes at once")
     ap.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON"),
                     help="python of a venv with kvpress (benchmarks/setup_kvpress_venv.sh); none: ours only")
-    ap.add_argument("--hf-dir", default=None, help="where the kvpress side's transformers copy of a GGUF goes")
+    ap.add_argument("--hf-dir", default=None,
+                    help="where the kvpress side's transformers copy of a GGUF goes")
     ap.add_argument("--retrieval-head", help="SpeContext's head for this model (tools.distil_retrieval_head "
                     "--export); none: SpeContext is left out")
-    ap.add_argument("--head-classes", help="RedKnot's head classes for this model (tools.profile_heads --out)")
+    ap.add_argument("--head-classes",
+                    help="RedKnot's head classes for this model (tools.profile_heads --out)")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--only", default="", help="comma-separated: run only the processes whose log name "
                     "contains one of these (e.g. specontext,redknot-map)")

@@ -46,7 +46,8 @@ def test_segments_shrink_to_fit_the_embedded_models_positions():
 def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the_store(tmp_path):
     out = tmp_path / "benchmarks.md"
     argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--methods", "full,naive,redknot",
-            "--tiers", "device,host,store", "--restart", "--store", str(tmp_path / "store"), "--out", str(out)]
+            "--tiers", "device,host,store", "--restart", "--store", str(tmp_path / "store"), "--out", str(out),
+            "--layer-groups", "4"]
     (result,) = bench.main(argv)
     rows = {(r["method"], r["tier"]): r for r in result["rows"]}
     assert set(rows) == {("full", "device")} | {(m, t) for m in ("naive", "redknot")
@@ -56,7 +57,7 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     assert segment_bytes > 0 and rows["naive", "device"]["promoted_bytes"] == 0
     assert rows["naive", "store"]["promoted_bytes"] == rows["naive", "store"]["store_read_bytes"] == segment_bytes
     assert rows["naive", "host"]["store_read_bytes"] == 0
-    # segments promoted for the request: the pass runs in layer groups; on the device in one program
+    # segments promoted for the request: the pass runs in the layer groups asked for; on the device in one
     assert rows["naive", "host"]["pass_programs"] == rows["naive", "store"]["pass_programs"] > 1
     assert rows["naive", "device"]["pass_programs"] == 1
     # RedKnot promotes only its local heads (the small model's head-class map has global heads)

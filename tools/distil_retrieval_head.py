@@ -231,8 +231,9 @@ def main(argv=None) -> None:
                          "the previous token's key stream; default: the tap layer)")
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension (default: the model's)")
     ap.add_argument("--tasks", default=None,
-                    help="comma-separated task mixture of the teacher sequences (default: the embedded model's "
-                         "synthetic tasks; real-text tasks such as real_niah_multikey,real_vt for any model)")
+                    help="comma-separated task mixture of the teacher sequences (default: the embedded "
+                         "model's synthetic tasks; real-text tasks such as real_niah_multikey,real_vt "
+                         "for any model)")
     ap.add_argument("--context", default="2048", help="context(s) of the teacher sequences, e.g. 2048,8192")
     ap.add_argument("--num-seqs", type=int, default=96)
     ap.add_argument("--queries", type=int, default=64, help="query positions per sequence")

@@ -37,12 +37,13 @@ from jaxkv.sampling import top_logprobs_host
 # Probe queries (the new text after the first segment) are padded to at least this many: questions of up
 # to 64 tokens share one compiled variant.
 PROBE_FLOOR = 64
-# A reuse pass whose segments come up from host memory or the store runs in this many layer-group programs,
-# each dispatched after its own layers' transfers, so group g's transfer runs while group g-1 computes.
-# What stays exposed is about the first group's transfer (1/8 of it) plus a few dispatches per group; 8
-# groups of the 8B shape's 32 layers move ~0.54 GB each, far above the size where a transfer reaches the
-# link's speed. Segments already on the device keep the single program.
-LAYER_GROUPS = 8
+# Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
+# dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
+# Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
+# for one program. The host spends ~130 ms issuing the ~700 per-layer, per-segment host-to-device copies
+# before the first group's program is dispatched, so the dispatch, not the link, bounds the transfer; the
+# groups only pay off once a group's K/V moves in a few large copies (docs/benchmarks.md).
+LAYER_GROUPS = 1
 
 
 @dataclasses.dataclass

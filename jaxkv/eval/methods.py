@@ -11,6 +11,7 @@ registry (these, the segment-reuse methods and the retrieval methods); new metho
 
 from __future__ import annotations
 
+import gc
 import time
 import zlib
 from functools import partial
@@ -185,6 +186,7 @@ class EngineMethod(Method):
         total = max(len(ids) + max_new for ids, max_new in prompts) + 1
         rows = min(max_num_seqs, len(prompts))
         self._engine = None  # one engine at a time on the device (the device's free memory sizes the pool)
+        gc.collect()  # an engine is a reference cycle: its pool goes only when collected
         kv_bytes = self._batch_kv_bytes(pow2_bucket(total), rows, EngineConfig.page_size)
         eng = self._build_engine(total, max_num_seqs=rows, kv_cache_bytes=kv_bytes)
         rids = []
@@ -200,6 +202,8 @@ class EngineMethod(Method):
         for rid in rids:
             out = outs[rid]
             result.append(out[:-1] if out and out[-1] in stop_ids else out)
+        del eng
+        gc.collect()  # this batch's pool leaves the device before the next method sizes its own
         return result
 
     def _request_policy(self, num_prompt: int):

@@ -2,10 +2,11 @@
 ``specontext_256`` / ``_512``, and ``quest`` (B = 1024).
 
 A budget below 1 is a fraction of each prompt (rounded up to a multiple of 64 tokens), as the compression
-presses take it. Each is the engine method (`jaxkv.eval.methods.EngineMethod`: the paged engine that serves, all heads
-global) with the retrieval policy as its `kv_policy` (jaxkv/engine/retrieval.py): full-attention prefill,
-then greedy multi-step decoding in which attention reads only the policy's selection per KV head.
-SpeContext's head is the one shipped beside the model (``<model>/retrieval_head``). Nothing is evicted:
+presses take it. Each is the engine method (`jaxkv.eval.methods.EngineMethod`: the paged engine that
+serves, all heads global) with the retrieval policy as its `kv_policy` (jaxkv/engine/retrieval.py):
+full-attention prefill, then greedy multi-step decoding in which attention reads only the policy's selection
+per KV head. SpeContext's head is the one shipped beside the model (``<model>/retrieval_head``), or the
+directory its ``head_dir`` field names. Nothing is evicted:
 KV held is the full cache; KV loaded counts the prefill, the dense layers (SpeContext's tap layers,
 Quest's ``dense_layers``) over the whole cache and ``min(B, length)`` slots per head of the other layers
 (Quest's page-bound pass over every key of those layers is not counted: it reads K min/max, see
@@ -29,8 +30,8 @@ class RetrievalEngineMethod(EngineMethod):
     def __init__(self, model, budget: float | None = None, **policy_fields):
         budget = self.budget if budget is None else budget
         if not (0 < budget < 1 or (budget == int(budget) and budget >= 1)):
-            raise ValueError(f"method {self.name!r}: --budget is tokens per KV head (a positive integer) or a "
-                             f"fraction of the prompt in (0, 1) (got {budget})")
+            raise ValueError(f"method {self.name!r}: --budget is tokens per KV head (a positive integer) "
+                             f"or a fraction of the prompt in (0, 1) (got {budget})")
         self.fraction = float(budget) if budget < 1 else None
         super().__init__(model, budget=self.BUDGET_STEP if self.fraction else int(budget), **policy_fields)
         self.policy.load_params(model)  # fail early (e.g. no retrieval head beside the model)
