@@ -47,8 +47,9 @@ class RetrievalEngineMethod(EngineMethod):
         return dataclasses.replace(self.policy, budget=self._tokens(num_prompt))
 
     def _dense_layers(self) -> int:
+        """Layers that read the whole cache every step (the policy's `tap_layer`)."""
         pol = self.policy
-        return pol.dense_layers if pol.layer_wise else pol.tap_layer(pol.load_params(self.model))
+        return pol.tap_layer(pol.load_params(self.model))
 
     def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]):
         out = super().run(pieces, max_new_tokens, stop_ids)
