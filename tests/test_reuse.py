@@ -481,25 +481,54 @@ def test_segment_ffn_cache_stays_within_its_budget(model, pieces):
     eng = make_engine(model, segment_ffn_cache_bytes=one)   # room for one segment's outputs
     first, st1 = run(eng, pre, [s1], suf, pol)
     e1 = eng.reuser.store.find(s1)
-    assert e1.ffn is not None and eng.reuser.ffn_bytes <= one
+    assert e1.ffn is not None and eng.reuser.ffn_cache.nbytes <= one
     run(eng, pre, [s2], suf, pol)
     e2 = eng.reuser.store.find(s2)
     assert e1.ffn is None and e2.ffn is not None            # s1 was least recently used
-    assert eng.reuser.ffn_bytes == e2.ffn.size * e2.ffn.dtype.itemsize <= one
+    assert eng.reuser.ffn_cache.nbytes == e2.ffn.size * e2.ffn.dtype.itemsize <= one
     again, st2 = run(eng, pre, [s1], suf, pol)              # recomputed, same answer
     assert again == first
     np.testing.assert_allclose(st2.first_logits, st1.first_logits, atol=1e-6)
     assert e1.ffn is not None and e2.ffn is None
     eng.reuser.store.clear()                                # the store drops the entries, and their outputs
-    assert e1.ffn is None and eng.reuser.ffn_bytes == 0
+    assert e1.ffn is None and eng.reuser.ffn_cache.nbytes == 0
     run(eng, pre, [s2], suf, pol)
-    assert eng.reuser.ffn_bytes <= one and len(eng.reuser._ffn_lru) == 1
+    assert eng.reuser.ffn_cache.nbytes <= one and len(eng.reuser.ffn_cache) == 1
     # A budget of 0 keeps nothing and still answers the same.
     zero = make_engine(model, segment_ffn_cache_bytes=0)
     out, st0 = run(zero, pre, [s1], suf, pol)
-    assert out == first and zero.reuser.store.find(s1).ffn is None and zero.reuser.ffn_bytes == 0
+    assert out == first and zero.reuser.store.find(s1).ffn is None and zero.reuser.ffn_cache.nbytes == 0
     with pytest.raises(ValueError, match="segment_ffn_cache_bytes"):
         make_engine(model, segment_ffn_cache_bytes=-1)
+
+
+def test_segment_ffn_outputs_are_built_only_for_methods_that_declare_them(model, pieces):
+    """The engine builds a prompt's per-segment FFN outputs when the method declares `uses_segment_ffn`
+    (RedKnot: `ffn_reuse`), never by its name: a method that does not declare it leaves the cache empty."""
+    from jaxkv.policies.reuse.naive import Naive
+
+    @dataclasses.dataclass(frozen=True)
+    class NaiveReadingFFN(Naive):
+        @property
+        def uses_segment_ffn(self) -> bool:
+            return True
+
+    assert not get_reuse_policy("naive").uses_segment_ffn
+    assert not get_reuse_policy("redknot").uses_segment_ffn
+    assert get_reuse_policy("redknot", ffn_reuse=True).uses_segment_ffn
+    assert get_reuse_policy("sparsex", per_head=True).selects_per_head
+    assert not get_reuse_policy("sparsex").selects_per_head
+    pre, s1, _, suf = pieces
+    plain = make_engine(model)
+    out, _ = run(plain, pre, [s1], suf, "naive")
+    assert plain.reuser.store.find(s1).ffn is None and len(plain.reuser.ffn_cache) == 0
+    declared = make_engine(model)
+    out2, _ = run(declared, pre, [s1], suf, NaiveReadingFFN())
+    e = declared.reuser.store.find(s1)
+    cfg = model.config
+    assert e.ffn.shape == (cfg.num_layers, len(s1), cfg.hidden_size) and len(declared.reuser.ffn_cache) == 1
+    assert declared.reuser.ffn_cache.nbytes == e.ffn.size * e.ffn.dtype.itemsize
+    assert out2 == out  # naive runs every row's FFN, so the outputs it was given change nothing
 
 
 def test_segments_cached_with_their_prompt_context_make_naive_reuse_exact(model, pieces):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections import OrderedDict, deque
+from collections import deque
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
 from jaxkv.models import llama
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
 from jaxkv.policies.reuse.apply import layer_groups, offset_group_ok, reuse_prefill
+from jaxkv.policies.reuse.ffn_cache import SegmentFFNCache
 from jaxkv.sampling import top_logprobs_host
 
 # Probe queries (the new text after the first segment) are padded to at least this many: questions of up
@@ -155,15 +156,14 @@ class Reuser:
         self.waiting: deque[_Pending] = deque()
         self.stats: dict[str, ReuseStats] = {}
         self.keep_logits = keep_logits
-        # RedKnot ffn_reuse's per-segment FFN outputs live outside the page pool, so they get their own
-        # budget (default: a quarter of the pool's bytes); least recently used are dropped past it and
-        # recomputed on their next use (`segment_ffn`), so dropping one never changes an answer.
+        # Per-segment FFN outputs for methods that declare `uses_segment_ffn`, with their own budget
+        # (default: a quarter of the pool's bytes; jaxkv/policies/reuse/ffn_cache.py).
         pool = engine.runner.pool
         pool_bytes = sum(int(a.size) * a.dtype.itemsize for a in (pool.k, pool.v))
-        self.ffn_cache_bytes = pool_bytes // 4 if ffn_cache_bytes is None else int(ffn_cache_bytes)
-        if self.ffn_cache_bytes < 0:
-            raise ValueError(f"segment_ffn_cache_bytes must be >= 0 (got {ffn_cache_bytes})")
-        self._ffn_lru: OrderedDict[str, SegmentEntry] = OrderedDict()  # entries holding `ffn`, LRU first
+        budget = pool_bytes // 4 if ffn_cache_bytes is None else int(ffn_cache_bytes)
+        self.ffn_cache = SegmentFFNCache(self.store, cfg, self.anchor, budget,
+                                         params=lambda: engine.runner.params,
+                                         bucket=lambda n: row_bucket(n, floor=128))
         # layer-group programs of a pass whose segments are promoted for it (1: always one program)
         self.layer_groups = LAYER_GROUPS
 
@@ -258,60 +258,6 @@ class Reuser:
             last = pages[:, :, -1].ravel()
             eng.runner.pool = _blank(eng.runner.pool, np.asarray(last, np.int32), n % ps)
 
-    @property
-    def ffn_bytes(self) -> int:
-        """Device bytes the live entries' cached FFN outputs hold."""
-        return sum(_nbytes(e.ffn) for e in self._ffn_lru.values() if self.store.holds(e))
-
-    def _keep_ffn(self, e: SegmentEntry, ffn) -> None:
-        """Caches `ffn` on `e` within the budget: entries the store dropped leave the LRU, then the least
-        recently used others lose theirs until `e`'s fits; one that alone exceeds the budget is not kept."""
-        for sid, old in list(self._ffn_lru.items()):
-            if not self.store.holds(old):
-                old.ffn = None
-                del self._ffn_lru[sid]
-        need = _nbytes(ffn)
-        if need > self.ffn_cache_bytes:
-            return
-        total = self.ffn_bytes
-        while total + need > self.ffn_cache_bytes and self._ffn_lru:
-            _, old = self._ffn_lru.popitem(last=False)
-            total -= _nbytes(old.ffn)
-            old.ffn = None
-        e.ffn = ffn
-        self._ffn_lru[e.segment_id] = e
-
-    def segment_ffn(self, e: SegmentEntry):
-        """[L, n, hidden] FFN outputs of the segment's own prefill (after its anchor and context, at its
-        positions), computed on first use by a dense forward and kept with the entry while the budget
-        allows."""
-        if e.ffn is not None:
-            self._ffn_lru.move_to_end(e.segment_id)
-            return e.ffn
-        seq = list(self.anchor) + list(e.context) + list(e.tokens)
-        c = len(e.context)
-        a, n = len(self.anchor) + c, e.length
-        T = row_bucket(len(seq), floor=128)
-        tokens = np.zeros(T, np.int32)
-        positions = np.full(T, -1, np.int32)
-        tokens[:len(seq)] = seq
-        positions[:len(seq)] = np.concatenate([np.arange(a - c), e.start - c + np.arange(c + n)])
-        ffn = _segment_ffn(self.engine.runner.params, tokens, positions, cfg=self.cfg)[:, a:a + n]
-        self._keep_ffn(e, ffn)
-        return ffn
-
-    def _ffn_cache(self, pieces, T: int):
-        """[L, T, hidden]: every reused token's cached FFN output (zeros for new text and padding)."""
-        L, hd = self.cfg.num_layers, self.cfg.hidden_size
-        dtype = self.engine.runner.params["embed"].dtype
-        parts, used = [], 0
-        for toks, e in pieces:
-            m = len(toks)
-            parts.append(jnp.zeros((L, m, hd), dtype) if e is None else self.segment_ffn(e).astype(dtype))
-            used += m
-        parts.append(jnp.zeros((L, T - used, hd), dtype))
-        return jnp.concatenate(parts, axis=1)
-
     def _allocate(self, n: int, heads=None) -> np.ndarray:
         """`n` pages (`heads`: the KV head of each, which a tensor-parallel pool needs to place them)."""
         alloc = self.engine.allocator
@@ -361,7 +307,7 @@ class Reuser:
         from tqdm.auto import tqdm
 
         eng, cfg, pol = self.engine, self.cfg, resolve_reuse(reuse)
-        L, ps = cfg.num_layers, self.page_size
+        ps = self.page_size
         if eng.tables.local.any():
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global', server: --head-classes global)")
@@ -372,11 +318,10 @@ class Reuser:
                              "shapes depend on more than the token bucket; only methods that recompute every "
                              "token (e.g. redknot) can be precompiled")
         sizes = sorted({row_bucket(n, floor=8) for n in range(1, eng.max_model_len + 1)})
-        hidden, dtype = cfg.hidden_size, eng.runner.params["embed"].dtype
         for T in tqdm(sizes, desc=f"jaxkv: compiling {pol.name} reuse passes", disable=not progress):
             b = self._blank_batch(T, 1, 0)   # pages per head from T alone, as a request of this bucket has
-            if getattr(pol, "ffn_reuse", False):
-                b["ffn_cache"] = jnp.zeros((L, T, hidden), dtype)
+            if pol.uses_segment_ffn:
+                b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
             pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
                                           policy=pol, num_rows=T, select_cap=0, impl=self.impl,
                                           rows_are_tokens=True, head_windows=self.head_windows,
@@ -516,7 +461,7 @@ class Reuser:
         forced[n - 1] = True
         k_sel = pol.num_selected(lay) if pol.selects else 0
         k_sel = min(k_sel, int((~forced).sum()))
-        width = H if getattr(pol, "per_head", False) else 1
+        width = H if pol.selects_per_head else 1
         T = row_bucket(n, floor=128)
         R = min(T, row_bucket(int(forced.sum()) + width * k_sel, floor=8))
         rows_are_tokens = bool(forced.all())
@@ -547,8 +492,8 @@ class Reuser:
             copy_layer[at:at + size] = np.arange(size) // (size // L)
             at += size
         b["clear"][:table.size] = table.ravel()
-        if getattr(pol, "ffn_reuse", False):
-            b["ffn_cache"] = self._ffn_cache(pieces, T)
+        if pol.uses_segment_ffn:
+            b["ffn_cache"] = self.ffn_cache.for_prompt(pieces, T)
         sp = req.sampling
         b["temperature"][0], b["top_k"][0], b["top_p"][0], b["seeds"][0] = (sp.temperature, sp.top_k,
                                                                             sp.top_p, req.seed)
@@ -667,10 +612,6 @@ def _heads(L: int, H: int, n: int) -> np.ndarray:
     return np.broadcast_to(np.arange(H, dtype=np.int32)[None, :, None], (L, H, n)).ravel()
 
 
-def _nbytes(a) -> int:
-    return 0 if a is None else int(a.size) * a.dtype.itemsize
-
-
 def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
     """Static size for `n` rows (prompt tokens, sparse-phase rows, pages per head): powers of two up to
     `geometric_from`, then 8 steps per doubling (ratio <= 1.125; for rows multiples of 256 from 2K, 512 from
@@ -681,48 +622,6 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
         return 1 << (n - 1).bit_length()
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
-
-
-@functools.partial(jax.jit, static_argnames="cfg")
-def _segment_ffn(params, tokens, positions, *, cfg):
-    """Each layer's FFN output [L, T, hidden] of a dense causal forward (positions -1: end padding), through
-    the model's layer loop (`llama.run_layers`: one traced layer body with `SharedLayers`)."""
-    from jaxkv.models import llama, rope
-
-    freqs = rope.inv_freq(cfg)
-    pos = jnp.where(positions >= 0, positions, jnp.max(positions) + 1 + jnp.arange(positions.shape[0]))[None]
-    x = params["embed"][tokens][None]
-    outs = jnp.zeros((cfg.num_layers, *x.shape[1:]), x.dtype)
-    _, outs = llama.run_layers(params["layers"], cfg, x, pos, freqs, _causal_attend(cfg), outs,
-                               layer=_ffn_kept_layer)
-    return outs
-
-
-@functools.cache
-def _causal_attend(cfg):
-    """Dense causal attention with each layer's window (a Python int in the unrolled loop, read from an
-    [L] array under a traced layer index); state = positions [B, T], as `llama.dense_attend`. One object per
-    config."""
-    def attend(layer, q, k, v, pos):
-        from jaxkv.models.attention import dense_attention
-
-        window = cfg.layer_windows[layer] if isinstance(layer, int) else jnp.asarray(
-            cfg.layer_windows, jnp.int32)[layer]
-        return dense_attention(q, k, v, pos, pos, window=window), pos
-
-    return attend
-
-
-def _ffn_kept_layer(p, cfg, layer, x, positions, freqs, attend, outs, reduce=None):
-    """`llama.decoder_layer` that also writes the layer's FFN output into outs [L, T, hidden]."""
-    from jaxkv.models import llama
-
-    q, k, v = llama._qkv(p, cfg, llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, freqs)
-    a, _ = attend(layer, q, k, v, positions)
-    a = a.reshape(*a.shape[:2], -1) @ p["wo"]
-    x = x + (a + p["bo"] if cfg.o_bias else a)
-    mlp = llama.ffn(p, cfg, x)
-    return x + mlp, outs.at[layer].set(mlp[0])
 
 
 @functools.partial(jax.jit, donate_argnums=0)

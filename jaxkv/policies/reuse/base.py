@@ -147,6 +147,18 @@ class ReusePolicy:
     def __post_init__(self):
         _check_int(self, "full_layers")
 
+    # ---- capabilities the engine asks for -----------------------------------------------------------
+    @property
+    def uses_segment_ffn(self) -> bool:
+        """The pass reads `ffn_cache` [L, T, hidden]: each reused token's FFN output from its segment's own
+        prefill (jaxkv/policies/reuse/ffn_cache.py builds it)."""
+        return False
+
+    @property
+    def selects_per_head(self) -> bool:
+        """`score` ranks rows per KV head ([R, Hkv]), so the pass holds up to Hkv times the selected rows."""
+        return False
+
     # ---- host side --------------------------------------------------------------------------------
     def forced(self, lay: Layout) -> np.ndarray:
         """[n] bool tokens recomputed in every sparse layer (default: the new text)."""

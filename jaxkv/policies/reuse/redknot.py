@@ -98,6 +98,10 @@ class RedKnot(ReusePolicy):
         if not isinstance(self.edge_thresh, int | float) or self.edge_thresh < 0:
             raise ValueError(f"{self.name}: edge_thresh must be >= 0 (got {self.edge_thresh!r})")
 
+    @property
+    def uses_segment_ffn(self) -> bool:
+        return self.ffn_reuse
+
     def forced(self, lay: Layout) -> np.ndarray:
         return np.ones(lay.num_tokens, bool)  # every hidden state is carried
 

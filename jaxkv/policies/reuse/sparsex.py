@@ -52,6 +52,10 @@ class SparseX(ReusePolicy):
         if not isinstance(self.per_head, bool):
             raise ValueError(f"{self.name}: per_head must be a bool (got {self.per_head!r})")
 
+    @property
+    def selects_per_head(self) -> bool:
+        return self.per_head
+
     def forced(self, lay: Layout) -> np.ndarray:
         f = lay.is_new.copy()
         n = lay.num_tokens
