@@ -186,7 +186,11 @@ def reuse_table(out_dir: Path) -> str:
         log = json.loads(p.read_text())
         ctx = int(p.stem.split("_")[1])
         for r in log.get("rows", []):
-            by_ctx.setdefault(ctx, {}).setdefault(r["method"].split(":")[0], []).append(r)
+            if r["method"] == "full" and "redknot-map" in p.name:
+                continue  # the same instances' full cache is in the context's main reuse log
+            name, _, opts = r["method"].partition(":")
+            name += " (profiled head classes, ffn_reuse)" if "head_classes=" in opts else ""
+            by_ctx.setdefault(ctx, {}).setdefault(name, []).append(r)
     if not by_ctx:
         return ""
     methods = list(dict.fromkeys(m for d in by_ctx.values() for m in d))
