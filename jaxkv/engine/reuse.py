@@ -41,9 +41,9 @@ PROBE_FLOOR = 64
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
 # dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
 # Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
-# for one program. The host spends ~130 ms issuing the ~700 per-layer, per-segment host-to-device copies
-# before the first group's program is dispatched, so the dispatch, not the link, bounds the transfer; the
-# groups only pay off once a group's K/V moves in a few large copies (docs/benchmarks.md).
+# for one program. In a traced run the first group's program went out ~130 ms into the step, after the ~700
+# per-layer, per-segment host-to-device copies were issued (the device needed ~82 ms for them), so the groups
+# find their K/V already moved; fewer, larger copies per group are the next thing to try (docs/segments.md).
 LAYER_GROUPS = 1
 
 
