@@ -39,12 +39,16 @@ from jaxkv.sampling import top_logprobs_host
 # to 64 tokens share one compiled variant.
 PROBE_FLOOR = 64
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
-# dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
-# Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
-# for one program. In a traced run the first group's program went out ~130 ms into the step, after the ~700
-# per-layer, per-segment host-to-device copies were issued (the device needed ~82 ms for them), so the groups
-# find their K/V already moved; fewer, larger copies per group are the next thing to try (docs/segments.md).
-LAYER_GROUPS = 1
+# dispatched after its own layers' transfers, so group g+1's transfer runs while group g computes); segments
+# already on the device run one program. Host copies are cut in blocks at the same boundaries, so a group is
+# one device_put of its page ids, positions and one K/V array per segment (jaxkv/engine/segment_tiers.py):
+# 4 groups issue 4 calls of 10 arrays for 8 segments, where one array per layer and segment (~700 in all,
+# H100, 8B shape) kept the first group's program ~130 ms behind the step's start, after the ~82 ms the link
+# needed. Four: the first group waits for a quarter of the K/V (8B shape, 4.33 GB: ~20 ms on an H100's
+# link), the other three quarters move beside the ~0.11 s pass; eight would hide ~10 ms more for twice the
+# programs and calls, and a selecting method's first group holds its dense layers anyway. Expected from
+# those figures; `benchmarks.reuse --tiers device,host --layer-groups N` measures it.
+LAYER_GROUPS = 4
 
 
 @dataclasses.dataclass

@@ -4,9 +4,9 @@ store) and the moves between them, per (layer, KV head).
 * **device**: ``entry.pages[l, h]`` are pool pages; -1 where that head is not on the device (a segment
   promoted for a method that reads some heads only).
 * **host**: a copy of every head: numpy on the CPU; on an accelerator that offers a host memory kind
-  (JAX memory kinds, ``pinned_host``), one pinned host array per (layer, KV head), so a promotion moves
-  only the heads it needs. Segments never change once registered, so a copy is kept when its segment is
-  promoted and a later demotion moves nothing.
+  (JAX memory kinds, ``pinned_host``), one host array per block of layers holding K and V (`LayerBlocks`,
+  cut like the pass's layer groups), so a promotion is a few large transfers. Segments never change once
+  registered, so a copy is kept when its segment is promoted and a later demotion moves nothing.
 * **store**: the tensorstore store of ``--segment-store`` (jaxkv/engine/segment_persist.py). Every
   registration is written there, so leaving host memory moves nothing either.
 
@@ -30,7 +30,8 @@ again. Every segment's transfer is dispatched before any is written, and before 
 them asynchronously), so host-side work of the pass overlaps the transfers. A reuse request defers it
 (`promote(..., defer=True)` -> `Promotion`): its pass runs in layer groups, each group's pages written just
 before that group's program, so the transfers of later groups run beside the earlier groups' layers
-(jaxkv/engine/reuse.py, `LAYER_GROUPS`).
+(jaxkv/engine/reuse.py, `LAYER_GROUPS`). A group's transfers are one `jax.device_put` (page ids, positions
+and one K/V array per segment): issuing one transfer per layer cost the host more than the link needed.
 
 **Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
 leaves the pool; ``"host"`` is kept in host memory (its pool pages freed right after registration,
@@ -334,18 +335,16 @@ class SegmentTiers:
         L, H, npg = e.pages.shape
         pool, ps = self.engine.runner.pool, self.page_size
         ids = jnp.asarray(e.pages.reshape(L * H, npg))
-        k = pool.k[ids].reshape(L * H, npg * ps, -1)
-        v = pool.v[ids].reshape(L * H, npg * ps, -1)
         pos = np.asarray(pool.pos[ids].reshape(L * H, npg * ps))
         if self.memory_kinds:
             from jaxkv.cache.memory_kinds import host_sharding
 
-            bounds = block_bounds(L, self.reuser.layer_groups)
-            kv = jnp.stack([k.reshape(L, H, npg * ps, -1), v.reshape(L, H, npg * ps, -1)], axis=1)
-            k = LayerBlocks(bounds, jax.device_put([kv[a:b] for a, b in bounds], host_sharding()))
-            v = None
+            bounds = tuple(block_bounds(L, self.reuser.layer_groups))
+            blocks = _gather_blocks(pool.k, pool.v, ids, shape=(L, H), bounds=bounds)
+            k, v = LayerBlocks(list(bounds), jax.device_put(list(blocks), host_sharding())), None
         else:
-            k, v = np.asarray(k), np.asarray(v)
+            k = np.asarray(pool.k[ids]).reshape(L * H, npg * ps, -1)
+            v = np.asarray(pool.v[ids]).reshape(L * H, npg * ps, -1)
         return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
 
     def _forget(self, e: SegmentEntry) -> None:
@@ -612,6 +611,16 @@ def _plan_group(moves: list[_Move], l0: int, l1: int, H: int) -> _GroupPlan | No
     return _GroupPlan(parts, np.ascontiguousarray(np.concatenate(pages), np.int32),
                       np.ascontiguousarray(np.concatenate(pos), np.int32),
                       np.concatenate(rows).astype(np.int32) if rows else None, tuple(counts))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "bounds"))
+def _gather_blocks(k, v, ids, shape, bounds) -> tuple:
+    """Pool pages `ids` [L * H, npg] of K and V as `LayerBlocks` arrays [l1 - l0, 2, H, slots, D], one per
+    block of `bounds`, in one program (no separate K, V and stacked copies on the device)."""
+    L, H = shape
+    _, P, D = k.shape
+    kv = jnp.stack([k[ids].reshape(L, H, -1, D), v[ids].reshape(L, H, -1, D)], axis=1)
+    return tuple(kv[a:b] for a, b in bounds)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("counts",))
