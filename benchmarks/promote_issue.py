@@ -10,6 +10,7 @@ Median of ``--repeats`` runs after one warm-up (compiles) per layer-group settin
 
     python -m benchmarks.promote_issue                                  # 32 layers, 8 KV heads, 8 segments
     python -m benchmarks.promote_issue --groups 1,4,8 --segment-len 512
+    python -m benchmarks.promote_issue --device-put     # jax.device_put alone: per-layer arrays vs blocks
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def small_deep_model(layers: int, kv_heads: int, max_len: int):
 
 class IssueCounter:
     """Counts `jax.device_put` calls and the arrays they move from a promotion's start until the reuse
-    admission ends, and the time from that start to the pass's first program being dispatched."""
+    admission ends, and the time from that start to the pass's first program being dispatched (while
+    entered: the wrapped functions are restored on exit)."""
 
     def __init__(self):
         import jaxkv.engine.reuse as reuse_mod
@@ -75,9 +77,19 @@ class IssueCounter:
             finally:
                 self.on = False
 
-        jax.device_put = counted_put
-        SegmentTiers.promote, Reuser._admit = timed_promote, admit_done
-        reuse_mod.reuse_prefill = first_dispatch
+        def patch(on: bool) -> None:
+            jax.device_put = counted_put if on else put
+            SegmentTiers.promote, Reuser._admit = (timed_promote, admit_done) if on else (promote, admit)
+            reuse_mod.reuse_prefill = first_dispatch if on else prefill
+
+        self._patch = patch
+
+    def __enter__(self):
+        self._patch(True)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch(False)
 
 
 def run(args) -> list[dict]:
@@ -92,27 +104,56 @@ def run(args) -> list[dict]:
 
     w = Workload(args.segments, args.segment_len, 16, 32, args.page_size)
     model = small_deep_model(args.layers, args.kv_heads, w.max_model_len + 64)
-    counter = IssueCounter()
     rows = []
-    for groups in [int(g) for g in args.groups.split(",")]:
-        eng = make_engine(model, w, 4096, lambda m: None)
-        eng.reuser.layer_groups = groups
-        eng.reuser.tiers.memory_kinds = not args.numpy
-        prompt = register_segments(eng, w, np.random.default_rng(0), lambda m: None, frozen=False)
-        policy = policy_for(args.method)
-        got = []
-        for i in range(args.repeats + 1):
-            place_segments(eng, prompt, "host")
-            ttft, stats = ttft_once(eng, policy, prompt)
-            if i:
-                got.append((counter.first, counter.calls_first, counter.arrays_first, counter.calls,
-                            counter.arrays, ttft, stats.layer_groups))
-        med = lambda j, got=got: float(np.median([g[j] for g in got]))  # noqa: E731
-        rows.append({"groups": groups, "programs": got[-1][6], "first_dispatch_ms": 1e3 * med(0),
-                     "puts_before_first": int(med(1)), "arrays_before_first": int(med(2)),
-                     "puts": int(med(3)), "arrays": int(med(4)), "ttft_ms": 1e3 * med(5)})
-        del eng
+    with IssueCounter() as counter:
+        for groups in [int(g) for g in args.groups.split(",")]:
+            eng = make_engine(model, w, 4096, lambda m: None)
+            eng.reuser.layer_groups = groups
+            eng.reuser.tiers.memory_kinds = not args.numpy
+            prompt = register_segments(eng, w, np.random.default_rng(0), lambda m: None, frozen=False)
+            policy = policy_for(args.method)
+            got = []
+            for i in range(args.repeats + 1):
+                place_segments(eng, prompt, "host")
+                ttft, stats = ttft_once(eng, policy, prompt)
+                if i:
+                    got.append((counter.first, counter.calls_first, counter.arrays_first, counter.calls,
+                                counter.arrays, ttft, stats.layer_groups))
+            med = lambda j, got=got: float(np.median([g[j] for g in got]))  # noqa: E731
+            rows.append({"groups": groups, "programs": got[-1][6], "first_dispatch_ms": 1e3 * med(0),
+                         "puts_before_first": int(med(1)), "arrays_before_first": int(med(2)),
+                         "puts": int(med(3)), "arrays": int(med(4)), "ttft_ms": 1e3 * med(5)})
+            del eng
     return rows
+
+
+def device_put_only(args) -> list[tuple[str, float]]:
+    """Seconds to issue (return from) `jax.device_put` of every segment's K/V from host memory kind arrays to
+    the device, the same bytes cut three ways: one array per layer and K/V in one call per segment, all of
+    them in one call, or one array per segment (every layer, K and V) in one call. Median of --repeats."""
+    import jax.numpy as jnp
+
+    from jaxkv.cache.memory_kinds import device_sharding, host_sharding
+
+    L, H, S, D, N = args.layers, args.kv_heads, args.segment_len, 16, args.segments
+    host = host_sharding()
+    per_layer = [jax.device_put([jnp.ones((H, S, D)) for _ in range(2 * L)], host) for _ in range(N)]
+    blocks = jax.device_put([jnp.ones((L, 2, H, S, D)) for _ in range(N)], host)
+    dev = device_sharding()
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+            jax.block_until_ready(out)
+        return float(np.median(times))
+
+    return [(f"{2 * L} arrays per call, {N} calls",
+             timed(lambda: [jax.device_put(x, dev) for x in per_layer])),
+            (f"{2 * L * N} arrays in one call", timed(lambda: jax.device_put(sum(per_layer, []), dev))),
+            (f"{N} arrays in one call", timed(lambda: jax.device_put(blocks, dev)))]
 
 
 def main(argv=None) -> list[dict]:
@@ -128,7 +169,17 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--method", default="naive")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--numpy", action="store_true", help="host copies as numpy (no host memory kind)")
+    p.add_argument("--device-put", action="store_true", help="time jax.device_put alone (no engine)")
     args = p.parse_args(argv)
+    if args.device_put:
+        rows = device_put_only(args)
+        print(f"{args.segments} segments x {args.layers} layers x {args.kv_heads} KV heads x "
+              f"{args.segment_len} slots, host memory kind -> device, {jax.default_backend()}; "
+              f"median of {args.repeats}")
+        print("| transfers | issue time (ms) |\n|---|---|")
+        for name, s in rows:
+            print(f"| {name} | {1e3 * s:.1f} |")
+        return [{"transfers": name, "issue_s": s} for name, s in rows]
     rows = run(args)
     print(f"{args.layers} layers x {args.kv_heads} KV heads, {args.segments} segments x {args.segment_len} "
           f"tokens from host memory ({'numpy' if args.numpy else 'host memory kind'}), {args.method}, "
