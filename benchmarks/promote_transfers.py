@@ -8,9 +8,9 @@ which the CPU backend offers too) unless ``--numpy``. Counts come from wrapping 
 promotion's start to the end of the reuse pass's admission, so they hold for any version of the engine.
 Median of ``--repeats`` runs after one warm-up (compiles) per layer-group setting.
 
-    python -m benchmarks.promote_issue                                  # 32 layers, 8 KV heads, 8 segments
-    python -m benchmarks.promote_issue --groups 1,4,8 --segment-len 512
-    python -m benchmarks.promote_issue --device-put     # jax.device_put alone: per-layer arrays vs blocks
+    python -m benchmarks.promote_transfers                          # 32 layers, 8 KV heads, 8 segments
+    python -m benchmarks.promote_transfers --groups 1,4,8 --segment-len 512
+    python -m benchmarks.promote_transfers --device-put     # jax.device_put alone: per-layer arrays vs blocks
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def small_deep_model(layers: int, kv_heads: int, max_len: int):
     return Model(cfg, params, None, {}, f"random-{layers}x{kv_heads}", None)
 
 
-class IssueCounter:
+class TransferCounter:
     """Counts `jax.device_put` calls and the arrays they move from a promotion's start until the reuse
     admission ends, and the time from that start to the pass's first program being dispatched (while
     entered: the wrapped functions are restored on exit)."""
@@ -105,7 +105,7 @@ def run(args) -> list[dict]:
     w = Workload(args.segments, args.segment_len, 16, 32, args.page_size)
     model = small_deep_model(args.layers, args.kv_heads, w.max_model_len + 64)
     rows = []
-    with IssueCounter() as counter:
+    with TransferCounter() as counter:
         for groups in [int(g) for g in args.groups.split(",")]:
             eng = make_engine(model, w, 4096, lambda m: None)
             eng.reuser.layer_groups = groups
@@ -157,7 +157,7 @@ def device_put_only(args) -> list[tuple[str, float]]:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.promote_issue",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.promote_transfers",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
