@@ -19,10 +19,8 @@ first timed):
 `--tiers device,host,store` times every reuse method with its segments starting in each tier (placed there
 before every run, untimed; the request promotes the heads its method reads, which is timed) and reports
 the bytes each request moved and the programs its pass ran in (segments promoted: one per layer group,
-`--layer-groups`, each beside the next group's transfer; on the device: one), the transfers its promotion
-issued (device_put calls / arrays) and the time from the promotion's start to the pass's first program being
-dispatched. `--restart` then starts a second engine on the same store and times restart -> first reused
-token (no segment prefilled again).
+`--layer-groups`, each beside the next group's transfer; on the device: one). `--restart` then starts a
+second engine on the same store and times restart -> first reused token (no segment prefilled again).
 
 RedKnot reads the reuse head-class map next to the model: random-weight shapes get a synthetic one (KV head
 0 of every layer global, the rest sink 64 + window 256), the embedded model its profiled
@@ -65,8 +63,7 @@ TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", 
 HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
           "query rows", "FFN rows", "notes"]
 TIER_HEADER = ["method", "segments in", "TTFT (s)", "speed-up vs full", "share of the device speed-up",
-               "moved to the device (MB)", "read from the store (MB)", "pass programs",
-               "transfers (device_put calls / arrays)", "promote -> first program (ms)"]
+               "moved to the device (MB)", "read from the store (MB)", "pass programs"]
 TIER_INDEPENDENT = {"full", "reuse_full"}  # read no segment: timed once, in the first tier
 
 
@@ -239,7 +236,7 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
     t0 = time.perf_counter()
     ttft_once(eng, policy, prompt)
     warm = time.perf_counter() - t0
-    times, stats, moved, dispatch = [], None, [], []
+    times, stats, moved = [], None, []
     for _ in range(repeats):
         if times and remaining() < times[-1]:
             log(f"  {spec}: deadline, {len(times)} timed run(s)")
@@ -248,7 +245,6 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
         before = moved_bytes(eng)
         s, stats = ttft_once(eng, policy, prompt)
         times.append(s)
-        dispatch.append(stats.promote_to_dispatch_s if stats is not None else 0.0)
         moved.append([a - b for a, b in zip(moved_bytes(eng), before)])
     expected = w.segments * w.segment_len if policy is not None and policy.reuses else 0
     if stats is not None and stats.reused_tokens != expected:
@@ -263,16 +259,11 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
                 "query_rows": float(np.mean(stats.recomputed_rows)) / n,
                 "ffn_rows": float(np.mean(stats.ffn_rows)) / n, "prefill_s": stats.prefill_s,
                 "promoted_heads": int(np.sum(stats.promoted_heads)),
-                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy),
-                "promote_calls": stats.promote_calls, "promote_transfers": stats.promote_transfers,
-                "promote_to_dispatch_s": float(np.median(dispatch))}
+                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy)}
     log(f"  {spec}{'' if tier is None else ' @ ' + tier}: warm-up (compile) {warm:.2f} s, "
         f"timed {', '.join(f'{t:.4f}' for t in times)} s "
         f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s in {stats.layer_groups} "
-                                              "program(s))" if stats else "")
-        + (f"; promotion: {stats.promote_calls} device_put call(s) of {stats.promote_transfers} arrays, "
-           f"first program {1e3 * row['promote_to_dispatch_s']:.1f} ms after its start"
-           if stats is not None and stats.promote_calls else ""))
+                                              "program(s))" if stats else ""))
     return row
 
 
@@ -315,9 +306,7 @@ def tier_table(rows: list[dict]) -> str:
         share = f"{dev / r['ttft_s']:.0%}" if dev and r["tier"] != "device" else ""
         out.append([r["method"], r["tier"], f"{r['ttft_s']:.4f}", speedup, share,
                     f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}",
-                    str(r.get("pass_programs", "")),
-                    f"{r['promote_calls']} / {r['promote_transfers']}" if r.get("promote_calls") else "",
-                    f"{1e3 * r['promote_to_dispatch_s']:.1f}" if r.get("promote_calls") else ""])
+                    str(r.get("pass_programs", ""))])
     return markdown_table(TIER_HEADER, out)
 
 
@@ -389,8 +378,6 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     eng = make_engine(model, w, args.max_step_tokens, log, store=store)
     if args.layer_groups is not None:
         eng.reuser.layer_groups = args.layer_groups
-    if args.host_memory_kind:
-        eng.reuser.tiers.memory_kinds = True
     t0 = time.perf_counter()
     prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"])
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
@@ -525,9 +512,6 @@ def parse_args(argv):
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")
-    ap.add_argument("--host-memory-kind", action="store_true",
-                    help="host copies in the host memory kind's layout (layer blocks) on the CPU backend too "
-                         "(an accelerator's default), to count its transfers")
     ap.add_argument("--restart", action="store_true",
                     help="then time a second engine on the store: restart -> first reused token")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")

@@ -60,10 +60,6 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     # segments promoted for the request: the pass runs in the layer groups asked for; on the device in one
     assert rows["naive", "host"]["pass_programs"] == rows["naive", "store"]["pass_programs"] > 1
     assert rows["naive", "device"]["pass_programs"] == 1
-    # one device_put per layer group; nothing moves on the device
-    assert rows["naive", "host"]["promote_calls"] == rows["naive", "host"]["pass_programs"]
-    assert rows["naive", "host"]["promote_to_dispatch_s"] > 0
-    assert rows["naive", "device"]["promote_calls"] == rows["naive", "device"]["promote_transfers"] == 0
     # RedKnot promotes only its local heads (the small model's head-class map has global heads)
     assert 0 < rows["redknot", "host"]["promoted_bytes"] < segment_bytes
     r = result["restart"]

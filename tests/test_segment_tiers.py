@@ -11,7 +11,7 @@ import jaxkv
 from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
 from jaxkv.cache.segments import SegmentError
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.segment_tiers import LayerBlocks, SegmentCapacityError, SegmentTiers
+from jaxkv.engine.segment_tiers import SegmentCapacityError, SegmentTiers
 from jaxkv.policies.reuse import get_reuse_policy
 from jaxkv.policies.reuse.apply import reuse_prefill
 from jaxkv.sampling import SamplingParams
@@ -288,7 +288,7 @@ def test_host_copies_in_pinned_host_memory(model, docs):
     assert [eng.register_segment(d) for d in docs[:2]] == ids
     eng.reuser.tiers.evict(eng.allocator.num_pages)
     copy = eng.reuser.tiers._host[ids[0]]
-    assert isinstance(copy.k, LayerBlocks) and copy.k.arrays[0].sharding.memory_kind.endswith("host")
+    assert isinstance(copy.k, list) and copy.k[0].sharding.memory_kind.endswith("host")
     assert ask(eng, ids) == want
     assert all(where(eng, s) == ["device", "host"] for s in ids)
 
@@ -390,7 +390,7 @@ def test_pinned_host_copies_move_whole_layers_and_serve_a_method_reading_some_he
         eng.reuser.tiers.memory_kinds = pinned
         ids = [eng.register_segment(d) for d in docs[:2]]
         eng.reuser.tiers.evict(eng.allocator.num_pages)
-        assert isinstance(eng.reuser.tiers._host[ids[0]].k, LayerBlocks) == pinned
+        assert isinstance(eng.reuser.tiers._host[ids[0]].k, list) == pinned
         got[pinned] = ask(eng, ids, "redknot"), eng.reuser.tiers.bytes_promoted
     assert got[True][0] == got[False][0]
     per_head = got[False][1]  # the local heads only
@@ -480,92 +480,3 @@ def test_layer_groups_cover_every_layer_and_the_first_holds_the_selection_layer(
     assert layer_groups(get_reuse_policy("sparsex", full_layers=2), 3, 8) == [(0, 3)]  # layer 2 selects
     assert layer_groups(get_reuse_policy("sparsex", full_layers=9), 4, 8) == [(0, 4)]  # every layer dense
     assert layer_groups(naive, 32, 1) == [(0, 32)]
-
-
-def run_pass(eng, ids, policy):
-    rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse=policy, sampling=GREEDY)
-    tokens = []
-    while eng.has_unfinished():
-        tokens += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
-    return tokens, eng.reuser.stats[rid]
-
-
-@pytest.mark.parametrize("method", ["naive", "redknot"])
-def test_host_blocks_cut_unlike_the_groups_give_the_same_tokens_and_pool(model5, method):
-    """Host memory kind copies are cut into layer blocks when made (by `Reuser.layer_groups` then); a pass
-    in other groups moves each block with the group holding its first layer. Every (blocks, groups) pair
-    gives the tokens and pool pages of numpy copies promoted for one program. RedKnot moves whole blocks
-    and keeps its local heads only."""
-    rng = np.random.default_rng(7)
-    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
-    L, H = model5.config.num_layers, model5.config.num_kv_heads
-    hc = HeadClassMap(L, H, tuple(tuple(HeadClass.global_() if h == 0 else HeadClass.local(2, 4)
-                                        for h in range(H)) for _ in range(L)))
-    policy = get_reuse_policy(method, **KEEPING[method]) if method != "naive" else method
-    got = {}
-    for blocks, groups in ((None, 1), (2, 5), (5, 1), (3, 2)):
-        eng = engine(model5, 600, segment_head_classes=hc)
-        eng.reuser.layer_groups = blocks or 1
-        eng.reuser.tiers.memory_kinds = blocks is not None
-        ids = [eng.register_segment(d) for d in docs]
-        eng.reuser.tiers.evict(eng.allocator.num_pages)
-        if blocks is not None:
-            copy = eng.reuser.tiers._host[ids[0]].k
-            assert isinstance(copy, LayerBlocks) and len(copy.arrays) == blocks
-            assert [a.shape[0] for a in copy.arrays] == [b - a for a, b in copy.bounds]
-        eng.reuser.layer_groups = groups
-        poison_free_pages(eng)
-        tokens, stats = run_pass(eng, ids, policy)
-        assert stats.layer_groups == groups
-        pool = eng.runner.pool
-        got[blocks, groups] = tokens, np.asarray(pool.k), np.asarray(pool.v), np.asarray(pool.pos)
-    want = got.pop((None, 1))
-    assert len(want[0]) == GREEDY.max_tokens
-    for key, other in got.items():
-        assert other[0] == want[0], key
-        for a, b in zip(want[1:], other[1:]):
-            np.testing.assert_array_equal(a, b, err_msg=str(key))
-
-
-@pytest.mark.parametrize("pinned", [False, True])
-def test_a_promotion_sends_one_device_put_of_few_arrays_per_layer_group(model5, pinned):
-    """A layer group's promotion is one `jax.device_put`: its page ids and positions over every segment,
-    then per segment one array per host block (host memory kind) or a K and a V slice (numpy), never one
-    per layer; the stats report them with the time from the promotion to the first program."""
-    rng = np.random.default_rng(9)
-    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(3)]
-    for groups in (1, 5):
-        eng = engine(model5, 600)
-        eng.reuser.layer_groups = groups
-        eng.reuser.tiers.memory_kinds = pinned
-        ids = [eng.register_segment(d) for d in docs]
-        eng.reuser.tiers.evict(eng.allocator.num_pages)
-        tokens, stats = run_pass(eng, ids, "naive")
-        per_segment = 1 if pinned else 2
-        assert stats.promote_calls == groups
-        assert stats.promote_transfers == groups * (2 + len(docs) * per_segment)
-        assert stats.promote_to_dispatch_s > 0
-        assert eng.reuser.tiers.transfers == stats.promote_transfers
-        # on the device now: nothing moves for the next request
-        _, again = run_pass(eng, ids, "naive")
-        assert (again.promote_calls, again.promote_transfers, again.layer_groups) == (0, 0, 1)
-
-
-def test_a_host_memory_kind_copy_is_written_to_the_store_as_it_was_on_the_device(model, docs, tmp_path):
-    """Freezing a segment whose only full copy is in host memory writes that copy (its layer blocks,
-    K and V apart again) to the store: the stored K/V equal the ones the device held."""
-    eng = engine(model, 2000, segment_store=str(tmp_path))
-    eng.reuser.layer_groups = 2
-    tiers = eng.reuser.tiers
-    tiers.memory_kinds = True
-    sid = eng.register_segment(docs[0])
-    e = eng.reuser.store.get(sid)
-    k, v, pos = tiers.arrays(e)  # from the pool
-    tiers.place(e, "host")
-    assert where(eng, sid) == ["host", "store"] and len(tiers._host[sid].k.arrays) == 2
-    eng.reuser.persist.disk.delete(sid)  # only the host copy is left to write it from
-    eng.register_segment(docs[0], frozen=True, tier="host")
-    seg = eng.reuser.persist.disk.get(sid)
-    np.testing.assert_array_equal(seg.k, k)
-    np.testing.assert_array_equal(seg.v, v)
-    np.testing.assert_array_equal(seg.pos, pos)

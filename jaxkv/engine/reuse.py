@@ -39,16 +39,12 @@ from jaxkv.sampling import top_logprobs_host
 # to 64 tokens share one compiled variant.
 PROBE_FLOOR = 64
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
-# dispatched after its own layers' transfers, so group g+1's transfer runs while group g computes); segments
-# already on the device run one program. Host copies are cut in blocks at the same boundaries, so a group is
-# one device_put of its page ids, positions and one K/V array per segment (jaxkv/engine/segment_tiers.py):
-# 4 groups issue 4 calls of 10 arrays for 8 segments, where one array per layer and segment (~700 in all,
-# H100, 8B shape) kept the first group's program ~130 ms behind the step's start, after the ~82 ms the link
-# needed. Four: the first group waits for a quarter of the K/V (8B shape, 4.33 GB: ~20 ms on an H100's
-# link), the other three quarters move beside the ~0.11 s pass; eight would hide ~10 ms more for twice the
-# programs and calls, and a selecting method's first group holds its dense layers anyway. Expected from
-# those figures; `benchmarks.reuse --tiers device,host --layer-groups N` measures it.
-LAYER_GROUPS = 4
+# dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
+# Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
+# for one program. In a traced run the first group's program went out ~130 ms into the step, after the ~700
+# per-layer, per-segment host-to-device copies were issued (the device needed ~82 ms for them), so the groups
+# find their K/V already moved; fewer, larger copies per group are the next thing to try (docs/segments.md).
+LAYER_GROUPS = 1
 
 
 @dataclasses.dataclass
@@ -82,11 +78,6 @@ class ReuseStats:
     # per layer: rows the sparse FFN chose but its capacity dropped (lowest mass first; with RedKnot's
     # ffn_select="deviation" every reused row is a candidate, so this counts every reused row it skipped)
     ffn_dropped: list[int] = dataclasses.field(default_factory=list)
-    # segments promoted for the pass: arrays sent to the device, the device_put calls that sent them, and
-    # seconds from the promotion's start to the pass's first program dispatched (host work it waits on)
-    promote_transfers: int = 0
-    promote_calls: int = 0
-    promote_to_dispatch_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -413,13 +404,12 @@ class Reuser:
             # The heads the method reads come to the device (from host memory or the store) first: all at
             # once before a single-program pass, or layer group by layer group beside a grouped one.
             groups = self._groups(pol)
-            mark = (time.perf_counter(), self.tiers.transfers, self.tiers.transfer_calls)
             promotion = self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]),
                                            defer=len(groups) > 1)
             try:
                 if promotion is not None:  # the first group's K/V move while the pass's inputs are built
                     promotion.start(groups, send=1)
-                return self._prefill(p, entries, seg_tokens, promotion, groups, mark)
+                return self._prefill(p, entries, seg_tokens, promotion, groups)
             finally:
                 if promotion is not None:
                     promotion.finish()
@@ -436,7 +426,7 @@ class Reuser:
             return [(0, L)]
         return layer_groups(pol, L, self.layer_groups)
 
-    def _prefill(self, p: _Pending, entries, seg_tokens, promotion=None, groups=None, mark=None):
+    def _prefill(self, p: _Pending, entries, seg_tokens, promotion=None, groups=None):
         eng, req, pol = self.engine, p.req, p.policy
         cfg = self.cfg
         L, H, ps = cfg.num_layers, cfg.num_kv_heads, self.page_size
@@ -515,11 +505,10 @@ class Reuser:
             pool, tok, logprob, logits, st = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads,
                                                            **static)
             eng.runner.pool = pool
-            programs, dispatched = 1, time.perf_counter()
+            programs = 1
         else:
-            (tok, logprob, logits, st), dispatched = self._grouped(b, copy_layer, groups, promotion, static)
+            tok, logprob, logits, st = self._grouped(b, copy_layer, groups, promotion, static)
             programs = len(groups)
-        mark = mark or (dispatched, self.tiers.transfers, self.tiers.transfer_calls)
         # One sync for the token, its logprob and the stats (a fetch each cost ~0.5-0.9 ms on an H200).
         alts = req.sampling.logprobs  # the first token's alternatives come from its logits, on the host
         tok, logprob, st, logits = jax.device_get((tok, logprob, st,
@@ -535,9 +524,7 @@ class Reuser:
         self.stats[req.request_id] = ReuseStats(
             pol.name, n, lay.num_reused, ints("query_rows"), ints("kv_writes"), ints("ffn_rows"),
             ints("promoted_heads"), ints("keys_seen"), elapsed,
-            logits, heads=H, layer_groups=programs, ffn_dropped=ints("ffn_dropped"),
-            promote_transfers=self.tiers.transfers - mark[1],
-            promote_calls=self.tiers.transfer_calls - mark[2], promote_to_dispatch_s=dispatched - mark[0])
+            logits, heads=H, layer_groups=programs, ffn_dropped=ints("ffn_dropped"))
 
         eng.tables.adopt_pages(req.request_id, table, slot, n - 1)
         req.num_computed = n
@@ -558,7 +545,7 @@ class Reuser:
         and XLA runs a transfer beside a program only when the transfer was dispatched first (docs/
         segments.md, "Layer groups"). The pass's inputs go to the device right after the first group's K/V
         (sent while they were built), before the other groups', so they do not queue behind them. Returns
-        what `reuse_prefill` does, the pool aside (set on the runner), and when the first program went out."""
+        what `reuse_prefill` does, the pool aside (set on the runner)."""
         eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
         per_group = _group_copies(b, copy_layer, groups, self.cfg.num_kv_heads)
         common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
@@ -577,12 +564,10 @@ class Reuser:
                                     **static)
             else:
                 out = reuse_prefill(params, eng.runner.pool, bg, heads, carry, layers=(l0, l1), **static)
-            if g == 0:
-                dispatched = time.perf_counter()
             if l1 < L:
                 eng.runner.pool, carry = out
         eng.runner.pool = out[0]
-        return out[1:], dispatched
+        return out[1:]
 
 
 def _group_copies(b: dict, copy_layer: np.ndarray, groups, H: int) -> list[dict]:

@@ -4,9 +4,9 @@ store) and the moves between them, per (layer, KV head).
 * **device**: ``entry.pages[l, h]`` are pool pages; -1 where that head is not on the device (a segment
   promoted for a method that reads some heads only).
 * **host**: a copy of every head: numpy on the CPU; on an accelerator that offers a host memory kind
-  (JAX memory kinds, ``pinned_host``), one host array per block of layers holding K and V (`LayerBlocks`,
-  cut like the pass's layer groups), so a promotion is a few large transfers. Segments never change once
-  registered, so a copy is kept when its segment is promoted and a later demotion moves nothing.
+  (JAX memory kinds, ``pinned_host``), one pinned host array per (layer, KV head), so a promotion moves
+  only the heads it needs. Segments never change once registered, so a copy is kept when its segment is
+  promoted and a later demotion moves nothing.
 * **store**: the tensorstore store of ``--segment-store`` (jaxkv/engine/segment_persist.py). Every
   registration is written there, so leaving host memory moves nothing either.
 
@@ -30,8 +30,7 @@ again. Every segment's transfer is dispatched before any is written, and before 
 them asynchronously), so host-side work of the pass overlaps the transfers. A reuse request defers it
 (`promote(..., defer=True)` -> `Promotion`): its pass runs in layer groups, each group's pages written just
 before that group's program, so the transfers of later groups run beside the earlier groups' layers
-(jaxkv/engine/reuse.py, `LAYER_GROUPS`). A group's transfers are one `jax.device_put` (page ids, positions
-and one K/V array per segment): issuing one transfer per layer cost the host more than the link needed.
+(jaxkv/engine/reuse.py, `LAYER_GROUPS`).
 
 **Pins**: a frozen segment stays in the tier it was registered for: ``"device"`` (the default) never
 leaves the pool; ``"host"`` is kept in host memory (its pool pages freed right after registration,
@@ -66,36 +65,16 @@ DEFAULT_HOST_BYTES = SegmentConfig.host_bytes  # host memory for demoted segment
 
 
 @dataclasses.dataclass
-class LayerBlocks:
-    """A segment's K and V in host memory kind arrays, one per block of layers: `arrays[i]` is
-    [l1 - l0, 2, H, slots, D] (K then V) for `bounds[i]` = (l0, l1). A block is one host-to-device transfer:
-    a pass in layer groups cut like the blocks moves one array per segment per group (a transfer of a few MB
-    reaches the link's speed, one of a head's ~1 MB half of it; H100: 23 GB/s for 1 MB arrays, 48-53 GB/s
-    from 8 MB), and issuing a transfer costs the host far more than a byte of it (one per layer and segment,
-    ~700 for the 8B shape, kept an H100 waiting ~130 ms)."""
-
-    bounds: list[tuple[int, int]]
-    arrays: list
-
-
-@dataclasses.dataclass
 class HostCopy:
-    """Every (layer, KV head) of one segment in host memory: k, v [L * H, slots, D] (numpy), or k the
-    `LayerBlocks` of a host memory kind (v None); pos [L * H, slots] int32 (numpy)."""
+    """Every (layer, KV head) of one segment in host memory: k, v [L * H, slots, D] (numpy) or a list of
+    L pinned host arrays [H, slots, D] (one per layer: a transfer of a few MB reaches the link's speed, one
+    of a head's ~1 MB half of it; H100: 23 GB/s for 1 MB arrays, 48-53 GB/s from 8 MB); pos [L * H, slots]
+    int32 (numpy)."""
 
     k: object
     v: object
     pos: np.ndarray
     nbytes: int
-
-
-def block_bounds(num_layers: int, blocks: int) -> list[tuple[int, int]]:
-    """Layer ranges [l0, l1) of about `blocks` equal parts, cut where `layer_groups` cuts `blocks` groups
-    (round(g * L / blocks)), so each layer group of such a pass is whole blocks."""
-    blocks = max(1, min(int(blocks), num_layers))
-    cuts = sorted({round(g * num_layers / blocks) for g in range(1, blocks)} - {0, num_layers})
-    bounds = [0, *cuts, num_layers]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class SegmentTiers:
@@ -123,8 +102,6 @@ class SegmentTiers:
         self.bytes_promoted = 0  # bytes copied to the device
         self.bytes_promoted_all_heads = 0  # what those promotions would have copied with every head
         self.bytes_demoted = 0  # bytes copied from the device to host memory
-        self.transfers = 0  # arrays promotions sent to the device (page ids and positions included)
-        self.transfer_calls = 0  # the jax.device_put calls that sent them (one per layer group)
         self.drops = 0  # ordinary segments dropped because no tier had room (no store, host memory full)
         self._moves = 0  # tier changes so far: `totals` recomputes only after one (it runs every step)
         self._totals: tuple | None = None
@@ -335,16 +312,16 @@ class SegmentTiers:
         L, H, npg = e.pages.shape
         pool, ps = self.engine.runner.pool, self.page_size
         ids = jnp.asarray(e.pages.reshape(L * H, npg))
+        k = pool.k[ids].reshape(L * H, npg * ps, -1)
+        v = pool.v[ids].reshape(L * H, npg * ps, -1)
         pos = np.asarray(pool.pos[ids].reshape(L * H, npg * ps))
         if self.memory_kinds:
             from jaxkv.cache.memory_kinds import host_sharding
 
-            bounds = tuple(block_bounds(L, self.reuser.layer_groups))
-            blocks = _gather_blocks(pool.k, pool.v, ids, shape=(L, H), bounds=bounds)
-            k, v = LayerBlocks(list(bounds), jax.device_put(list(blocks), host_sharding())), None
+            k = jax.device_put(list(k.reshape(L, H, npg * ps, -1)), host_sharding())
+            v = jax.device_put(list(v.reshape(L, H, npg * ps, -1)), host_sharding())
         else:
-            k = np.asarray(pool.k[ids]).reshape(L * H, npg * ps, -1)
-            v = np.asarray(pool.v[ids]).reshape(L * H, npg * ps, -1)
+            k, v = np.asarray(k), np.asarray(v)
         return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
 
     def _forget(self, e: SegmentEntry) -> None:
@@ -390,10 +367,8 @@ class SegmentTiers:
                     self._host.move_to_end(e.segment_id)
                 self.promotions += 1
                 self._moves += 1
-                if isinstance(k, LayerBlocks):  # host memory kind copies move whole blocks of layers
-                    moved = sum((b - a) * self.H for a, b in k.bounds if missing[a:b].any())
-                else:
-                    moved = int(missing.sum())
+                pinned = isinstance(k, list)  # pinned host copies move whole layers
+                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
                 self.bytes_promoted += moved * self.head_bytes(e)
                 self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
         except BaseException:  # the segments planned so far are promoted, also when a later one failed
@@ -439,8 +414,8 @@ class SegmentTiers:
         return self.persist.disk.get(e.segment_id, heads=missing)
 
     def _stage(self, e: SegmentEntry, missing: np.ndarray):
-        """The `missing` heads' K/V on the host, ready to move: (k, v, pos). k `LayerBlocks` and v None (a
-        host memory kind copy, which moves whole blocks of layers) or k, v numpy [L * H, slots, D] whose
+        """The `missing` heads' K/V on the host, ready to move: (k, v, pos). k, v: a list of L pinned host
+        arrays [H, slots, D] (a pinned copy, which moves whole layers) or numpy [L * H, slots, D] whose
         missing rows hold the heads; pos [L * H, slots] numpy. A store read happens here."""
         c = self._host.get(e.segment_id)
         if c is not None:
@@ -475,10 +450,8 @@ class SegmentTiers:
         if c is None:
             seg = self.persist.disk.get(e.segment_id)
             return seg.k, seg.v, seg.pos
-        k, v = c.k, c.v
-        if isinstance(k, LayerBlocks):
-            kv = np.concatenate([np.asarray(x) for x in k.arrays])
-            k, v = kv[:, 0], kv[:, 1]
+        k = np.stack([np.asarray(x) for x in c.k]) if isinstance(c.k, list) else c.k
+        v = np.stack([np.asarray(x) for x in c.v]) if isinstance(c.v, list) else c.v
         return k.reshape(L, H, slots, -1), v.reshape(L, H, slots, -1), c.pos.reshape(L, H, slots)
 
 
@@ -498,20 +471,16 @@ class _Move:
 class Promotion:
     """Promoted heads written into their pages per layer group, so a program over some layers depends only
     on those layers' transfers: `start` plans the groups and dispatches the first ones' transfers, `send`
-    the others' (group after group, the first group's first); `write(g)` writes group g's pages (call it
-    just before the program over those layers); `finish` sends and writes whatever is left (always call it:
-    the entries already name these pages). One group of every layer is the plain promotion.
-
-    A group is one `jax.device_put` of few, large arrays: its page ids, positions and head selection (each
-    the concatenation over its segments), and per segment one array per layer block of a host memory kind
-    copy (`LayerBlocks`) or a K and a V slice of a numpy one (`SegmentTiers.transfers` / `transfer_calls`
-    count them)."""
+    the others' (a group's page ids and positions, then its K/V; group after group, the first group's
+    first); `write(g)` writes group g's pages (call it just before the program over those layers);
+    `finish` sends and writes whatever is left (always call it: the entries already name these pages). One
+    group of every layer is the plain promotion."""
 
     def __init__(self, tiers: SegmentTiers, moves: list[_Move]):
         self.tiers, self.moves = tiers, moves
         self.groups: list[tuple[int, int]] | None = None
-        self._plans: list[_GroupPlan | None] = []  # per group: its arrays on the host (None: nothing moves)
-        self._sent: list = []  # per group sent: (parts, rows, pages, pos) on the device, or None
+        self._plans: list[list] = []  # per group: `_part`s on the host, one per segment holding its layers
+        self._parts: list[list] = []  # per group sent: (k, v, rows, pages, pos) on the device, per segment
         self._written: set[int] = set()
 
     def start(self, groups: list[tuple[int, int]] | None = None, send: int | None = None) -> None:
@@ -520,25 +489,25 @@ class Promotion:
         if self.groups is None:
             L, H = self.tiers.L, self.tiers.H
             self.groups = [(0, L)] if groups is None else [tuple(g) for g in groups]
-            self._plans = [_plan_group(self.moves, l0, l1, H) for l0, l1 in self.groups]
+            self._plans = [[p for p in (_part(mv, l0, l1, H) for mv in self.moves) if p is not None]
+                           for l0, l1 in self.groups]
         self.send(send)
 
     def send(self, upto: int | None = None) -> None:
         """Dispatches the transfers of the groups before `upto` (None: every group) not sent yet."""
         from jaxkv.cache.memory_kinds import device_sharding
 
-        for plan in self._plans[len(self._sent):upto]:
-            if plan is None:
-                self._sent.append(None)
-                continue
-            meta = [plan.pages, plan.pos] + ([] if plan.rows is None else [plan.rows])
-            flat = [x for part in plan.parts for x in part]
-            out = jax.device_put(meta + flat, device_sharding())
-            self.tiers.transfers += len(out)
-            self.tiers.transfer_calls += 1
-            it = iter(out[len(meta):])
-            parts = tuple(tuple(next(it) for _ in part) for part in plan.parts)
-            self._sent.append((parts, out[2] if plan.rows is not None else None, out[0], out[1], plan.counts))
+        for plan in self._plans[len(self._parts):upto]:
+            meta = jax.device_put([(rows, ids, pos) for *_, rows, ids, pos in plan])
+            parts = []
+            for (host_k, host_v, *_), (rows, ids, pos) in zip(plan, meta):
+                n = len(host_k)
+                if isinstance(host_k[0], np.ndarray):
+                    kv = jax.device_put(host_k + host_v)
+                else:  # pinned host arrays
+                    kv = jax.device_put(host_k + host_v, device_sharding())
+                parts.append((tuple(kv[:n]), tuple(kv[n:]), rows, ids, pos))
+            self._parts.append(parts)
 
     def write(self, group: int) -> None:
         """Writes layer group `group`'s promoted pages into the pool (once), its transfers sent if not yet."""
@@ -546,11 +515,9 @@ class Promotion:
             return
         self.send(group + 1)
         self._written.add(group)
-        if self._sent[group] is None:
-            return
-        parts, rows, pages, pos, counts = self._sent[group]
         runner = self.tiers.engine.runner
-        runner.pool = _write_pages(runner.pool, parts, rows, pages, pos, counts=counts)
+        for k, v, rows, ids, pos in self._parts[group]:
+            runner.pool = _write_pages(runner.pool, k, v, rows, ids, pos)
 
     def finish(self) -> None:
         """Sends and writes every group not sent or written yet."""
@@ -559,87 +526,36 @@ class Promotion:
             self.write(g)
 
 
-@dataclasses.dataclass
-class _GroupPlan:
-    """One layer group's promotion on the host: `parts` per segment and block, (kv,) a `LayerBlocks` array
-    or (k, v) numpy rows; `pages` [m] the pool pages written, `pos` [m * page_size] their positions, `rows`
-    the pages of the parts kept (the concatenation, per part that keeps only some, of its own page indices;
-    None: every part keeps all); `counts` per part (pages kept, whether it selects by `rows`)."""
-
-    parts: list[tuple]
-    pages: np.ndarray
-    pos: np.ndarray
-    rows: np.ndarray | None
-    counts: tuple[tuple[int, bool], ...]
-
-
-def _plan_group(moves: list[_Move], l0: int, l1: int, H: int) -> _GroupPlan | None:
-    """The arrays layer group [l0, l1) moves: per segment its missing heads of those layers; a `LayerBlocks`
-    copy moves each block that starts in the group and holds a missing head (whole: every head of its
-    layers, also those past l1, written with this group). None when nothing moves."""
-    parts, pages, pos, rows, counts = [], [], [], [], []
-    for mv in moves:
-        flat = np.nonzero(mv.missing.reshape(-1))[0]
-        npg = mv.ids.shape[1]
-        if isinstance(mv.k, LayerBlocks):
-            for (a, b), arr in zip(mv.k.bounds, mv.k.arrays):
-                mine = (flat >= a * H) & (flat < b * H)
-                if not (l0 <= a < l1) or not mine.any():
-                    continue
-                local = flat[mine] - a * H  # heads of the block, in its [layers * H] order
-                keep = (local[:, None] * npg + np.arange(npg)).reshape(-1)
-                whole = len(local) == (b - a) * H
-                parts.append((arr,))
-                pages.append(mv.ids[mine].reshape(-1))
-                pos.append(mv.pos[flat[mine]].reshape(-1))
-                counts.append((len(keep), not whole))
-                if not whole:
-                    rows.append(keep)
-            continue
-        mine = (flat >= l0 * H) & (flat < l1 * H)
-        if not mine.any():
-            continue
-        sel = flat[mine]
-        a, b = int(sel[0]), int(sel[-1]) + 1  # a contiguous run of heads is a view (no copy)
-        take = (lambda x: x[a:b]) if b - a == len(sel) else (lambda x: x[sel])  # noqa: B023
-        parts.append((take(mv.k), take(mv.v)))
-        pages.append(mv.ids[mine].reshape(-1))
-        pos.append(mv.pos[sel].reshape(-1))
-        counts.append((len(sel) * npg, False))
-    if not parts:
+def _part(mv: _Move, l0: int, l1: int, H: int):
+    """The heads of layers [l0, l1) of one move: (host K arrays, host V arrays, rows, page ids [m * npg],
+    positions [m, slots]) as `_write_pages` takes them once moved, or None when none of them is missing."""
+    flat = np.nonzero(mv.missing.reshape(-1))[0]
+    mine = (flat >= l0 * H) & (flat < l1 * H)
+    if not mine.any():
         return None
-    return _GroupPlan(parts, np.ascontiguousarray(np.concatenate(pages), np.int32),
-                      np.ascontiguousarray(np.concatenate(pos), np.int32),
-                      np.concatenate(rows).astype(np.int32) if rows else None, tuple(counts))
+    flat = flat[mine]
+    ids = np.ascontiguousarray(mv.ids[mine].reshape(-1), np.int32)
+    pos = np.asarray(mv.pos[flat], np.int32)
+    if isinstance(mv.k, list):  # pinned, per layer: the layers holding a missing head move whole
+        layers = np.unique(flat // H)
+        rows = np.nonzero(mv.missing[layers].reshape(-1))[0]
+        rows = None if len(rows) == len(layers) * H else rows.astype(np.int32)
+        return [mv.k[i] for i in layers], [mv.v[i] for i in layers], rows, ids, pos
+    a, b = int(flat[0]), int(flat[-1]) + 1  # a contiguous run of heads is a view (no copy)
+    take = (lambda x: x[a:b]) if b - a == len(flat) else (lambda x: x[flat])
+    return [take(mv.k)], [take(mv.v)], None, ids, pos
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "bounds"))
-def _gather_blocks(k, v, ids, shape, bounds) -> tuple:
-    """Pool pages `ids` [L * H, npg] of K and V as `LayerBlocks` arrays [l1 - l0, 2, H, slots, D], one per
-    block of `bounds`, in one program (no separate K, V and stacked copies on the device)."""
-    L, H = shape
-    _, P, D = k.shape
-    kv = jnp.stack([k[ids].reshape(L, H, -1, D), v[ids].reshape(L, H, -1, D)], axis=1)
-    return tuple(kv[a:b] for a, b in bounds)
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("counts",))
-def _write_pages(pool: KVPool, parts: tuple, rows, pages, pos, counts) -> KVPool:
-    """Promoted K/V written into pool pages `pages` [m] as whole pages, part after part: a part is (kv,)
-    [layers, 2, H, slots, D] or (k, v) [n, slots, D], seen as pages; `counts` per part: (pages it fills,
-    whether it keeps only the pages `rows` lists for it, in order). Positions `pos` [m * page_size]; a
-    written slot's merge bias is cleared."""
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_pages(pool: KVPool, k: tuple, v: tuple, rows, pages, pos) -> KVPool:
+    """Heads' K/V (the concatenation of `k`, `v` [n, slots, D], at `rows` when given) and positions [m, slots]
+    written into pool pages [m * npg] as whole pages; a written slot's merge bias is cleared."""
     N, P, D = pool.k.shape
-    k, v = pool.k, pool.v
-    at = taken = 0
-    for part, (n, select) in zip(parts, counts):
-        kp, vp = (part[0][:, 0], part[0][:, 1]) if len(part) == 1 else part
-        kp, vp = kp.reshape(-1, P, D), vp.reshape(-1, P, D)
-        if select:
-            keep = rows[taken:taken + n]
-            kp, vp, taken = kp[keep], vp[keep], taken + n
-        dst = pages[at:at + n]
-        k, v, at = k.at[dst].set(kp.astype(k.dtype)), v.at[dst].set(vp.astype(v.dtype)), at + n
+
+    def heads(parts):
+        x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return (x if rows is None else x[rows]).reshape(-1, P, D).astype(pool.k.dtype)
+
     bias = None if pool.bias is None else pool.bias.at[pages].set(0.0)
-    return KVPool(k=k, v=v, pos=pool.pos.at[pages].set(pos.reshape(-1, P)), page_size=pool.page_size,
-                  bias=bias)
+    return KVPool(k=pool.k.at[pages].set(heads(k)), v=pool.v.at[pages].set(heads(v)),
+                  pos=pool.pos.at[pages].set(pos.reshape(-1, P)), page_size=pool.page_size, bias=bias)
