@@ -252,7 +252,8 @@ class Engine:
             raise ValueError(f"a request of {total} tokens needs more KV pages than the pool holds "
                              f"({self.allocator.num_pages}); raise num_pages or lower max_tokens")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
-        stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if self.tokenizer else None
+        detokenize = self.tokenizer is not None and (sampling.detokenize or bool(sampling.stop))
+        stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if detokenize else None
         policy = self.kv_policy if kv_policy is None and kv_budget is None else _resolve_policy(
             kv_policy if kv_policy is not None else self.kv_policy, kv_budget, self.model)
         if getattr(policy, "merge", False) and not self.kv_merge:
