@@ -582,10 +582,9 @@ class Engine:
     # ---- stop logic ---------------------------------------------------------------------------
     def _check_stop(self, req: Request) -> None:
         sp, last = req.sampling, req.output_ids[-1]
-        stop_ids = self._stop_ids(req)
         out_of_room = len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len
         stream = req.stream
-        if last in stop_ids:
+        if last in sp.stop_token_ids or (not sp.ignore_eos and last in self._eos):  # no set built per token
             req.finish_reason = "stop"  # counted as an output token, never shown as text
         elif stream is not None:
             stream.add([last], final=out_of_room)
