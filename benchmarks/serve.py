@@ -112,6 +112,7 @@ def rates(streams) -> dict:
     firsts = [s[4][0][0] if exact else s[1] for s in streams]
     lasts = [s[4][-1][0] if exact else s[2] for s in streams]
     lo, hi = max(firsts), min(lasts)
+    out["window"] = max(0.0, hi - lo)  # short against the gaps between a stream's events: a noisy rate
     for (*_, n, timeline), t0, t1 in zip(streams, firsts, lasts):
         later = n - (timeline[0][1] if exact else 1)
         if later > 0 and t1 > t0:
@@ -127,19 +128,28 @@ def rates(streams) -> dict:
     return out
 
 
-def proc_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+def proc_cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU seconds of a process (or of its thread `tid`) so far (Linux /proc; None
+    elsewhere)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def server_cpu_seconds(pid: int) -> tuple[float | None, float | None]:
+    """(the whole server process, its main thread) CPU seconds so far. The main thread runs the event loop
+    (HTTP, detokenization, SSE), not the engine thread or XLA's: its time is the server's own streaming
+    work, which an engine on a GPU would not hide."""
+    return proc_cpu_seconds(pid), proc_cpu_seconds(pid, pid)
+
+
 def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int,
-            client_procs: int, server_cpu=lambda: None) -> dict:
-    """`server_cpu()`: the server process's CPU seconds so far (or None), read around each measured batch:
-    CPU time per token is steadier than wall time on a shared machine."""
+            client_procs: int, server_cpu=lambda: (None, None)) -> dict:
+    """`server_cpu()`: the server process's and its event loop's CPU seconds so far (or None), read around
+    each measured batch: CPU time per token is steadier than wall time on a shared machine."""
     out = {}
     ctx = mp.get_context("spawn")
     with (ctx.Manager() as manager,
@@ -151,7 +161,7 @@ def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repea
         out["cold_ttft"] = first - sent
         for c in concurrency:
             batch(c, seed0=1000)  # compile this concurrency's shapes; every client process started
-            ttfts, tps_single, agg, steady, cpu, server_us = [], [], [], [], [], []
+            ttfts, tps_single, agg, steady, cpu, server_us, loop_us, window = [], [], [], [], [], [], [], []
             for r in range(repeats):
                 cpu0 = server_cpu()
                 res, client_cpu = batch(c, seed0=100 * r)
@@ -162,12 +172,16 @@ def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repea
                 agg.append(rate["agg"])
                 if rate["steady"] is not None:
                     steady.append(rate["steady"])
+                window.append(rate["window"])
                 cpu.append(client_cpu / rate["wall"])
-                if cpu0 is not None and cpu1 is not None:
-                    server_us.append((cpu1 - cpu0) / rate["tokens"] * 1e6)
+                for out_us, c0, c1 in zip((server_us, loop_us), cpu0, cpu1):
+                    if c0 is not None and c1 is not None:
+                        out_us.append((c1 - c0) / rate["tokens"] * 1e6)
             out[c] = dict(ttft=statistics.median(ttfts), decode_tps=statistics.median(tps_single),
                           agg_tps=statistics.median(agg), steady_tps=_median(steady),
-                          client_cores=statistics.median(cpu), server_us=_median(server_us))
+                          window=statistics.median(window),
+                          client_cores=statistics.median(cpu), server_us=_median(server_us),
+                          loop_us=_median(loop_us))
     return out
 
 
@@ -272,7 +286,7 @@ def main(argv=None) -> int:
                 time.sleep(0.2)
             print(f"background loads done {time.perf_counter() - t0:.1f} s after ready", flush=True)
         res = measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats, procs,
-                      server_cpu=lambda: proc_cpu_seconds(server.proc.pid))
+                      server_cpu=lambda: server_cpu_seconds(server.proc.pid))
     finally:
         server.stop()
         if args.server_log:
@@ -292,9 +306,11 @@ def main(argv=None) -> int:
         return "?" if a is None or not b else f"{a / b:.2f}"
 
     header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s",
-              "steady-state tok/s", "client CPU (cores)", "server CPU us/token"]
+              "steady-state tok/s", "steady window (s)", "client CPU (cores)", "server CPU us/token",
+              "event loop CPU us/token"]
     rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}", num(r["steady_tps"]),
-             f"{r['client_cores']:.2f}", num(r["server_us"], ".0f")]
+             f"{r['window']:.2f}",
+             f"{r['client_cores']:.2f}", num(r["server_us"], ".0f"), num(r["loop_us"], ".0f")]
             for c, r in ((c, res[c]) for c in args.concurrency)]
     short = None
     if args.offline is not None:
@@ -321,7 +337,8 @@ def main(argv=None) -> int:
         "tokens / (last stream's end - first request sent); steady state: the rate from the last first token "
         "to the first finish (all streams decoding); the offline engine gets the same requests at once and "
         "is timed the same way (client CPU: their CPU seconds per wall second; server CPU: the server "
-        "process's CPU time per output token, engine CPU: the offline process's); medians over "
+        "process's CPU time per output token, event loop: its main thread's, engine CPU: the offline "
+        "process's); medians over "
         f"{args.repeats} runs after one unmeasured run per concurrency (compilation excluded). 1-minute load "
         f"average before the run: {load_before:.1f} (a shared machine makes these numbers noisy).",
         "",

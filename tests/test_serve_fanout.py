@@ -79,7 +79,13 @@ def test_concurrent_streams_each_get_their_own_greedy_tokens(server, ckpt):
         finally:
             await ac.close()
 
+    counts = ("jaxkv_time_to_first_token_seconds_count", "jaxkv_inter_token_latency_seconds_count")
+    before = [server.metric(name) for name in counts]
     got = asyncio.run(run_all())
+    # a step's tokens of one request are handed over together: still one first token and one
+    # inter-token observation per later token, for every stream
+    after = [server.metric(name) for name in counts]
+    assert [a - b for a, b in zip(after, before)] == [STREAMS, STREAMS * (MAX_TOKENS - 1)]
     model = jaxkv.load(ckpt, dtype="float32")
     want = jaxkv.generate(model, ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                           max_num_seqs=STREAMS, max_model_len=128)
