@@ -80,20 +80,23 @@ def _client_share(url: str, model: str, seeds: list[int], max_tokens: int, barri
 
 
 def run_batch(pool, manager, procs: int, url: str, model: str, concurrency: int, max_tokens: int,
-              seed0: int = 0):
+              seed0: int = 0, at_start=lambda: None):
     """`concurrency` streams at once, spread over the client processes of `pool` (one Python process
     parsing every SSE stream through openai/httpx would measure the client, not the server, once streams
-    are many), all released together by a barrier: (per-stream (sent, first, end, tokens), client CPU
-    seconds)."""
+    are many), all released together by a barrier that this process joins too: (per-stream (sent, first,
+    end, tokens, timeline), client CPU seconds, what `at_start()` returned at the release, after the
+    connections were opened)."""
     shares = [list(range(seed0 + i, seed0 + concurrency, procs)) for i in range(min(procs, concurrency))]
-    barrier = manager.Barrier(len(shares), timeout=600)
+    barrier = manager.Barrier(len(shares) + 1, timeout=600)
     futures = [pool.submit(_client_share, url, model, share, max_tokens, barrier) for share in shares]
+    barrier.wait()
+    started = at_start()
     res, cpu = [], 0.0
     for f in futures:
         r, c = f.result()
         res += r
         cpu += c
-    return res, cpu
+    return res, cpu, started
 
 
 def rates(streams) -> dict:
@@ -154,17 +157,16 @@ def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repea
     ctx = mp.get_context("spawn")
     with (ctx.Manager() as manager,
           concurrent.futures.ProcessPoolExecutor(client_procs, mp_context=ctx) as pool):
-        def batch(c, seed0=0):
-            return run_batch(pool, manager, client_procs, url, model, c, max_tokens, seed0)
+        def batch(c, seed0=0, at_start=lambda: None):
+            return run_batch(pool, manager, client_procs, url, model, c, max_tokens, seed0, at_start)
 
-        [(sent, first, *_)], _ = batch(1)
+        [(sent, first, *_)], _, _ = batch(1)
         out["cold_ttft"] = first - sent
         for c in concurrency:
             batch(c, seed0=1000)  # compile this concurrency's shapes; every client process started
             ttfts, tps_single, agg, steady, cpu, server_us, loop_us, window = [], [], [], [], [], [], [], []
             for r in range(repeats):
-                cpu0 = server_cpu()
-                res, client_cpu = batch(c, seed0=100 * r)
+                res, client_cpu, cpu0 = batch(c, seed0=100 * r, at_start=server_cpu)  # from the release on
                 cpu1 = server_cpu()
                 rate = rates(res)
                 ttfts += [s[1] - s[0] for s in res]
