@@ -106,7 +106,8 @@ def rates(streams) -> dict:
     engine's tokens / wall time measures, all requests given at once). steady: the output rate while every
     stream decodes, tokens that arrived from the last first token to the first finish over that window
     (from the timelines; without them each stream's tokens after its first are taken as even over its
-    decode); None when no such window exists (a stream ended before another began). decode: per stream,
+    decode); None when that window is under a tenth of the batch's wall time (a stream ended before another
+    began, or a few events arrived at once). decode: per stream,
     tokens after its first event over the time to its last."""
     start, stop = min(s[0] for s in streams), max(s[2] for s in streams)
     out = dict(tokens=sum(s[3] for s in streams), wall=stop - start, decode=[])
@@ -120,7 +121,7 @@ def rates(streams) -> dict:
         later = n - (timeline[0][1] if exact else 1)
         if later > 0 and t1 > t0:
             out["decode"].append(later / (t1 - t0))
-    if hi <= lo:
+    if hi - lo < 0.1 * out["wall"]:  # (almost) no time with every stream decoding: no steady state
         out["steady"] = None
     elif exact:
         def upto(timeline, t):

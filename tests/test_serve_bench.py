@@ -34,3 +34,11 @@ def test_no_window_when_a_stream_ends_before_another_starts():
     b = (0.0, 2.0, 3.0, 4, [(2.0, 1), (3.0, 4)])
     r = rates([a, b])
     assert r["steady"] is None and r["window"] == 0.0 and r["agg"] == pytest.approx(8 / 3)
+
+
+def test_no_steady_state_when_the_events_bunch():
+    """One stream whose later events all arrived within a millisecond of its first: no steady state (its
+    'rate' would be tokens over almost no time)."""
+    a = (0.0, 1.0, 1.001, 32, [(1.0, 1), (1.0005, 17), (1.001, 32)])
+    r = rates([a])
+    assert r["steady"] is None and r["agg"] == pytest.approx(32 / 1.001)
