@@ -2,9 +2,12 @@
 
 Measures startup (process start to "serving" line, including model load and the warm-up step), the
 first request's time to first token (cold: it compiles its step shapes), then warm time to first token,
-single-stream decode speed and aggregate throughput with concurrent streams (each run once unmeasured
-first so compilation is excluded). With --offline the same requests also run through an in-process engine
-(the anchor for the server's overhead). Prints the table and the exact command; --out writes them into a
+single-stream decode speed and aggregate and steady-state throughput with concurrent streams (each run
+once unmeasured first so compilation is excluded). The streams of a batch are spread over client
+processes that each open their connections first and then start together (a barrier), so the aggregate
+measures the server, not the clients' ramp. With --offline the same requests also run through an
+in-process engine, given all at once and timed the same way (the anchor for the server's overhead).
+Prints the table, a short server / engine table last, and the exact command; --out writes them into a
 "## Serving (CPU)" (or the backend's name) section of a Markdown file.
 
     python -m benchmarks.serve                       # the default model (SmolLM2)
@@ -34,97 +37,167 @@ PROMPT = ("You are a helpful assistant. Read the following notes about the river
           "music school, then write a short story about the king and the queen who lived by the water.")
 
 
-async def one(ac, model: str, max_tokens: int, seed: int) -> tuple[float, float, int]:
-    """(ttft, total seconds, completion tokens) of one streamed chat request."""
-    t0 = time.perf_counter()
-    ttft, usage = None, None
+async def one(ac, model: str, max_tokens: int, seed: int) -> tuple:
+    """One streamed chat request: (sent, first token, end) as time.monotonic() (one clock for every client
+    process), its completion tokens, and (time, completion tokens so far) per chunk when the server reports
+    usage in every chunk (vLLM's `continuous_usage_stats`; None when it does not): events may carry
+    several tokens, so counting events would not count tokens."""
+    sent = time.monotonic()
+    first, usage, timeline = None, None, []
     stream = await ac.chat.completions.create(
         model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True}, temperature=0.8, seed=seed, extra_body={"ignore_eos": True})
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, temperature=0.8, seed=seed,
+        extra_body={"ignore_eos": True})
     async for ch in stream:
-        if ttft is None and ch.choices and ch.choices[0].delta.content:
-            ttft = time.perf_counter() - t0
-        usage = ch.usage or usage
-    total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total, usage.completion_tokens
+        now = time.monotonic()
+        if first is None and ch.choices and ch.choices[0].delta.content:
+            first = now
+        if ch.usage is not None:
+            usage = ch.usage
+            if ch.choices and usage.completion_tokens:
+                timeline.append((now, usage.completion_tokens))
+    end = time.monotonic()
+    return sent, (first if first is not None else end), end, usage.completion_tokens, (timeline or None)
 
 
-def _client_share(url: str, model: str, seeds: list[int], max_tokens: int, start_at: float) -> tuple:
-    """One client process's streams, started at `start_at` (time.monotonic, shared by all processes):
-    (results, end time, CPU seconds this process spent)."""
+def _client_share(url: str, model: str, seeds: list[int], max_tokens: int, barrier) -> tuple:
+    """One client process's streams: it opens one connection per stream first (so no stream pays a
+    connect), waits on `barrier` until every client process is as far, then sends all its requests at
+    once. (per-stream results, CPU seconds this process spent from the barrier on)."""
 
     async def go():
         ac = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
         try:
-            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            await asyncio.gather(*(ac.models.list() for _ in seeds))  # one kept-alive connection each
+            barrier.wait()
             cpu = time.process_time()
             res = await asyncio.gather(*(one(ac, model, max_tokens, s) for s in seeds))
-            return res, time.monotonic(), time.process_time() - cpu
+            return res, time.process_time() - cpu
         finally:
             await ac.close()
 
     return asyncio.run(go())
 
 
-def run_batch(pool, procs: int, url: str, model: str, concurrency: int, max_tokens: int, seed0: int = 0):
-    """`concurrency` streams at once, spread over the client processes of `pool`: (results, wall seconds,
-    client CPU seconds). One Python process parsing every SSE stream through openai/httpx would measure
-    the client, not the server, once streams are many."""
+def run_batch(pool, manager, procs: int, url: str, model: str, concurrency: int, max_tokens: int,
+              seed0: int = 0, at_start=lambda: None):
+    """`concurrency` streams at once, spread over the client processes of `pool` (one Python process
+    parsing every SSE stream through openai/httpx would measure the client, not the server, once streams
+    are many), all released together by a barrier that this process joins too: (per-stream (sent, first,
+    end, tokens, timeline), client CPU seconds, what `at_start()` returned at the release, after the
+    connections were opened)."""
     shares = [list(range(seed0 + i, seed0 + concurrency, procs)) for i in range(min(procs, concurrency))]
-    start_at = time.monotonic() + 0.2 + 0.01 * len(shares)
-    futures = [pool.submit(_client_share, url, model, share, max_tokens, start_at) for share in shares]
-    res, end, cpu = [], start_at, 0.0
+    barrier = manager.Barrier(len(shares) + 1, timeout=600)
+    futures = [pool.submit(_client_share, url, model, share, max_tokens, barrier) for share in shares]
+    barrier.wait()
+    started = at_start()
+    res, cpu = [], 0.0
     for f in futures:
-        r, e, c = f.result()
+        r, c = f.result()
         res += r
-        end, cpu = max(end, e), cpu + c
-    return res, end - start_at, cpu
+        cpu += c
+    return res, cpu, started
 
 
-def proc_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+def rates(streams) -> dict:
+    """Throughput of one batch from its streams' (sent, first token, end, tokens, timeline) (`one`).
+
+    aggregate: every output token over the first request sent to the last stream's end (what the offline
+    engine's tokens / wall time measures, all requests given at once). steady: the output rate while every
+    stream decodes, tokens that arrived from the last first token to the first finish over that window
+    (from the timelines; without them each stream's tokens after its first are taken as even over its
+    decode); None when that window is under a tenth of the batch's wall time (a stream ended before another
+    began, or a few events arrived at once). decode: per stream,
+    tokens after its first event over the time to its last."""
+    start, stop = min(s[0] for s in streams), max(s[2] for s in streams)
+    out = dict(tokens=sum(s[3] for s in streams), wall=stop - start, decode=[])
+    out["agg"] = out["tokens"] / out["wall"]
+    exact = all(s[4] for s in streams)
+    firsts = [s[4][0][0] if exact else s[1] for s in streams]
+    lasts = [s[4][-1][0] if exact else s[2] for s in streams]
+    lo, hi = max(firsts), min(lasts)
+    out["window"] = max(0.0, hi - lo)  # short against the gaps between a stream's events: a noisy rate
+    for (*_, n, timeline), t0, t1 in zip(streams, firsts, lasts):
+        later = n - (timeline[0][1] if exact else 1)
+        if later > 0 and t1 > t0:
+            out["decode"].append(later / (t1 - t0))
+    if hi - lo < 0.1 * out["wall"]:  # (almost) no time with every stream decoding: no steady state
+        out["steady"] = None
+    elif exact:
+        def upto(timeline, t):
+            return max((k for when, k in timeline if when <= t), default=0)
+        out["steady"] = sum(upto(s[4], hi) - upto(s[4], lo) for s in streams) / (hi - lo)
+    else:
+        out["steady"] = sum(out["decode"])
+    return out
+
+
+def proc_cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU seconds of a process (or of its thread `tid`) so far (Linux /proc; None
+    elsewhere)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int,
-            client_procs: int, server_cpu=lambda: None) -> dict:
-    """`server_cpu()`: the server process's CPU seconds so far (or None), read around each measured batch:
-    CPU time per token is steadier than wall time on a shared machine."""
-    out = {}
-    with concurrent.futures.ProcessPoolExecutor(client_procs, mp_context=mp.get_context("spawn")) as pool:
-        def batch(c, seed0=0):
-            return run_batch(pool, client_procs, url, model, c, max_tokens, seed0)
+def server_cpu_seconds(pid: int) -> tuple[float | None, float | None]:
+    """(the whole server process, its main thread) CPU seconds so far. The main thread runs the event loop
+    (HTTP, detokenization, SSE), not the engine thread or XLA's: its time is the server's own streaming
+    work, which an engine on a GPU would not hide."""
+    return proc_cpu_seconds(pid), proc_cpu_seconds(pid, pid)
 
-        (cold,), _, _ = batch(1)
-        out["cold_ttft"] = cold[0]
+
+def measure(url: str, model: str, concurrency: list[int], max_tokens: int, repeats: int,
+            client_procs: int, server_cpu=lambda: (None, None)) -> dict:
+    """`server_cpu()`: the server process's and its event loop's CPU seconds so far (or None), read around
+    each measured batch: CPU time per token is steadier than wall time on a shared machine."""
+    out = {}
+    ctx = mp.get_context("spawn")
+    with (ctx.Manager() as manager,
+          concurrent.futures.ProcessPoolExecutor(client_procs, mp_context=ctx) as pool):
+        def batch(c, seed0=0, at_start=lambda: None):
+            return run_batch(pool, manager, client_procs, url, model, c, max_tokens, seed0, at_start)
+
+        [(sent, first, *_)], _, _ = batch(1)
+        out["cold_ttft"] = first - sent
         for c in concurrency:
-            batch(c, seed0=1000)  # compile this concurrency's shapes
-            ttfts, tps_single, agg, cpu, server_us = [], [], [], [], []
+            batch(c, seed0=1000)  # compile this concurrency's shapes; every client process started
+            ttfts, tps_single, agg, steady, cpu, server_us, loop_us, window = [], [], [], [], [], [], [], []
             for r in range(repeats):
-                cpu0 = server_cpu()
-                res, wall, client_cpu = batch(c, seed0=100 * r)
+                res, client_cpu, cpu0 = batch(c, seed0=100 * r, at_start=server_cpu)  # from the release on
                 cpu1 = server_cpu()
-                tokens = sum(n for _, _, n in res)
-                ttfts += [t for t, _, _ in res]
-                tps_single += [(n - 1) / (total - t) for t, total, n in res if n > 1 and total > t]
-                agg.append(tokens / wall)
-                cpu.append(client_cpu / wall)
-                if cpu0 is not None and cpu1 is not None:
-                    server_us.append((cpu1 - cpu0) / tokens * 1e6)
+                rate = rates(res)
+                ttfts += [s[1] - s[0] for s in res]
+                tps_single += rate["decode"]
+                agg.append(rate["agg"])
+                if rate["steady"] is not None:
+                    steady.append(rate["steady"])
+                window.append(rate["window"])
+                cpu.append(client_cpu / rate["wall"])
+                for out_us, c0, c1 in zip((server_us, loop_us), cpu0, cpu1):
+                    if c0 is not None and c1 is not None:
+                        out_us.append((c1 - c0) / rate["tokens"] * 1e6)
             out[c] = dict(ttft=statistics.median(ttfts), decode_tps=statistics.median(tps_single),
-                          agg_tps=statistics.median(agg), client_cores=statistics.median(cpu),
-                          server_us=statistics.median(server_us) if server_us else None)
+                          agg_tps=statistics.median(agg), steady_tps=_median(steady),
+                          window=statistics.median(window),
+                          client_cores=statistics.median(cpu), server_us=_median(server_us),
+                          loop_us=_median(loop_us))
     return out
 
 
+def _median(values):
+    return statistics.median(values) if values else None
+
+
 def offline_throughput(model_dir, engine_kwargs: dict, concurrency: list[int], max_tokens: int,
-                       repeats: int) -> dict[int, tuple[float, float]]:
-    """(output tok/s, CPU us per token) of the same chat prompt, `c` copies at once, through
-    `jaxkv.generate` in this process (no HTTP, no server loop): the anchor the server is read against."""
+                       repeats: int) -> dict[int, dict]:
+    """The same chat prompt, `c` copies given at once to an in-process Engine stepped in a loop (no HTTP,
+    no server loop): the anchor the server is read against. Per concurrency: output tok/s (tokens / wall),
+    steady-state tok/s (as `rates`, from each request's first-token and finish times) and CPU us per
+    token."""
     import jax
 
     import jaxkv
@@ -136,20 +209,42 @@ def offline_throughput(model_dir, engine_kwargs: dict, concurrency: list[int], m
     model = jaxkv.load(model_dir or default_model()[0], dtype=dtype)
     ids = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
     engine = Engine(model, **engine_kwargs)
+
+    def run(c: int):
+        sent = time.monotonic()
+        times: dict[str, list] = {}  # request id -> [sent, first token, end, tokens, timeline]
+        for i in range(c):
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+            times[engine.add_request(ids, sp)] = [sent, None, None, 0, []]
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.monotonic()
+            for o in outputs:
+                t = times[o.request_id]
+                if o.new_token_ids:
+                    t[1] = t[1] or now
+                    t[3] += len(o.new_token_ids)
+                    if t[4] and t[4][-1][0] == now:  # one step's tokens arrive together
+                        t[4][-1] = (now, t[3])
+                    else:
+                        t[4].append((now, t[3]))
+                if o.finished:
+                    t[2] = now
+        return rates([tuple(t) for t in times.values()])
+
     out = {}
     for c in concurrency:
-        sp = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
-              for i in range(c)]
         for _ in range(2):  # compiles this concurrency's shapes (the second run's prefix-cache hits too)
-            jaxkv.generate(model, [ids] * c, sp, engine=engine)
-        rates, cpu_us = [], []
+            run(c)
+        agg, steady, cpu_us = [], [], []
         for _ in range(repeats):
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            done = jaxkv.generate(model, [ids] * c, sp, engine=engine)
-            tokens = sum(len(d.token_ids) for d in done)
-            rates.append(tokens / (time.perf_counter() - t0))
-            cpu_us.append((time.process_time() - cpu0) / tokens * 1e6)
-        out[c] = (statistics.median(rates), statistics.median(cpu_us))
+            cpu0 = time.process_time()
+            rate = run(c)
+            cpu_us.append((time.process_time() - cpu0) / rate["tokens"] * 1e6)
+            agg.append(rate["agg"])
+            if rate["steady"] is not None:
+                steady.append(rate["steady"])
+        out[c] = dict(tps=statistics.median(agg), steady=_median(steady), us=statistics.median(cpu_us))
     return out
 
 
@@ -194,7 +289,7 @@ def main(argv=None) -> int:
                 time.sleep(0.2)
             print(f"background loads done {time.perf_counter() - t0:.1f} s after ready", flush=True)
         res = measure(server.url, server.name, args.concurrency, args.max_tokens, args.repeats, procs,
-                      server_cpu=lambda: proc_cpu_seconds(server.proc.pid))
+                      server_cpu=lambda: server_cpu_seconds(server.proc.pid))
     finally:
         server.stop()
         if args.server_log:
@@ -203,45 +298,64 @@ def main(argv=None) -> int:
         offline = offline_throughput(args.model, json.loads(args.offline), args.concurrency, args.max_tokens,
                                      args.repeats)
         for c in args.concurrency:
-            res[c]["offline_tps"], res[c]["offline_us"] = offline[c]
+            res[c]["offline"] = offline[c]
 
     cmd = command_line("benchmarks.serve", argv)
-    def us(v):
-        return "?" if v is None else f"{v:.0f}"
+
+    def num(v, fmt=".1f"):
+        return "?" if v is None else format(v, fmt)
+
+    def ratio(a, b):
+        return "?" if a is None or not b else f"{a / b:.2f}"
 
     header = ["concurrent streams", "TTFT median (s)", "decode tok/s per stream", "aggregate output tok/s",
-              "client CPU (cores)", "server CPU us/token"]
-    rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}",
-             f"{r['client_cores']:.2f}", us(r["server_us"])]
+              "steady-state tok/s", "steady window (s)", "client CPU (cores)", "server CPU us/token",
+              "event loop CPU us/token"]
+    rows = [[c, f"{r['ttft']:.3f}", f"{r['decode_tps']:.1f}", f"{r['agg_tps']:.1f}", num(r["steady_tps"]),
+             f"{r['window']:.2f}",
+             f"{r['client_cores']:.2f}", num(r["server_us"], ".0f"), num(r["loop_us"], ".0f")]
             for c, r in ((c, res[c]) for c in args.concurrency)]
+    short = None
     if args.offline is not None:
-        header += ["engine offline tok/s", "engine CPU us/token", "server / engine"]
+        header += ["engine offline tok/s", "engine steady-state tok/s", "engine CPU us/token",
+                   "server / engine", "steady server / engine"]
+        short_rows = []
         for row, c in zip(rows, args.concurrency):
-            row += [f"{res[c]['offline_tps']:.1f}", us(res[c]["offline_us"]),
-                    f"{res[c]['agg_tps'] / res[c]['offline_tps']:.2f}"]
+            r, o = res[c], res[c]["offline"]
+            row += [f"{o['tps']:.1f}", num(o["steady"]), num(o["us"], ".0f"), ratio(r["agg_tps"], o["tps"]),
+                    ratio(r["steady_tps"], o["steady"])]
+            short_rows.append([c, f"{r['agg_tps']:.0f}", f"{o['tps']:.0f}", ratio(r["agg_tps"], o["tps"]),
+                               num(r["steady_tps"], ".0f"), num(o["steady"], ".0f"),
+                               ratio(r["steady_tps"], o["steady"])])
+        short = markdown_table(["streams", "server tok/s", "engine tok/s", "server / engine",
+                                "server steady", "engine steady", "steady server / engine"], short_rows)
     table = markdown_table(header, rows)
     body = "\n".join([
         f"Command: `{cmd}`",
         "",
         f"Model `{server.name}`, backend {backend}, host {cpu_name()} ({os.cpu_count()} cores), "
         f"Python {platform.python_version()}; chat prompt of ~40 tokens, {args.max_tokens} output tokens "
-        f"(ignore_eos), streamed through the official `openai` client from {procs} client process(es) "
-        "(client CPU: their CPU seconds per wall second; server CPU: the server process's CPU time per "
-        f"output token, engine CPU: the offline process's); medians over {args.repeats} runs "
-        "after one unmeasured run per concurrency (compilation excluded). 1-minute load average before the "
-        f"run: {load_before:.1f} (a shared machine makes these numbers noisy).",
+        f"(ignore_eos), streamed through the official `openai` client from {procs} client process(es), "
+        "each with one open connection per stream, all released together by a barrier. Aggregate: output "
+        "tokens / (last stream's end - first request sent); steady state: the rate from the last first token "
+        "to the first finish (all streams decoding); the offline engine gets the same requests at once and "
+        "is timed the same way (client CPU: their CPU seconds per wall second; server CPU: the server "
+        "process's CPU time per output token, event loop: its main thread's, engine CPU: the offline "
+        "process's); medians over "
+        f"{args.repeats} runs after one unmeasured run per concurrency (compilation excluded). 1-minute load "
+        f"average before the run: {load_before:.1f} (a shared machine makes these numbers noisy).",
         "",
         f"- startup (process start to ready, incl. load + warm-up compile): **{server.startup_s:.1f} s**",
         f"- first request after startup, time to first token (compiles its shapes): "
         f"**{res['cold_ttft']:.2f} s**",
         "",
         table,
-    ])
-    print(body)
+    ] + (["", short] if short else []))
     if args.out and not args.no_write:
         title = "Serving (CPU)" if backend == "cpu" else f"Serving ({backend.upper()})"
         write_section(Path(args.out), title, body, keep_subsections=False)
-        print(f"\nwrote {title!r} in {args.out}")
+        print(f"wrote {title!r} in {args.out}\n")
+    print(body)  # the short server / engine table (with --offline) last
     return 0
 
 

@@ -36,6 +36,9 @@ class SamplingParams:
     # None: no prompt log-probabilities; k >= 0: each prompt token's log-probability (the first has none)
     # and its k most likely alternatives, computed in the prefill before any KV compression.
     prompt_logprobs: int | None = None
+    # False: the engine leaves RequestOutput.text empty and spends no time turning ids into text (a caller
+    # that detokenizes on its own side, as the server does); stop strings need the text, so they keep it on.
+    detokenize: bool = True
 
     def __post_init__(self):
         # Accept lists / single strings from callers; store tuples so the object stays hashable.
@@ -60,6 +63,7 @@ class SamplingParams:
         need(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        need(isinstance(self.detokenize, bool), "detokenize", "must be a bool")
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
              "must be None or a non-negative integer")
 

@@ -79,7 +79,13 @@ def test_concurrent_streams_each_get_their_own_greedy_tokens(server, ckpt):
         finally:
             await ac.close()
 
+    counts = ("jaxkv_time_to_first_token_seconds_count", "jaxkv_inter_token_latency_seconds_count")
+    before = [server.metric(name) for name in counts]
     got = asyncio.run(run_all())
+    # a step's tokens of one request are handed over together: still one first token and one
+    # inter-token observation per later token, for every stream
+    after = [server.metric(name) for name in counts]
+    assert [a - b for a, b in zip(after, before)] == [STREAMS, STREAMS * (MAX_TOKENS - 1)]
     model = jaxkv.load(ckpt, dtype="float32")
     want = jaxkv.generate(model, ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                           max_num_seqs=STREAMS, max_model_len=128)
@@ -149,3 +155,78 @@ def test_a_burst_of_tokens_counts_like_one_observation_per_token():
             continue
         assert a[key] == pytest.approx(b[key], rel=1e-9), key
     assert a['jaxkv_inter_token_latency_seconds_count{model_name="m"}'] == sum(k for _, k in cases)
+
+
+def test_stop_strings_cut_each_concurrent_stream_at_its_own_match(server, ckpt):
+    """The server, not the engine thread, turns a plain stream's ids into text: streams with stop strings
+    (each its own, taken from the middle of its greedy text) end there with finish 'stop', the text cut
+    before the match; the streams beside them without stop strings run to max_tokens untouched."""
+    tok = Tokenizer.from_dir(ckpt)
+    ps = prompts(tok)
+    model = jaxkv.load(ckpt, dtype="float32")
+    want = jaxkv.generate(model, ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                          max_num_seqs=STREAMS, max_model_len=128)
+    stops = {}
+    for i, w in enumerate(want):
+        word = w.text.split()[len(w.text.split()) // 2] if i % 2 == 0 and len(w.text.split()) > 2 else None
+        if word is not None:
+            stops[i] = word
+    assert len(stops) > STREAMS // 4
+
+    async def one(ac, i):
+        kw = {"stop": [stops[i]]} if i in stops else {}
+        stream = await ac.completions.create(model=server.name, prompt=ps[i], max_tokens=MAX_TOKENS,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                             **kw)
+        text, finish = "", []
+        async for ch in stream:
+            for c in ch.choices:
+                text += c.text
+                if c.finish_reason is not None:
+                    finish.append(c.finish_reason)
+        return text, finish
+
+    async def run_all():
+        ac = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(*(one(ac, i) for i in range(STREAMS)))
+        finally:
+            await ac.close()
+
+    got = asyncio.run(run_all())
+    for i, ((text, finish), w) in enumerate(zip(got, want)):
+        if i in stops:
+            assert text == w.text[:w.text.index(stops[i])], f"stream {i}"
+            assert finish == ["stop"], f"stream {i}"
+        else:
+            assert text == w.text and finish == ["length"], f"stream {i}"
+
+
+def test_continuous_usage_stats_counts_the_tokens_of_every_chunk(server, ckpt):
+    """`stream_options.continuous_usage_stats` (vLLM's): every chunk carries the usage so far, so a client
+    can time tokens although one event may carry several; the counts only grow and end at the final
+    usage. Without it, chunks before the last carry `usage: null`."""
+    tok = Tokenizer.from_dir(ckpt)
+    body = {"model": server.name, "prompt": tok.encode("king queen river"), "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == len(body["prompt"]) for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == MAX_TOKENS and chunks[-1]["choices"] == []
+    text_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert text_chunks and all(c["usage"]["completion_tokens"] > 0 for c in text_chunks)
+    want = jaxkv.generate(jaxkv.load(ckpt, dtype="float32"), [body["prompt"]],
+                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
+    text_counts = [c["usage"]["completion_tokens"] for c in text_chunks]
+    assert len(set(text_counts)) == len(text_counts)  # a text piece needs at least one new token
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", server.url + "/completions", json=body, timeout=120) as r:
+        plain = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line and "[DONE]" not in line]
+    assert all(c["usage"] is None for c in plain[:-1])
+    assert plain[-1]["usage"]["completion_tokens"] == MAX_TOKENS

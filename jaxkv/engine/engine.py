@@ -252,7 +252,8 @@ class Engine:
             raise ValueError(f"a request of {total} tokens needs more KV pages than the pool holds "
                              f"({self.allocator.num_pages}); raise num_pages or lower max_tokens")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
-        stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if self.tokenizer else None
+        detokenize = self.tokenizer is not None and (sampling.detokenize or bool(sampling.stop))
+        stream = TextStream(self.tokenizer.decode, prompt_ids, sampling.stop) if detokenize else None
         policy = self.kv_policy if kv_policy is None and kv_budget is None else _resolve_policy(
             kv_policy if kv_policy is not None else self.kv_policy, kv_budget, self.model)
         if getattr(policy, "merge", False) and not self.kv_merge:
@@ -581,10 +582,9 @@ class Engine:
     # ---- stop logic ---------------------------------------------------------------------------
     def _check_stop(self, req: Request) -> None:
         sp, last = req.sampling, req.output_ids[-1]
-        stop_ids = self._stop_ids(req)
         out_of_room = len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len
         stream = req.stream
-        if last in stop_ids:
+        if last in sp.stop_token_ids or (not sp.ignore_eos and last in self._eos):  # no set built per token
             req.finish_reason = "stop"  # counted as an output token, never shown as text
         elif stream is not None:
             stream.add([last], final=out_of_room)

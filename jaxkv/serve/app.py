@@ -652,7 +652,8 @@ def _jobs(state: ServerState, req, prompt_index: int, ids: list[int], max_tokens
         kwargs = dict(temperature=float(pick(req.temperature, "temperature", 1.0)),
                       top_p=float(pick(req.top_p, "top_p", 1.0)), top_k=int(pick(req.top_k, "top_k", 0)),
                       max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=stop_token_ids,
-                      seed=P.engine_seed(req.seed, i), ignore_eos=ignore_eos)
+                      seed=P.engine_seed(req.seed, i), ignore_eos=ignore_eos,
+                      detokenize=False)  # the text is made here (`_apply`); stop strings keep the engine's
         if alternatives:
             kwargs["logprobs"] = alternatives
         if prompt_logprobs is not None:
@@ -788,13 +789,13 @@ async def _events(state: ServerState, jobs: list[_Job], q: asyncio.Queue,
             items.append(q.get_nowait())
         pending: dict[int, list] = {}  # choice index -> its outputs, in arrival order
         error = None
-        for index, out in items:
+        for index, outs in items:  # outs: one step's outputs of that choice, or the exception it failed with
             if by_index[index].finished:
                 continue  # output that raced our own abort
-            if isinstance(out, BaseException):
-                error = by_index[index], out
+            if isinstance(outs, BaseException):
+                error = by_index[index], outs
                 break  # the request fails: what came after does not matter
-            pending.setdefault(index, []).append(out)
+            pending.setdefault(index, []).extend(outs)
         ready = []
         for index, outs in pending.items():
             job = by_index[index]
@@ -821,8 +822,10 @@ async def _serve(state: ServerState, request: Request, req, jobs: list[_Job], ch
     await _submit(state, jobs, q, extra_key)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Stream(_stream(state, req, jobs, q, rid, chat, include_usage, deadline),
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        usage_each = include_usage and opts.continuous_usage_stats
+        return _Stream(_stream(state, req, jobs, q, rid, chat, include_usage, deadline, usage_each),
                        cleanup=lambda: _abort(state, jobs, "client"), media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache"})
     collect = asyncio.ensure_future(_collect(state, jobs, q, deadline))
@@ -882,7 +885,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, rid: str, chat: bool,
-                  include_usage: bool, deadline: float | None) -> AsyncIterator[str]:
+                  include_usage: bool, deadline: float | None,
+                  usage_each: bool = False) -> AsyncIterator[str]:
     created = P.now()
     obj = "chat.completion.chunk" if chat else "text_completion"
     # Every event of this stream shares its head and tail; only the choices are encoded per event.
@@ -895,7 +899,7 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name,
                 "system_fingerprint": None, "choices": choices}
         if include_usage:
-            body["usage"] = usage
+            body["usage"] = _usage(jobs) if usage_each and usage is None else usage
         return f"data: {json.dumps(body)}\n\n"
 
     def event(job: _Job, text: str, finish: str | None) -> str:
@@ -907,7 +911,8 @@ async def _stream(state: ServerState, req, jobs: list[_Job], q: asyncio.Queue, r
             body = f'"delta": {{"content": {json.dumps(text)}}}' if text else '"delta": {}'
         else:
             body = f'"text": {json.dumps(text)}'
-        return f'{head}{{"index": {job.index}, {body}, "logprobs": null, "finish_reason": {fin}}}{tail}'
+        end = f'], "usage": {json.dumps(_usage(jobs))}}}\n\n' if usage_each else tail
+        return f'{head}{{"index": {job.index}, {body}, "logprobs": null, "finish_reason": {fin}}}{end}'
 
     def new_logprobs(job: _Job):
         """The log-probabilities of the tokens generated since the last chunk (None unless asked for)."""

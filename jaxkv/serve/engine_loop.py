@@ -129,7 +129,8 @@ class EngineLoop:
     async def add(self, prompt_ids: list[int], sampling, out: asyncio.Queue, index: int,
                   extra_key: str | None = None, reserved: bool = False, request_id: str | None = None,
                   kv_policy=DEFAULT_POLICY, reuse: tuple | None = None) -> str:
-        """Submit one engine request whose outputs go to `out` as `(index, RequestOutput)`.
+        """Submit one engine request whose outputs go to `out` as `(index, [RequestOutput, ...])` (one
+        step's outputs of the request, in order) or `(index, exception)` when it fails.
 
         `extra_key` namespaces the prefix cache (tenant isolation); `reserved`: its in-flight unit was
         taken by `try_reserve`. A caller that may be cancelled passes its own `request_id` so that it
@@ -271,33 +272,48 @@ class EngineLoop:
 
     def _dispatch(self, outputs) -> None:
         """Hand a step's outputs over in one batch per event loop (not one callback per output): at most one
-        wake-up of each loop per step, whatever the number of streams (`_Inbox`)."""
+        wake-up of each loop per step, whatever the number of streams (`_Inbox`). A multi-step decode call
+        gives one output per token; a request's outputs of one step travel as one item (one queue put, one
+        metrics update for all its tokens), in order."""
         now = time.perf_counter()
+        by_request: dict[str, list] = {}
+        for out in outputs:  # step-major (every request's k-th token before any (k+1)-th): regroup
+            outs = by_request.get(out.request_id)
+            if outs is None:
+                by_request[out.request_id] = [out]
+            else:
+                outs.append(out)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         metrics = self._metrics
-        for out in outputs:
-            track = self._tracks.get(out.request_id)
+        for rid, outs in by_request.items():
+            track = self._tracks.get(rid)
             if track is None:
                 continue  # aborted by the server in the meantime
-            n_new = len(out.new_token_ids)
-            if metrics is not None and n_new:
-                first = track.last is None
-                metrics.observe_tokens(first, now - (track.arrival if first else track.last), n_new)
+            if metrics is not None:
+                n_new = sum(len(o.new_token_ids) for o in outs)
+                if n_new and track.last is None:  # the first token; any more in this step came with it
+                    metrics.observe_tokens(True, now - track.arrival, 1)
+                    if n_new > 1:
+                        metrics.observe_tokens(False, 0.0, n_new - 1)
+                elif n_new:
+                    metrics.observe_tokens(False, now - track.last, n_new)
+            if any(o.new_token_ids for o in outs):
                 track.last = now
-            item = out
-            if out.finished:
-                del self._tracks[out.request_id]
+            last = outs[-1]
+            item = outs
+            if last.finished:
+                del self._tracks[rid]
                 self._count(-1)
-                if out.finish_reason == "abort":  # dropped by the engine itself, not by us
-                    item = RequestFailed(out.text or "the engine dropped the request")
+                if last.finish_reason == "abort":  # dropped by the engine itself, not by us
+                    item = RequestFailed(last.text or "the engine dropped the request")
                     if metrics is not None:
                         metrics.observe_aborted("error")
                 if metrics is not None:
-                    metrics.observe_finished(out.finish_reason, track.prompt_tokens, now - track.arrival)
+                    metrics.observe_finished(last.finish_reason, track.prompt_tokens, now - track.arrival)
             batch = batches.get(track.loop)
             if batch is None:
                 batch = batches[track.loop] = []
-            batch.append((track.queue, (track.index, item), out))
+            batch.append((track.queue, (track.index, item), last))
         for loop, batch in batches.items():
             inbox = self._inboxes.get(loop)
             if inbox is None:

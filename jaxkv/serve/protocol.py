@@ -61,6 +61,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (clients time tokens, not events, with it).
+    continuous_usage_stats: bool = False
 
 
 class _Closed(BaseModel):
