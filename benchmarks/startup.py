@@ -110,8 +110,9 @@ def request_mix(engine, vocab: int, seed: int = 0, retrieval=None, compilations=
         if before is not None:
             per_kind[name] = {"step_programs": compilations.step_programs() - before[0],
                               "xla_compiled": compilations.xla_programs()["compiled"] - before[1]}
-            print(f"  {name}: {len(got)} requests, {per_kind[name]['step_programs']} step programs compiled "
-                  f"after ready", flush=True)
+            got_kind = per_kind[name]
+            print(f"  {name}: {len(got)} requests; compiled after ready: {got_kind['step_programs']} step "
+                  f"programs, {got_kind['xla_compiled']} XLA programs", flush=True)
     out["digest"] = hashlib.sha256(repr([tokens[k] for k in sorted(tokens)]).encode()).hexdigest()[:16]
     out["compiled_per_kind"] = per_kind
     return out
@@ -119,7 +120,9 @@ def request_mix(engine, vocab: int, seed: int = 0, retrieval=None, compilations=
 
 def random_retrieval_head(model, tap_layer: int = 1):
     """SpeContext with a random retrieval head of the model's shape (`specontext.init_head`), written to a
-    temporary directory as `save_head` does: the random model ships no head."""
+    temporary directory as `save_head` does (removed when the process exits): the random model ships none."""
+    import atexit
+    import shutil
     import tempfile
 
     import jax
@@ -130,6 +133,7 @@ def random_retrieval_head(model, tap_layer: int = 1):
     head = sc.init_head(sc.HeadConfig.for_model(model.config, tap_layer=tap, model_id=model.model_id),
                         jax.random.key(1))
     path = sc.save_head(tempfile.mkdtemp(prefix="jaxkv-retrieval-head-"), head, {"random": True})
+    atexit.register(shutil.rmtree, path, True)
     return sc.SpeContext(head_dir=str(path))
 
 
