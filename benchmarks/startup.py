@@ -16,6 +16,7 @@ cold and the warm startup.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -23,39 +24,117 @@ import numpy as np
 
 from benchmarks.harness import SHAPES, append_jsonl, command_line, describe_device, random_model
 
+REUSE_METHODS = ("naive", "epic", "cacheblend", "sparsex", "redknot")
 
-def request_mix(engine, vocab: int, seed: int = 0) -> tuple[int, str]:
-    """Plain greedy and sampled requests of short and long prompts, several at once, and one per
-    compression press; runs them to the end and returns how many requests finished and a digest of every
-    request's tokens (equal across runs when the programs compute the same: seeded sampling)."""
-    import hashlib
 
+def _run(engine) -> dict:
+    """Runs every queued request to the end: request id -> its tokens."""
+    tokens: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens
+
+
+def request_kinds(engine, vocab: int, seed: int = 0, retrieval=None, presses=None) -> dict:
+    """The request mix, kind by kind: name -> a function queuing that kind's requests on `engine`. Plain
+    greedy and sampled requests of short and long prompts several at once, n > 1 (one prompt, several seeded
+    samples, as the server fans it out), one per compression press, one per segment-reuse method on
+    registered segments (engines whose heads all keep full history), and `retrieval` (a retrieval policy,
+    e.g. SpeContext with its head) when given. `presses`: press names (default: every press the engine can
+    run). Requests stop on length (ignore_eos)."""
     from jaxkv.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     longest = min(engine.max_model_len - 64, 4 * engine.scheduler.max_step_tokens)
     lengths = [n for n in (5, 40, 300) if n < longest // 2] + [longest // 2, longest]
-    n = 0
-    for i, length in enumerate(lengths):
-        for temperature in (0.0, 0.8):
-            ids = rng.integers(3, vocab, size=length).tolist()
-            engine.add_request(ids, SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True,
-                                                   seed=i))
-            n += 1
-    for press in ("snapkv", "streaming_llm", "h2o", "hardkv"):
-        ids = rng.integers(3, vocab, size=min(600, longest)).tolist()
-        try:
-            engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                               kv_policy=press, kv_budget=0.25)
-            n += 1
-        except ValueError as e:  # a press that needs files this random model lacks (HARD-KV calibration)
-            print(f"  skipped {press}: {e}")
-    done, tokens = 0, {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            done += o.finished
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return done, hashlib.sha256(repr([tokens[k] for k in sorted(tokens)]).encode()).hexdigest()[:16]
+    ids = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731
+    greedy = lambda **kw: SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw)  # noqa: E731
+    kinds = {}
+
+    def plain(temperature):
+        def add():
+            for i, length in enumerate(lengths):
+                engine.add_request(ids(length), SamplingParams(temperature=temperature, max_tokens=24,
+                                                               ignore_eos=True, seed=i))
+        return add
+
+    kinds["greedy"], kinds["sampled"] = plain(0.0), plain(0.8)
+
+    def n_samples():
+        prompt = ids(min(300, longest))
+        for i in range(4):
+            engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True,
+                                                      seed=i))
+
+    kinds["n=4"] = n_samples
+    if presses is None:
+        presses = [pol.name for pol in engine.compressor.precompile_policies()]
+    press_len = min(600, engine.max_model_len - 64)  # past every press's window (SnapKV: 64)
+    for name in presses:
+        kinds[f"press:{name}"] = functools.partial(
+            lambda name: engine.add_request(ids(press_len), greedy(), kv_policy=name, kv_budget=0.25),
+            name)
+    if not engine.tables.local.any():  # segment reuse needs every head's full history
+        seg_len, question = max(16, min(512, longest // 4)), min(40, longest // 4)
+        segments = [engine.register_segment(ids(seg_len), frozen=True) for _ in range(2)]
+        for method in REUSE_METHODS:
+            kinds[f"reuse:{method}"] = functools.partial(
+                lambda m: engine.add_reuse_request(ids(question // 2), segments, ids(question), reuse=m,
+                                                   sampling=greedy()),
+                method)
+    if retrieval is not None:
+        kinds[f"retrieval:{retrieval.name}"] = lambda: [
+            engine.add_request(ids(n), greedy(), kv_policy=retrieval) for n in lengths[-2:]]
+    return kinds
+
+
+def request_mix(engine, vocab: int, seed: int = 0, retrieval=None, compilations=None, presses=None,
+                kinds=None) -> dict:
+    """Runs `request_kinds` one kind after another; returns requests finished, a digest of every request's
+    tokens (equal across runs when the programs compute the same: seeded sampling) and, with
+    `compilations` (jaxkv.engine.compilations), the programs each kind compiled (should be none). `kinds`:
+    only the kinds of these names."""
+    import hashlib
+
+    out, tokens, per_kind = {"requests": 0}, {}, {}
+    for name, add in request_kinds(engine, vocab, seed, retrieval, presses).items():
+        if kinds is not None and name not in kinds:
+            continue
+        before = None if compilations is None else (compilations.step_programs(),
+                                                    compilations.xla_programs()["compiled"])
+        add()
+        got = _run(engine)
+        out["requests"] += len(got)
+        tokens.update({f"{name}/{k}": v for k, v in got.items()})
+        if before is not None:
+            per_kind[name] = {"step_programs": compilations.step_programs() - before[0],
+                              "xla_compiled": compilations.xla_programs()["compiled"] - before[1]}
+            got_kind = per_kind[name]
+            print(f"  {name}: {len(got)} requests; compiled after ready: {got_kind['step_programs']} step "
+                  f"programs, {got_kind['xla_compiled']} XLA programs", flush=True)
+    out["digest"] = hashlib.sha256(repr([tokens[k] for k in sorted(tokens)]).encode()).hexdigest()[:16]
+    out["compiled_per_kind"] = per_kind
+    return out
+
+
+def random_retrieval_head(model, tap_layer: int = 1):
+    """SpeContext with a random retrieval head of the model's shape (`specontext.init_head`), written to a
+    temporary directory as `save_head` does (removed when the process exits): the random model ships none."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    from jaxkv.policies.retrieve import specontext as sc
+
+    tap = min(tap_layer, model.config.num_layers - 1)
+    head = sc.init_head(sc.HeadConfig.for_model(model.config, tap_layer=tap, model_id=model.model_id),
+                        jax.random.key(1))
+    path = sc.save_head(tempfile.mkdtemp(prefix="jaxkv-retrieval-head-"), head, {"random": True})
+    atexit.register(shutil.rmtree, path, True)
+    return sc.SpeContext(head_dir=str(path))
 
 
 def _seconds(compilations) -> dict:
@@ -81,6 +160,10 @@ def main(argv=None) -> None:
     ap.add_argument("--first-request", type=int, default=0, metavar="N",
                     help="no precompile: time one request of N prompt tokens + 16 decoded on a fresh engine "
                          "twice (the first compiles what it needs) instead")
+    ap.add_argument("--precompile-reuse", default="redknot", type=lambda v: [m for m in v.split(",") if m],
+                    metavar="METHODS", help="segment-reuse methods whose passes precompile ('' = none)")
+    ap.add_argument("--no-retrieval", action="store_true",
+                    help="no SpeContext (random retrieval head) in the precompile and the mix")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     args = ap.parse_args(argv)
@@ -128,18 +211,26 @@ def main(argv=None) -> None:
         return
     engine = make_engine()
     variants = len(warmup.variants(engine))
+    retrieval = None if args.no_retrieval else random_retrieval_head(model)
+    presses = engine.compressor.precompile_policies()  # every press, also on the CPU
     t0 = time.perf_counter()
-    engine.precompile(progress=args.progress)
+    programs = engine.precompile(progress=args.progress, presses=presses,
+                                 retrieval=[] if retrieval is None else [retrieval])
+    reuse_passes = {m: engine.precompile_reuse(m, progress=args.progress) for m in args.precompile_reuse}
     ready = time.perf_counter() - t0
     before_xla, before_steps = compilations.xla_programs(), compilations.step_programs()
     row = dict(shape=args.shape, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
-               max_model_len=args.max_model_len, variants=variants, ready_s=round(ready, 1),
+               max_model_len=args.max_model_len, variants=variants, programs=programs,
+               press_programs=len(warmup.press_programs(engine, presses)), reuse_passes=reuse_passes,
+               ready_s=round(ready, 1),
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if not args.no_mix:
         t0 = time.perf_counter()
-        row["mix_requests"], row["mix_tokens_digest"] = request_mix(engine, model.config.vocab_size)
+        mix = request_mix(engine, model.config.vocab_size, retrieval=retrieval, compilations=compilations)
+        row["mix_requests"], row["mix_tokens_digest"] = mix["requests"], mix["digest"]
+        row["compiled_per_kind"] = mix["compiled_per_kind"]
         row["mix_s"] = round(time.perf_counter() - t0, 1)
         after = compilations.xla_programs()
         row["xla_compiled_in_mix"] = after["compiled"] - before_xla["compiled"]

@@ -318,7 +318,7 @@ class Engine:
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def precompile(self, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-                   presses=None, step_cache=None, background: bool = False) -> int:
+                   presses=None, step_cache=None, background: bool = False, retrieval=()) -> int:
         """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
         Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads.
         `logprobs`: also the variants of requests that ask for logprobs (about twice as many). `presses`:
@@ -326,12 +326,16 @@ class Engine:
         engine-wide one on the CPU; `warmup.press_programs`). `step_cache`: where compiled programs are kept
         for the next start (jaxkv/engine/step_cache.py; None: the default, on accelerators; False: off).
         `background`: programs found there load on a background thread after this returns (`program_loader`);
-        a step that needs one before loads it itself (a load, never a compile)."""
+        a step that needs one before loads it itself (a load, never a compile). `retrieval`: retrieval
+        policies (or names) that requests may ask for, whose variants compile too (the engine-wide one does
+        anyway)."""
         from jaxkv.engine.warmup import precompile
 
         n = precompile(self, progress, workers, logprobs, presses, step_cache, background)
-        if _retrieves(self.kv_policy):  # an engine-wide retrieval policy's own variants
-            n += self.retriever.precompile(self.kv_policy, progress)
+        wanted = [self.kv_policy] if _retrieves(self.kv_policy) else []
+        wanted += [_resolve_policy(p, None, self.model) for p in retrieval]
+        for policy in {p: None for p in wanted}:  # each retrieval policy's own variants, once
+            n += self.retriever.precompile(policy, progress)
         return n
 
     def precompile_reuse(self, reuse="redknot", progress: bool = True) -> int:

@@ -455,6 +455,13 @@ def _on_device(batch: dict) -> dict:
     return jax.device_put(batch)
 
 
+def _first_steps(b, k: int) -> None:
+    """The first `k` steps of a decode batch's per-step metadata (device arrays: slicing them runs a small
+    program per shape, which `Retriever.precompile` warms)."""
+    for f in ("slots", "lengths", "prev_lengths", "active"):
+        setattr(b, f, getattr(b, f)[:k])
+
+
 def num_compilations() -> int:
     return _step_tap._cache_size() + _decode_retrieval._cache_size() + _decode_retrieval_overlap._cache_size()
 
@@ -509,6 +516,11 @@ class Retriever:
                 if (s, p, greedy, k) not in seen:
                     seen.add((s, p, greedy, k))
                     todo.append(("decode", s, k, p, greedy, False))
+        if eng.decode_steps > 1:  # decode tokens split off a ragged step run one step (`_dispatch`)
+            from jaxkv.engine.warmup import _batch
+
+            for s in eng._seq_buckets:
+                _first_steps(_batch(eng, "decode", s, 0, eng._page_buckets[0], True, False), 1)
         done = 0
         for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling retrieval variants",
                                                  disable=not progress):
@@ -675,8 +687,7 @@ class Retriever:
         return PendingDecode(tokens, logprobs, ran, None, top=top)
 
     def _dispatch(self, policy, chunks, b, k: int) -> PendingDecode:
-        for f in ("slots", "lengths", "prev_lengths", "active"):
-            setattr(b, f, getattr(b, f)[:k])
+        _first_steps(b, k)
         return self.engine.runner.decode(b) if policy is None else self._decode(policy, chunks, b)
 
     def _decode(self, policy, chunks, b) -> PendingDecode:

@@ -54,8 +54,9 @@ def variants(engine, logprobs: bool = False) -> list[tuple]:
 
 def press_programs(engine, presses=None) -> list[tuple]:
     """(policy, rows, page-table width) of every compression program the presses can run
-    (`jaxkv.engine.compression`). `presses`: policies; default every registered press this engine can run
-    on an accelerator, the engine-wide press (if any) on the CPU, where each program takes seconds."""
+    (`jaxkv.engine.compression`). `presses`: policies or their names; default every registered press this
+    engine can run on an accelerator, the engine-wide press (if any) on the CPU, where each program takes
+    seconds."""
     import jax
 
     from jaxkv.engine.compression import ROW_BUCKETS
@@ -66,6 +67,10 @@ def press_programs(engine, presses=None) -> list[tuple]:
             presses = engine.compressor.precompile_policies()
         else:
             presses = [engine.kv_policy] if isinstance(engine.kv_policy, CompressPolicy) else []
+    if any(isinstance(pol, str) for pol in presses):  # names (jaxkv.policies.POLICIES) with their defaults
+        from jaxkv.engine.engine import _resolve_policy
+
+        presses = [_resolve_policy(p, None, engine.model) if isinstance(p, str) else p for p in presses]
     rows = [r for r in ROW_BUCKETS if r <= max(engine.scheduler.max_num_seqs, 1)]
     unique = {pol.device_form(): pol for pol in presses}.values()  # one per program, whatever the budget
     return [(pol, s, width) for pol in unique for s in rows for width in engine._page_buckets]

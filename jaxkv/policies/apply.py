@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.pool import KVPool
-from jaxkv.models import llama
+from jaxkv.models import llama, rope
 from jaxkv.policies.base import NEG, CompressPolicy, Observation, SelectContext, select
 from pallas_kernels.rewrite.api import rewrite
 from pallas_kernels.rewrite.reference import rewrite as rewrite_reference
@@ -160,8 +160,8 @@ def compress_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Co
     scores0 = jnp.zeros((S, L, H, n_slots), jnp.float32)
     mass0 = jnp.zeros((S, L, H, n_slots) if policy.merge else (0,), jnp.float32)
     positions = jnp.maximum(b["positions"], 0)
-    _, (scores, mass) = llama.forward(params, cfg, b["tokens"], positions, attend, (scores0, mass0),
-                                      reduce=reduce)
+    _, (scores, mass) = rolled_forward(params, cfg, b["tokens"], positions, attend, (scores0, mass0),
+                                       reduce=reduce)
 
     # Original positions of every slot, all layers: [S, L, H, N].
     pages = jnp.maximum(b["page_table"], 0)
@@ -186,32 +186,64 @@ def compress_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Co
             jnp.where(shrink, keep.count, lengths))
 
 
+def rolled_forward(params, cfg, tokens, positions, attend, state, reduce=None):
+    """`llama.forward` with its layers under one rolled `lax.scan`, whatever the layer form: XLA compiles one
+    layer body (the observation and scoring included) instead of L inlined copies. A layer list (plain or
+    `SharedLayers`) is not stacked (a copy of every weight): each iteration takes its layer's weights
+    through a `lax.switch` over the layers, a copy of one layer's weights (the pass runs once per request)."""
+    layers = params["layers"]
+    if not isinstance(layers, list | tuple):  # stacked leaves: the model's own scan
+        return llama.forward(params, cfg, tokens, positions, attend, state, reduce=reduce)
+    freqs = rope.inv_freq(cfg)
+    branches = [functools.partial(_layer_weights, p) for p in layers]
+
+    def body(carry, i):
+        x, st = carry
+        p = jax.lax.switch(i, branches)
+        return llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, st, reduce), None
+
+    x = params["embed"][tokens]
+    (x, state), _ = jax.lax.scan(body, (x, state), jnp.arange(len(layers), dtype=jnp.int32))
+    return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
+
+
+def _layer_weights(p):
+    return p
+
+
 def _merge_into_pool(pool: KVPool, page_table, lengths, keep, shrink, mass, min_sim: float) -> KVPool:
-    """`merge_evicted` for every layer, written to the kept slots (before the rewrite moves them)."""
+    """`merge_evicted` for every layer, written to the kept slots (before the rewrite moves them). The layers
+    run under one `lax.fori_loop` (one compiled layer, not L copies: the merge's [H, N, K] cosines are the
+    largest temporaries of a compression program), each sequence and KV head under `lax.map` inside it."""
     if pool.bias is None:
         raise ValueError("merge=True needs a pool with a logit bias (Engine(kv_merge=True))")
     L = page_table.shape[1]
     ps = pool.page_size
     n_pages = pool.pos.shape[0]
-    v_flat = pool.v.reshape(n_pages * ps, -1)
-    b_flat = pool.bias.reshape(n_pages * ps)
-    for layer in range(L):
-        kc, vc, kpos, _ = _gather_head_slots(pool, page_table[:, layer])
-        n = kpos.shape[-1]
+
+    def one(args):  # one (sequence, KV head) at a time: the [N, K] cosines of a long width class stay small
+        out = merge_evicted(*(a[None, None] for a in args), min_sim)
+        return tuple(o[0, 0] for o in out)
+
+    def layer_merge(layer, flat):
+        v_flat, b_flat = flat
+        table = page_table[:, layer]
+        kc, vc, kpos, _ = _gather_head_slots(pool, table)
+        s, h, n = kpos.shape
         valid = (kpos >= 0) & (jnp.arange(n) < lengths[:, layer][..., None])
         idx, count = keep.idx[:, layer], keep.count[:, layer]
-
-        def one(args):  # one sequence at a time: the [H, N, K] cosines of a long batch stay small
-            out = merge_evicted(*(a[None] for a in args), min_sim)
-            return tuple(o[0] for o in out)
-
         rows = (kc, vc, valid, mass[:, layer], idx, count, shrink[:, layer])
-        v_new, bias_add, merged = jax.lax.map(one, rows)
+        flat_rows = tuple(a.reshape(s * h, *a.shape[2:]) for a in rows)
+        v_new, bias_add, merged = (o.reshape(s, h, *o.shape[1:]) for o in jax.lax.map(one, flat_rows))
         idx_c = jnp.clip(idx, 0, n - 1)
-        page = jnp.take_along_axis(page_table[:, layer], idx_c // ps, axis=-1)  # [S, H, K]
+        page = jnp.take_along_axis(table, idx_c // ps, axis=-1)  # [S, H, K]
         slot = jnp.where((merged > 0) & (page >= 0), page * ps + idx_c % ps, n_pages * ps).reshape(-1)
         v_flat = v_flat.at[slot].set(v_new.reshape(slot.shape[0], -1).astype(v_flat.dtype), mode="drop")
         b_flat = b_flat.at[slot].add(bias_add.reshape(-1), mode="drop")
+        return v_flat, b_flat
+
+    v_flat, b_flat = jax.lax.fori_loop(0, L, layer_merge, (pool.v.reshape(n_pages * ps, -1),
+                                                           pool.bias.reshape(n_pages * ps)))
     return KVPool(k=pool.k, v=v_flat.reshape(pool.v.shape), pos=pool.pos, page_size=ps,
                   bias=b_flat.reshape(pool.bias.shape))
 
