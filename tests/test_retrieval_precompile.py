@@ -85,6 +85,24 @@ def test_precompiled_retrieval_programs_serve_without_compiling(llama, tmp_path)
     assert all(len(t) == n for t, n in zip(tokens, [20, 9, 20, 9]))
 
 
+def test_one_step_decodes_of_few_sequences_are_precompiled(llama):
+    """With decode_steps=1 a decode of one request (the 2-row bucket, below every ragged step's row count)
+    runs a precompiled program."""
+    from jaxkv.engine import compilations
+    from jaxkv.engine.engine import _resolve_policy
+
+    _, model = llama
+    quest = _resolve_policy("quest", None, model)
+    eng = Engine(model, **{**KW, "max_num_seqs": 8, "decode_steps": 1})
+    eng.precompile(progress=False, step_cache=False, retrieval=[quest])
+    before = (compilations.step_programs(), compilations.xla_programs()["compiled"])
+    eng.add_request(list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                    kv_policy=quest)
+    while eng.has_unfinished():
+        eng.step()
+    assert (compilations.step_programs(), compilations.xla_programs()["compiled"]) == before
+
+
 def test_retrieval_programs_round_trip_through_the_step_cache(llama, tmp_path):
     """Each side in a fresh process (XLA:CPU serializes a program completely only when no earlier compile of
     the process defined its kernels)."""

@@ -543,11 +543,16 @@ class Retriever:
         eng, runner = self.engine, self.engine.runner
         L, H = runner.cfg.num_layers, runner.cfg.num_kv_heads
         self._state_for(policy), self._page_state_for(policy)  # made before any call reads them
-        if eng.decode_steps > 1:  # decode tokens split off a ragged step run one step (`_dispatch`)
-            from jaxkv.engine.warmup import _batch
+        from jaxkv.engine.warmup import _batch
 
-            for s in eng._seq_buckets:  # slicing the per-step metadata is a small program per shape
-                _first_steps(_batch(eng, "decode", s, 0, eng._page_buckets[0], True, False), 1)
+        # A decode batch's metadata is a small device program per (sequences, page-table width), which the
+        # runner's decode variants warm only with decode_steps > 1; slicing it to the first step (decode
+        # tokens split off a ragged step, `_dispatch`) is one per shape.
+        for s in eng._seq_buckets:
+            for p in eng._page_buckets:
+                b = _batch(eng, "decode", s, 0, p, True, False)
+            if eng.decode_steps > 1:
+                _first_steps(b, 1)
 
         def call(kind, s, t, p, greedy, fresh, inplace):
             temp = np.zeros(s, np.float32)
