@@ -732,8 +732,8 @@ class Retriever:
         skip = ("fresh", "top_width", "prompt_next")
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
         out = self._run(*self._tap_call(arrays, rows, policy, page_cls, not b.temperature.any(), b.fresh))
+        self._keep_tap(policy, page_cls, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)
-        self._keep_tap(policy, page_cls, out)
         return jax.device_get(out[:2])  # one sync for tokens and logprobs
 
     # ---- decode -----------------------------------------------------------------------------------
@@ -781,8 +781,8 @@ class Retriever:
         inplace = self.buffers.reads_in_place(policy, chunks)
         out = self._run(*self._decode_call(policy, arrays, rows, known, inplace, not b.temperature.any()))
         tokens, logprobs, ran, last, stats, moved, *_, sbuf = out
+        self._keep_decode(policy, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)
-        self._keep_decode(policy, out)
         if sbuf is None:
             return PendingDecode(tokens, logprobs, ran, last)
         self.buffers.keep(policy, sbuf, rows, chunks)
