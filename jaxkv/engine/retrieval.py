@@ -538,13 +538,11 @@ class Retriever:
         `warmup.precompile` lowers it on its thread, compiles it on the pool and installs it (`install`),
         or loads it from the step cache. The inputs are the ones serving passes (`_tap_call`,
         `_decode_call`), so serving finds the installed program."""
-        from jaxkv.engine.warmup import STOP_BUCKET
+        from jaxkv.engine.warmup import STOP_BUCKET, _batch
 
         eng, runner = self.engine, self.engine.runner
         L, H = runner.cfg.num_layers, runner.cfg.num_kv_heads
         self._state_for(policy), self._page_state_for(policy)  # made before any call reads them
-        from jaxkv.engine.warmup import _batch
-
         # A decode batch's metadata is a small device program per (sequences, page-table width), which the
         # runner's decode variants warm only with decode_steps > 1; slicing it to the first step (decode
         # tokens split off a ragged step, `_dispatch`) is one per shape.
