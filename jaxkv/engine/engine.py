@@ -331,10 +331,15 @@ class Engine:
         anyway)."""
         from jaxkv.engine.warmup import precompile
 
-        n = precompile(self, progress, workers, logprobs, presses, step_cache, background)
         wanted = [self.kv_policy] if _retrieves(self.kv_policy) else []
         wanted += [_resolve_policy(p, None, self.model) for p in retrieval]
-        for policy in {p: None for p in wanted}:  # each retrieval policy's own variants, once
+        wanted = list(dict.fromkeys(wanted))  # each retrieval policy's own variants, once
+        # Under tensor parallelism the retrieval programs compile serially, each run once on its padding
+        # inputs (the sharded programs are not lowered ahead of time); elsewhere on the warm-up pool.
+        serial = wanted if self.runner.mesh is not None else []
+        n = precompile(self, progress, workers, logprobs, presses, step_cache, background,
+                       retrieval=[] if serial else wanted)
+        for policy in serial:
             n += self.retriever.precompile(policy, progress)
         return n
 

@@ -446,6 +446,8 @@ _decode_retrieval = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC
 _decode_retrieval_overlap = jax.jit(_decode_retrieval_fn, static_argnames=_DECODE_STATIC,
                                     donate_argnames=_DECODE_DONATE,
                                     compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})
+# Both wrap `_decode_retrieval_fn`: the step cache tells their programs apart by this name.
+_decode_retrieval_overlap.step_cache_name = "jaxkv.engine.retrieval._decode_retrieval_overlap"
 
 
 def _on_device(batch: dict) -> dict:
@@ -463,7 +465,21 @@ def _first_steps(b, k: int) -> None:
 
 
 def num_compilations() -> int:
-    return _step_tap._cache_size() + _decode_retrieval._cache_size() + _decode_retrieval_overlap._cache_size()
+    """Retrieval programs compiled so far: jit's own variants and those compiled ahead of time and installed
+    (`Retriever.install`)."""
+    jitted = (_step_tap, _decode_retrieval, _decode_retrieval_overlap)
+    return sum(fn._cache_size() for fn in jitted) + _aot_compiled
+
+
+_aot_compiled = 0  # programs compiled ahead of time and installed in a Retriever
+
+
+def _signature(fn, args, static) -> tuple:
+    """What tells one retrieval program from another within an engine: the function, its static arguments
+    and the layout of its per-call arguments (the parameters and the pool, args[0:2], are fixed)."""
+    leaves, treedef = jax.tree.flatten(args[2:])
+    layout = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
+    return (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, layout)
 
 
 class Retriever:
@@ -477,6 +493,7 @@ class Retriever:
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
         self._page_states: dict = {}  # RetrievalPolicy.page_state class -> its state, made on first use
+        self.compiled: dict = {}  # signature -> jax.stages.Compiled, filled by warmup.precompile
         # The shared methods' selection buffers, host mirror and offload, with their statistics.
         self.buffers = SelectionBuffers(engine, self.params_for, host_tier=host_tier, resident=resident,
                                         inplace=inplace, overlap=overlap, eager=eager)
@@ -497,76 +514,145 @@ class Retriever:
             self._params[key] = head
         return self._params[key]
 
-    def precompile(self, policy: RetrievalPolicy, progress: bool = True) -> int:
-        """Compiles the retrieval variants an engine-wide `policy` hits (ragged steps with the tap, decode
-        with K = decode_steps and K = 1) on all-padding batches (nothing is written); returns how many."""
-        from tqdm.auto import tqdm
+    def programs(self, policy: RetrievalPolicy) -> list[tuple]:
+        """(kind, S, T or K, P, greedy, fresh, inplace) of every retrieval program an engine-wide `policy`
+        hits, nothing traced: ragged steps with the tap (every step variant, when the policy keeps a device
+        or per-page state), and decodes for every (sequences, page-table width) bucket, greedy and sampled,
+        with K = decode_steps and K = 1 (decode tokens split off a ragged step), per decode variant
+        (`SelectionBuffers.decode_variants`)."""
+        from jaxkv.engine.warmup import variants
 
-        from jaxkv.engine.warmup import STOP_BUCKET, stop_near_map_cap, variants
+        eng = self.engine
+        todo = []
+        if self._state_for(policy) is not None or policy.page_state is not None:
+            todo += [("tap", *v[1:6], None) for v in variants(eng) if v[0] == "step"]
+        inplaces = self.buffers.decode_variants(policy)
+        todo += [("decode", s, k, p, greedy, False, inplace) for s in eng._seq_buckets
+                 for p in eng._page_buckets for greedy in (True, False)
+                 for k in sorted({eng.decode_steps, 1}) for inplace in inplaces]
+        return todo
+
+    def calls(self, policy: RetrievalPolicy) -> list[tuple]:
+        """(variant, call) of every program in `programs`; a call returns (signature, function, arguments,
+        static arguments) on all-padding inputs (every slot -1: running one writes nothing), nothing traced:
+        `warmup.precompile` lowers it on its thread, compiles it on the pool and installs it (`install`),
+        or loads it from the step cache. The inputs are the ones serving passes (`_tap_call`,
+        `_decode_call`), so serving finds the installed program."""
+        from jaxkv.engine.warmup import STOP_BUCKET, _batch
 
         eng, runner = self.engine, self.engine.runner
-        cfg = runner.cfg
-        L, H = cfg.num_layers, cfg.num_kv_heads
-        head, state, pstate = self.params_for(policy), self._state_for(policy), self._page_state_for(policy)
-        tap = state is not None or pstate is not None  # ragged steps run _step_tap
-        todo = [v[:6] for v in variants(eng) if v[0] == "step"] if tap else []
-        seen = set()
-        for _, s, _, p, greedy, *_ in variants(eng):
-            for k in sorted({eng.decode_steps, 1}):
-                if (s, p, greedy, k) not in seen:
-                    seen.add((s, p, greedy, k))
-                    todo.append(("decode", s, k, p, greedy, False))
-        if eng.decode_steps > 1:  # decode tokens split off a ragged step run one step (`_dispatch`)
-            from jaxkv.engine.warmup import _batch
+        L, H = runner.cfg.num_layers, runner.cfg.num_kv_heads
+        self._state_for(policy), self._page_state_for(policy)  # made before any call reads them
+        # A decode batch's metadata is a small device program per (sequences, page-table width), which the
+        # runner's decode variants warm only with decode_steps > 1; slicing it to the first step (decode
+        # tokens split off a ragged step, `_dispatch`) is one per shape.
+        for s in eng._seq_buckets:
+            for p in eng._page_buckets:
+                b = _batch(eng, "decode", s, 0, p, True, False)
+            if eng.decode_steps > 1:
+                _first_steps(b, 1)
 
-            for s in eng._seq_buckets:
-                _first_steps(_batch(eng, "decode", s, 0, eng._page_buckets[0], True, False), 1)
-        done = 0
-        for kind, s, t, p, greedy, fresh in tqdm(todo, desc="jaxkv: compiling retrieval variants",
-                                                 disable=not progress):
-            if stop_near_map_cap(done, len(todo)):
-                break
-            done += 1
+        def call(kind, s, t, p, greedy, fresh, inplace):
             temp = np.zeros(s, np.float32)
             temp[0] = 0.0 if greedy else 1.0
             common = dict(page_table=np.full((s, L, H, p), -1, np.int32), temperature=temp,
                           top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
-                          seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32),
-                          head_rows=np.full(s, -1, np.int32), **runner._heads)
-            if kind == "step":
+                          seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32))
+            rows = np.full(s, -1, np.int32)
+            if kind == "tap":
                 b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
                          q_seq=np.full(t, -1, np.int32), slots=np.full((t, L, H), -1, np.int32),
                          lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
-                stateful = policy if state is not None else None
-                _, _, runner.pool, state_out, pstate_out = _step_tap(
-                    runner.params, runner.pool, _on_device(b), self._state.get(type(policy)),
-                    head if stateful else None, self._page_states.get(policy.page_state), cfg=cfg,
-                    policy=stateful, page_state=policy.page_state, attn_impl=runner.attn_impl, greedy=greedy,
-                    fresh_heads=runner.fresh_heads if fresh and runner.use_plan else None, mesh=runner.mesh)
-                if state_out is not None:
-                    self._state[type(policy)] = state_out
-                if pstate_out is not None:
-                    self._page_states[policy.page_state] = pstate_out
+                stateful = policy if self._state.get(type(policy)) is not None else None
+                fn, args, static = self._tap_call(b, rows, stateful, policy.page_state, greedy, fresh)
             else:
                 d = dict(tokens=np.zeros(s, np.int32), positions=np.zeros(s, np.int32),
                          slots=np.full((t, s, L, H), -1, np.int32), lengths=np.zeros((t, s, L, H), np.int32),
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
-                         stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), known=np.zeros(s, bool), **common)
-                for inplace in self.buffers.decode_variants(policy):
-                    *_, runner.pool, state_out, pstate_out, sbuf = self._decode_fn(inplace)(
-                        runner.params, runner.pool, _on_device(d), self._state.get(type(policy)), head,
-                        self._page_states.get(policy.page_state), self.buffers.buffer_for(policy),
-                        None if inplace else self.buffers.host_for(policy), cfg=cfg, policy=policy,
-                        attn_impl=runner.attn_impl, greedy=greedy, local_layers=self.local_layers,
-                        chunk=self.buffers.chunk(policy, s), inplace=inplace, overlap=0 if inplace else
-                        self.buffers.overlap_rows(policy, s), mesh=runner.mesh)
-                    if sbuf is not None:
-                        self.buffers.keep(policy, sbuf)
-                    if state_out is not None:
-                        self._state[type(policy)] = state_out
-                    if pstate_out is not None:
-                        self._page_states[policy.page_state] = pstate_out
+                         stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common)
+                fn, args, static = self._decode_call(policy, d, rows, np.zeros(s, bool), inplace, greedy)
+            return _signature(fn, args, static), fn, args, static
+
+        return [(v, functools.partial(call, *v)) for v in self.programs(policy)]
+
+    def precompile(self, policy: RetrievalPolicy, progress: bool = True) -> int:
+        """Runs every program of `calls` in turn (each traced, compiled and run on its all-padding inputs);
+        returns how many. `Engine.precompile` uses it only under tensor parallelism: elsewhere the programs
+        compile on the warm-up pool with the step programs (`warmup.precompile`)."""
+        from tqdm.auto import tqdm
+
+        from jaxkv.engine.warmup import stop_near_map_cap
+
+        todo = self.calls(policy)
+        done = 0
+        for (kind, *_), call in tqdm(todo, desc="jaxkv: compiling retrieval variants", disable=not progress):
+            if stop_near_map_cap(done, len(todo)):
+                break
+            done += 1
+            _, fn, args, static = call()
+            out = self._run(fn, args, static)
+            if kind == "tap":
+                self._keep_tap(static["policy"], static["page_state"], out)
+            else:
+                self._keep_decode(policy, out)
+                if out[-1] is not None:
+                    self.buffers.keep(policy, out[-1])
         return done
+
+    def install(self, signature, compiled) -> None:
+        """A program compiled ahead of time where `_run` looks first (`warmup.precompile`)."""
+        global _aot_compiled
+        if signature not in self.compiled:
+            _aot_compiled += 1
+        self.compiled[signature] = compiled
+
+    def _run(self, fn, args, static):
+        """The installed program of this call when there is one (called as jit would: the same donated
+        buffers, the same placements), else jit's own path."""
+        exe = self.compiled.get(_signature(fn, args, static)) if self.compiled else None
+        return exe(*args) if exe is not None else fn(*args, **static)
+
+    def _tap_call(self, arrays, rows, policy, page_cls, greedy, fresh):
+        """(function, arguments, static arguments) of a ragged step with the tap: `policy` the stateful
+        retrieval policy (None: no device state), `page_cls` the per-page state's class (or None)."""
+        runner = self.engine.runner
+        args = (runner.params, runner.pool, _on_device({**arrays, **runner._heads, "head_rows": rows}),
+                self._state.get(type(policy)) if policy is not None else None,
+                self.params_for(policy) if policy is not None else None,
+                self._page_states.get(page_cls) if page_cls is not None else None)
+        fresh_heads = runner.fresh_heads if fresh and runner.use_plan else None
+        static = dict(cfg=runner.cfg, policy=policy, page_state=page_cls, attn_impl=runner.attn_impl,
+                      greedy=bool(greedy), fresh_heads=fresh_heads, mesh=runner.mesh)
+        return _step_tap, args, static
+
+    def _decode_call(self, policy, arrays, rows, known, inplace, greedy):
+        """(function, arguments, static arguments) of a retrieval decode of `policy` over `rows`."""
+        runner = self.engine.runner
+        s = len(rows)
+        args = (runner.params, runner.pool,
+                _on_device({**arrays, "head_rows": rows, "known": known, **runner._heads}),
+                self._state_for(policy), self.params_for(policy), self._page_state_for(policy),
+                self.buffers.buffer_for(policy), None if inplace else self.buffers.host_for(policy))
+        static = dict(cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=bool(greedy),
+                      local_layers=self.local_layers, chunk=self.buffers.chunk(policy, s), inplace=inplace,
+                      overlap=0 if inplace else self.buffers.overlap_rows(policy, s), mesh=runner.mesh)
+        return self._decode_fn(inplace), args, static
+
+    def _keep_tap(self, policy, page_cls, out):
+        """Stores a ragged step's outputs (its inputs were donated): pool, device state, per-page state."""
+        *_, self.engine.runner.pool, state, pstate = out
+        if policy is not None and state is not None:
+            self._state[type(policy)] = state
+        if page_cls is not None and pstate is not None:
+            self._page_states[page_cls] = pstate
+
+    def _keep_decode(self, policy, out):
+        """Stores a decode's outputs but the selection buffer (the caller keeps it with its rows)."""
+        *_, self.engine.runner.pool, state, pstate, _ = out
+        if state is not None:
+            self._state[type(policy)] = state
+        if pstate is not None:
+            self._page_states[policy.page_state] = pstate
 
     def _state_for(self, policy: RetrievalPolicy):
         key = type(policy)
@@ -632,7 +718,8 @@ class Retriever:
         if len(stateful) > 1 or len(paged) > 1:
             raise NotImplementedError("one stateful retrieval policy class per engine step")
         page_cls = next(iter(paged), None)
-        pstate = self._page_state_for(paged[page_cls]) if page_cls is not None else None
+        if page_cls is not None:
+            self._page_state_for(paged[page_cls])  # made on first use
         (key, policy), = stateful.items() if stateful else [(None, None)]
         rows = np.full(b.temperature.shape[0], -1, np.int32)
         for row, c in enumerate(chunks):
@@ -642,19 +729,10 @@ class Retriever:
         # step's inputs are those precompile warmed.
         skip = ("fresh", "top_width", "prompt_next")
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
-        fresh = runner.fresh_heads if b.fresh and runner.use_plan else None
-        tokens, logprobs, runner.pool, state, pstate = _step_tap(
-            runner.params, runner.pool, _on_device({**arrays, **runner._heads, "head_rows": rows}),
-            self._state.get(key),
-            self.params_for(policy) if policy is not None else None, pstate, cfg=runner.cfg, policy=policy,
-            page_state=page_cls, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
-            fresh_heads=fresh, mesh=runner.mesh)
+        out = self._run(*self._tap_call(arrays, rows, policy, page_cls, not b.temperature.any(), b.fresh))
+        self._keep_tap(policy, page_cls, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)
-        if key is not None:
-            self._state[key] = state
-        if pstate is not None:
-            self._page_states[page_cls] = pstate
-        return jax.device_get((tokens, logprobs))  # one sync for both
+        return jax.device_get(out[:2])  # one sync for tokens and logprobs
 
     # ---- decode -----------------------------------------------------------------------------------
     def decode(self, chunks, steps: int | None = None, prev=None) -> PendingDecode:
@@ -691,8 +769,6 @@ class Retriever:
         return self.engine.runner.decode(b) if policy is None else self._decode(policy, chunks, b)
 
     def _decode(self, policy, chunks, b) -> PendingDecode:
-        runner = self.engine.runner
-        head = self.params_for(policy)
         state = self._state_for(policy)
         rows = np.full(b.tokens.shape[0], -1, np.int32)
         if state is not None or not policy.layer_wise:
@@ -700,21 +776,11 @@ class Retriever:
                 rows[row] = self._row(c.request)
         known = self.buffers.known(policy, rows, chunks)
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "top_width"}  # never asked here
-        arrays.update(head_rows=rows, known=known)
         inplace = self.buffers.reads_in_place(policy, chunks)
-        decode = self._decode_fn(inplace)
-        tokens, logprobs, ran, last, stats, moved, runner.pool, state, pstate, sbuf = decode(
-            runner.params, runner.pool, _on_device({**arrays, **runner._heads}), state, head,
-            self._page_state_for(policy), self.buffers.buffer_for(policy),
-            None if inplace else self.buffers.host_for(policy),
-            cfg=runner.cfg, policy=policy, attn_impl=runner.attn_impl, greedy=not b.temperature.any(),
-            local_layers=self.local_layers, chunk=self.buffers.chunk(policy, len(rows)), inplace=inplace,
-            overlap=0 if inplace else self.buffers.overlap_rows(policy, len(rows)), mesh=runner.mesh)
+        out = self._run(*self._decode_call(policy, arrays, rows, known, inplace, not b.temperature.any()))
+        tokens, logprobs, ran, last, stats, moved, *_, sbuf = out
+        self._keep_decode(policy, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)
-        if state is not None:
-            self._state[type(policy)] = state
-        if pstate is not None:
-            self._page_states[policy.page_state] = pstate
         if sbuf is None:
             return PendingDecode(tokens, logprobs, ran, last)
         self.buffers.keep(policy, sbuf, rows, chunks)

@@ -108,8 +108,10 @@ class StepCache:
 
     def key(self, fn, args, static) -> str:
         """A program's key: the function, its static arguments and its per-call arguments' layout (the
-        parameters and the pool, args[0:2], are in the fingerprint)."""
-        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}"
+        parameters and the pool, args[0:2], are in the fingerprint). Two jitted forms of one function (other
+        compiler options) tell themselves apart by a `step_cache_name` attribute."""
+        name = getattr(fn, "step_cache_name", None) or (
+            f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}")
         text = "|".join([self.fingerprint, name, repr(sorted(static.items(), key=lambda kv: kv[0])),
                          describe(args[2:])])
         return hashlib.sha256(text.encode()).hexdigest()

@@ -77,25 +77,30 @@ def press_programs(engine, presses=None) -> list[tuple]:
 
 
 def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-               presses=None, step_cache=None, background: bool = False) -> int:
-    """Compiles (or loads from the persistent cache) every step variant and every compression program of
-    `presses` (`press_programs`); returns how many. Logs one line.
+               presses=None, step_cache=None, background: bool = False, retrieval=()) -> int:
+    """Compiles (or loads from the persistent cache) every step variant, every compression program of
+    `presses` (`press_programs`) and every retrieval program of the `retrieval` policies
+    (`Retriever.calls`); returns how many. Logs one line.
 
     Each program is traced and lowered here, one after another (tracing holds the GIL), and its XLA
     compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
     cores up to 16), where XLA works without the GIL; the compiled programs are installed where their
-    callers look first (the runner, the compressor), which call them directly. Programs kept by an earlier
-    start in the step cache (`jaxkv.engine.step_cache`; `step_cache`: its directory, False: off, None: the
-    default) are loaded instead, nothing traced; the others are written there once compiled. `background`:
-    kept programs load on a background thread after this returns (`engine.program_loader`; a step that
-    needs one first loads it itself), so a server is ready before every program is loaded."""
+    callers look first (the runner, the compressor, the retriever), which call them directly. Programs kept
+    by an earlier start in the step cache (`jaxkv.engine.step_cache`; `step_cache`: its directory, False:
+    off, None: the default) are loaded instead, nothing traced; the others are written there once
+    compiled. `background`: kept programs load on a background thread after this returns
+    (`engine.program_loader`; a step that needs one first loads it itself), so a server is ready before
+    every program is loaded."""
     from jaxkv.engine.step_cache import KeptPrograms, StepCache
 
-    runner, compressor = engine.runner, engine.compressor
-    # (variant, its call, the owner whose `compiled` its program goes to: runner or compressor)
+    runner, compressor, retriever = engine.runner, engine.compressor, engine.retriever
+    owners = (runner, compressor, retriever)
+    # (variant, its call, the owner whose `compiled` its program goes to: runner, compressor or retriever)
     jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner) for v in variants(engine, logprobs)]
     jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j), compressor)
              for pol, s, p in press_programs(engine, presses)]
+    jobs += [((f"retrieval {kind}", *rest, pol.name), call, retriever)
+             for pol in retrieval for (kind, *rest), call in retriever.calls(pol)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
     xla_loads = compilations.xla_programs()["persistent_cache"]
@@ -116,7 +121,7 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
         # parallel threads failed on an H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing
         # traced
         if cache is not None and background:
-            for owner in (runner, compressor):
+            for owner in owners:
                 owner.compiled = KeptPrograms(owner.compiled, cache)
             kept = [True if cache.has(c[-1]) else None for c in calls]
             for (variant, owner, signature, *_, key), later in zip(calls, kept):
@@ -160,12 +165,12 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             for key, compiled in built:
                 cache.save(key, compiled, scratch_bytes(compiled))
     if cache is not None and background:
-        pending = len(runner.compiled.pending) + len(compressor.compiled.pending)
+        pending = sum(len(owner.compiled.pending) for owner in owners)
         started = time.perf_counter()
 
         def load_all():
-            runner.compiled.load_all()
-            compressor.compiled.load_all()
+            for owner in owners:
+                owner.compiled.load_all()
             log.info("jaxkv: %d kept programs loaded in %.1f s", pending, time.perf_counter() - started)
 
         engine.program_loader = threading.Thread(target=load_all, daemon=True, name="jaxkv-program-loader")
@@ -206,7 +211,8 @@ def check_fits(need: int, variant, free: int | None = None) -> None:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if need > free:
         kind, s, t, p = variant[:4]
-        shape = f"{t} tokens" if kind == "step" else f"{s} sequences"  # a decode or a compression
+        tokens = kind in ("step", "retrieval tap")  # else a decode or a compression
+        shape = f"{t} tokens" if tokens else f"{s} sequences"
         raise MemoryError(
             f"the {kind} variant of {shape} and a {p}-page table needs {need / 2**30:.2f} GiB of device "
             f"memory for its temporaries but only {free / 2**30:.2f} GiB is free beside the weights and "
