@@ -82,3 +82,40 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         assert s.metric("jaxkv_kv_pages_in_use") == 0
     finally:
         s.stop()
+
+
+def test_precompile_retrieval_covers_per_request_quest(tmp_path):
+    """`--precompile-retrieval quest@32`: a per-request Quest policy (no server-wide policy) decodes through
+    programs compiled before the ready line; without the flag the same request compiles its decode."""
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
+    # Quest at 32 tokens per KV head: the budget is a shape (top-k), so a request names the same one.
+    base = ["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16", "--num-pages", "64",
+            "--max-num-seqs", "1", "--max-step-tokens", "8"]
+    compiled = {}
+    for flags in (["--precompile-retrieval", "quest@32"], ["--precompile"]):
+        s = ServerProcess(base + flags)
+        try:
+            c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+            before = s.metric("jaxkv_step_compilations_total")
+            quest = {"name": "quest", "budget": 32}
+            r = c.completions.create(model=s.name, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True, "kv_policy": quest})
+            assert r.usage.completion_tokens == 16
+            compiled[flags[0]] = s.metric("jaxkv_step_compilations_total") - before
+        finally:
+            s.stop()
+    assert compiled == {"--precompile-retrieval": 0, "--precompile": compiled["--precompile"]}
+    assert compiled["--precompile"] > 0  # the flag is what covered the Quest decode
+
+
+def test_precompile_retrieval_refuses_a_compression_press(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
+    r = subprocess.run([sys.executable, "-m", "jaxkv.serve", "--model", str(ckpt), "--port", "0",
+                        "--max-model-len", "64", "--num-pages", "64", "--max-num-seqs", "1",
+                        "--max-step-tokens", "8", "--precompile-retrieval", "snapkv"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--precompile-retrieval" in r.stderr and "quest" in r.stderr and "Traceback" not in r.stderr

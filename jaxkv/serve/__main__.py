@@ -141,6 +141,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated segment-reuse methods whose pass is compiled for every token bucket "
                         "before the server is ready (methods that recompute every token, e.g. redknot; "
                         "needs --head-classes global; docs/policies.md, 'Buckets')")
+    p.add_argument("--precompile-retrieval", default="", metavar="METHODS",
+                   help="comma-separated retrieval methods requests may ask for, NAME or NAME@TOKENS "
+                        "(budget per KV head; default the method's), e.g. quest@256,specontext: their decode "
+                        "variants compile with the step variants before the server is ready (the budget is "
+                        "a shape, so a request naming another budget compiles its own); implies precompile")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
@@ -157,6 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive integer (got {value})")
     if args.max_request_bytes < 0 or args.request_timeout < 0 or args.max_queued_requests < -1:
         p.error("--max-request-bytes and --request-timeout must be >= 0, --max-queued-requests >= -1")
+    args.precompile_retrieval = [m for m in (x.strip() for x in args.precompile_retrieval.split(",")) if m]
+    if args.precompile_retrieval and args.precompile is False:
+        p.error("--precompile-retrieval compiles with the step variants: it cannot go with --no-precompile")
     if args.retrieval_resident is not None and not args.retrieval_resident >= 1.0:
         p.error(f"--retrieval-resident must be >= 1 (got {args.retrieval_resident})")
     if args.retrieval_resident is not None and not args.retrieval_host_tier:
@@ -276,10 +284,12 @@ def main(argv=None) -> int:
         print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
         return 2
     backend = jax.default_backend()
-    if args.precompile or (args.precompile is None and backend != "cpu"):
+    if args.precompile or (args.precompile is None and (backend != "cpu" or args.precompile_retrieval)):
         try:
-            n, took = precompile(engine, logprobs=args.precompile_logprobs)
-        except MemoryError as e:  # a step variant that cannot fit beside the pool (jaxkv.engine.warmup)
+            n, took = precompile(engine, logprobs=args.precompile_logprobs,
+                                 retrieval=args.precompile_retrieval)
+        except (MemoryError, ValueError, KeyError) as e:  # a variant that cannot fit beside the pool
+            # (jaxkv.engine.warmup); a --precompile-retrieval name that is no retrieval method
             print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
             return 2
         state.info["precompiled_variants"] = n

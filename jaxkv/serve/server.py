@@ -134,13 +134,15 @@ def warm_up(engine, prompt_len: int = 8) -> None:
     engine.abort(rid)
 
 
-def precompile(engine, progress: bool = True, logprobs: bool = False) -> tuple[int, float]:
+def precompile(engine, progress: bool = True, logprobs: bool = False, retrieval=()) -> tuple[int, float]:
     """`Engine.precompile()`: every step variant compiled (or found in the step cache) before the server
-    accepts requests, so no request waits on a compile (`logprobs`: the logprob variants too). Programs
+    accepts requests, so no request waits on a compile (`logprobs`: the logprob variants too; `retrieval`:
+    names of the retrieval methods requests may ask for, whose variants compile too). Programs
     found in the step cache load in the background while the server serves (a request that needs one first
     waits for its load, never a compile). Returns (variants, seconds)."""
     t0 = time.perf_counter()
-    n = engine.precompile(progress=progress, logprobs=logprobs, background=True)
+    n = engine.precompile(progress=progress, logprobs=logprobs, background=True,
+                          retrieval=[retrieval_policy(spec) for spec in retrieval])
     loader = engine.program_loader
     if loader is not None:
         print(f"jaxkv: {engine.step_cache_hits} programs from the step cache load in the background",
@@ -153,6 +155,24 @@ def precompile(engine, progress: bool = True, logprobs: bool = False) -> tuple[i
 
         threading.Thread(target=report, daemon=True, name="jaxkv-loader-report").start()
     return n, time.perf_counter() - t0
+
+
+def retrieval_policy(spec: str):
+    """`NAME` or `NAME@TOKENS` (a `--precompile-retrieval` entry) -> the retrieval policy a request naming
+    that method and budget resolves to. The budget is a shape (top-k), so each budget has its own programs."""
+    from jaxkv.policies import POLICIES, get_policy
+
+    name, _, budget = spec.partition("@")
+    if getattr(POLICIES.get(name), "kind", None) != "retrieval":
+        known = sorted(n for n, c in POLICIES.items() if getattr(c, "kind", None) == "retrieval")
+        raise ValueError(f"--precompile-retrieval: {name!r} is not a retrieval method "
+                         f"(known: {', '.join(known)})")
+    if not budget:
+        return get_policy(name)
+    if not budget.isdigit() or int(budget) < 1:
+        raise ValueError(f"--precompile-retrieval: the budget of {spec!r} must be a positive number of "
+                         "tokens per KV head (e.g. quest@256)")
+    return get_policy(name, budget=int(budget))
 
 
 def serve(state: ServerState, host: str, port: int, log_level: str = "info", access_log: bool = False,
