@@ -351,7 +351,8 @@ def cmd_accuracy(args, model):
                 pieces.append(PromptPieces(enc(inst.prefix), segments, enc(inst.suffix)))
                 assert pieces[-1].ids == p["ids"]
             if args.batch > 1:  # every instance through one engine, `--batch` rows a step
-                outs = meth.run_many([(p["ids"], p["max_new"]) for p in ps], stop, max_num_seqs=args.batch)
+                outs = meth.run_many([(p["ids"], p["max_new"]) for p in ps], stop, max_num_seqs=args.batch,
+                                     max_step_tokens=args.max_step_tokens)
             else:
                 outs = [meth.run(pc, p["max_new"], stop).token_ids for pc, p in zip(pieces, ps)]
             for p, token_ids in zip(ps, outs):
@@ -534,6 +535,8 @@ def main(argv=None):
                     "--export); default: the one shipped beside the model")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="where the kvpress side runs (auto: a GPU when torch sees one)")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="accuracy, --batch > 1: prompt tokens per engine step (default: the engine's)")
     ap.add_argument("--batch", type=int, default=32,
                     help="accuracy: our side's instances per engine step (1: one at a time through `run`)")
     ap.add_argument("--out", help="JSON report path")

@@ -46,3 +46,27 @@ def test_serve_rejects_a_bad_utilization(capsys):
             parse_args(["--memory-utilization", bad])
         assert "--memory-utilization must lie in (0, 1]" in capsys.readouterr().err
     assert parse_args(["--memory-utilization", "0.5"]).memory_utilization == 0.5
+
+
+def test_step_activation_bytes_covers_a_measured_step():
+    """The estimate the server keeps free beside its pool: at least what XLA's memory analysis reported
+    for the 1B shape's 32K-token fresh step on an H100 (2.39 GiB), and proportional to the tokens."""
+    from benchmarks.harness import model_config
+    from jaxkv.engine.memory import step_activation_bytes
+
+    cfg = model_config("1b", 32768)
+    need = step_activation_bytes(cfg, 32768, 2)
+    assert 2.39 * GIB <= need <= 3 * GIB
+    assert step_activation_bytes(cfg, 8192, 2) * 4 == need
+    assert step_activation_bytes(cfg, 8192, 4) > step_activation_bytes(cfg, 8192, 2)
+
+
+def test_server_turns_xla_autotuning_off_unless_asked():
+    """Autotuning runs candidate kernels in device memory beside the pool while compiling; the server turns it
+    off, keeps the user's own level and turns it back on with --xla-autotune."""
+    from jaxkv.serve.__main__ import NO_AUTOTUNE, xla_flags
+
+    assert xla_flags("", autotune=False) == NO_AUTOTUNE
+    assert xla_flags("--xla_dump_to=/tmp/d", autotune=False) == f"--xla_dump_to=/tmp/d {NO_AUTOTUNE}"
+    assert xla_flags("--xla_gpu_autotune_level=4", autotune=False) == "--xla_gpu_autotune_level=4"
+    assert xla_flags("--xla_dump_to=/tmp/d", autotune=True) == "--xla_dump_to=/tmp/d"

@@ -27,14 +27,18 @@ def prompts(model):
     return out
 
 
-@pytest.mark.parametrize("name, budget, rows", [("engine", None, 2), ("snapkv", 0.25, 4), ("quest", 0.25, 4)])
-def test_run_many_equals_run_one_by_one(model, prompts, name, budget, rows):
+@pytest.mark.parametrize("name, budget, rows, step_tokens", [
+    ("engine", None, 2, None), ("snapkv", 0.25, 4, None), ("quest", 0.25, 4, None),
+    ("snapkv", 0.25, 4, 2048),  # every prompt in one step, as on an accelerator
+])
+def test_run_many_equals_run_one_by_one(model, prompts, name, budget, rows, step_tokens):
     fields = {} if budget is None else {"budget": budget}
     stop = tuple(model.config.eos_token_ids)
     one = get_method(name, model, **fields)
     expected = [one.run(PromptPieces(ids, [], []), max_new, stop).token_ids for ids, max_new in prompts]
     # rows=2 with four prompts: half of them wait in the engine's queue
-    got = get_method(name, model, **fields).run_many(prompts, stop, max_num_seqs=rows)
+    got = get_method(name, model, **fields).run_many(prompts, stop, max_num_seqs=rows,
+                                                    max_step_tokens=step_tokens)
     assert got == expected
     assert all(0 < len(g) <= max_new for g, (_, max_new) in zip(got, prompts))
 

@@ -141,7 +141,8 @@ class EngineMethod(Method):
             self._engine = self._build_engine(total, max_num_seqs=1)
         return self._engine
 
-    def _build_engine(self, total: int, max_num_seqs: int, kv_cache_bytes: int | None = None):
+    def _build_engine(self, total: int, max_num_seqs: int, kv_cache_bytes: int | None = None,
+                      max_step_tokens: int | None = None):
         """An engine for sequences of up to `total` tokens (a power-of-two bucket), this method's head classes
         and policy, no prefix sharing (every instance is computed on its own)."""
         from jaxkv.cache.head_classes import all_global
@@ -154,6 +155,8 @@ class EngineMethod(Method):
         elif hc == "model":
             hc = None
         sizing = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+        if max_step_tokens is not None:
+            sizing["max_step_tokens"] = max_step_tokens
         return Engine(self.model, max_num_seqs=max_num_seqs, max_model_len=pow2_bucket(total),
                       head_classes=hc, enable_prefix_caching=False, kv_policy=self.policy, **sizing)
 
@@ -172,10 +175,12 @@ class EngineMethod(Method):
         return min(pages * per_page, allowed)
 
     def run_many(self, prompts: list[tuple[list[int], int]], stop_ids: tuple[int, ...],
-                 max_num_seqs: int = 32) -> list[list[int]]:
+                 max_num_seqs: int = 32, max_step_tokens: int | None = None) -> list[list[int]]:
         """Greedy completions of many (prompt ids, max_new_tokens) at once, `max_num_seqs` rows a step (the
         rest queue in the engine): the same tokens as `run` one by one, without one engine step per token
-        per instance. Token ids only, the stop token stripped as `run` strips it."""
+        per instance. Token ids only, the stop token stripped as `run` strips it. `max_step_tokens`: prompt
+        tokens per engine step (None: the engine's default; prompts longer than a step still prefill
+        whole)."""
         from jaxkv.engine.config import EngineConfig
         from jaxkv.sampling import SamplingParams
 
@@ -188,7 +193,8 @@ class EngineMethod(Method):
         self._engine = None  # one engine at a time on the device (the device's free memory sizes the pool)
         gc.collect()  # an engine is a reference cycle: its pool goes only when collected
         kv_bytes = self._batch_kv_bytes(pow2_bucket(total), rows, EngineConfig.page_size)
-        eng = self._build_engine(total, max_num_seqs=rows, kv_cache_bytes=kv_bytes)
+        eng = self._build_engine(total, max_num_seqs=rows, kv_cache_bytes=kv_bytes,
+                                 max_step_tokens=max_step_tokens)
         rids = []
         for ids, max_new in prompts:
             sp = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=list(stop_ids),

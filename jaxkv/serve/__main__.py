@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,20 @@ from jaxkv.engine.config import LAYER_LOOPS
 # a step of 8192 tokens would take minutes, so it stays small.
 ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_step_tokens": 8192}
 CPU_DEFAULTS = {"max_num_seqs": 8, "max_step_tokens": 512}
+
+# XLA's GEMM autotuning runs candidate kernels while each step variant compiles, with buffers from the
+# device memory the KV pool leaves: on an H100 (1B model, the defaults above) the sized pool left too
+# little and compiling failed ("All configs failed during profiling ... Out of memory"). Without it the
+# cold precompile took 75 s instead of 114 s for 66 programs and the decode / prefill timings did not
+# change (docs/benchmarks.md, "XLA autotuning").
+NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
+
+
+def xla_flags(current: str, autotune: bool) -> str:
+    """XLA_FLAGS for the server: `current` plus autotuning off, unless asked for or set there already."""
+    if autotune or "xla_gpu_autotune_level" in current:
+        return current
+    return f"{current} {NO_AUTOTUNE}".strip()
 
 
 def _byte_size(text: str) -> int:
@@ -150,6 +165,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compile every step variant before accepting requests (no compile stall while "
                         "serving); default: on with an accelerator, off on CPU (where it takes minutes for "
                         "large --max-model-len / --max-step-tokens)")
+    p.add_argument("--xla-autotune", action="store_true",
+                   help="let XLA autotune GEMM kernels while compiling (off by default: it needs device "
+                        "memory beside the KV pool and slows the cold start; an --xla_gpu_autotune_level in "
+                        "XLA_FLAGS wins)")
     p.add_argument("--precompile-logprobs", action="store_true",
                    help="with precompile: also the variants of requests that ask for logprobs / top_logprobs "
                         "/ echo (about twice the variants; for evaluation harnesses)")
@@ -225,13 +244,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # before the backend starts (it reads XLA_FLAGS once)
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), args.xla_autotune)
 
     import jax
 
     import jaxkv
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
-    from jaxkv.engine.memory import device_kv_bytes
+    from jaxkv.engine.memory import ACTIVATION_RESERVE, device_kv_bytes, step_activation_bytes
     from jaxkv.parallel.mesh import make_mesh
     from jaxkv.serve.app import ServeLimits
     from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
@@ -256,7 +277,12 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         sized = {}
         if args.num_pages is None:  # an accelerator: the pool from its memory (jaxkv/engine/memory.py)
-            kv_bytes = device_kv_bytes(args.memory_utilization)
+            # the largest step: a fresh prompt prefills whole, up to the context
+            context = args.max_model_len or model.config.max_position_embeddings
+            longest = max(chosen["max_step_tokens"], context)
+            itemsize = jax.tree.leaves(model.params)[0].dtype.itemsize
+            reserve = ACTIVATION_RESERVE + step_activation_bytes(model.config, longest, itemsize)
+            kv_bytes = device_kv_bytes(args.memory_utilization, reserve=reserve)
             sized = {} if kv_bytes is None else {"kv_cache_bytes": kv_bytes}
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
                         max_model_len=args.max_model_len, **chosen, head_classes=head_classes,
