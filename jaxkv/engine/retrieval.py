@@ -526,7 +526,7 @@ class Retriever:
     def calls(self, policy: RetrievalPolicy) -> list[tuple]:
         """(variant, call) of every program in `programs`; a call returns (signature, function, arguments,
         static arguments) on all-padding inputs (every slot -1: running one writes nothing), nothing traced:
-        `warmup.precompile` lowers it on its thread, compiles it on the pool and installs it (`install`),
+        `warmup.precompile` lowers it on its thread, compiles it on the pool and installs it (`compiled`),
         or loads it from the step cache. The inputs are the ones serving passes (`_tap_call`,
         `_decode_call`), so serving finds the installed program."""
         from jaxkv.engine.warmup import STOP_BUCKET, _batch
