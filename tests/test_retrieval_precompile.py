@@ -65,7 +65,7 @@ def llama(tmp_path_factory):
 
 
 def test_precompiled_retrieval_programs_serve_without_compiling(llama, tmp_path):
-    from jaxkv.engine import compilations, retrieval
+    from jaxkv.engine import compilations, programs
 
     compilations.install()
     _, model = llama
@@ -76,9 +76,11 @@ def test_precompiled_retrieval_programs_serve_without_compiling(llama, tmp_path)
     n = eng.precompile(progress=False, step_cache=False, retrieval=pols)
     assert len(eng.retriever.compiled) == steps > 0  # every retrieval program installed, none left to jit
     assert n == len(eng.runner.compiled) + steps
-    before = (compilations.step_programs(), compilations.xla_programs()["compiled"], retrieval._aot_compiled)
+    counts = lambda: (compilations.step_programs(), compilations.xla_programs()["compiled"],  # noqa: E731
+                      programs.installed("retriever"))
+    before = counts()
     tokens = serve(eng, model, pols)
-    after = (compilations.step_programs(), compilations.xla_programs()["compiled"], retrieval._aot_compiled)
+    after = counts()
     assert after == before, f"compiled while serving: {before} -> {after}"
     lazy = engine(model)
     assert serve(lazy, model, pols) == tokens and not lazy.retriever.compiled

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv.engine.buckets import bucket_for
+from jaxkv.engine.programs import Programs
 from jaxkv.policies.apply import compress
 from jaxkv.policies.base import CompressPolicy
 
@@ -39,7 +40,8 @@ class Compressor:
         self.impl = "reference" if engine.runner.attn_impl == "reference" else None
         self.num_compressions = 0  # device calls since start
         self.pages_freed = 0
-        self.compiled: dict = {}  # (policy's device form, rows, page-table width) -> compiled (precompile)
+        # Programs compiled ahead of time (warmup.precompile): one per device form, rows and width class.
+        self.compiled = Programs("compressor", owned=("cfg", "impl", "mesh"))
 
     # ---- programs ---------------------------------------------------------------------------------
     # A compression program depends on the policy's device form (its fields but the budget, which reaches
@@ -66,24 +68,11 @@ class Compressor:
                                                           getattr(self.engine.model, "kv_head_perm", None)))
         return compress, (self.engine.runner.params, self.engine.runner.pool, b, self.heads), static
 
-    @staticmethod
-    def signature(pol: CompressPolicy, S: int, P: int) -> tuple:
-        return pol.device_form(), S, P
-
     def call(self, pol: CompressPolicy, S: int, P: int):
         """(signature, function, arguments, static arguments) of the program `pol` runs for S rows and P-page
         tables, nothing traced."""
         fn, args, static = self._call(pol, self.batch(pol, S, P))
-        return self.signature(pol, S, P), fn, args, static
-
-    def lower(self, pol: CompressPolicy, S: int, P: int):
-        """(signature, `jax.stages.Lowered`) of the program `pol` runs for S rows and P-page tables."""
-        signature, fn, args, static = self.call(pol, S, P)
-        return signature, fn.lower(*args, **static)
-
-    def install(self, signature, compiled) -> None:
-        """A compiled program where `compress` looks first (`warmup.precompile`)."""
-        self.compiled[signature] = compiled
+        return self.compiled.signature(fn, args, static), fn, args, static
 
     def precompile_policies(self) -> list[CompressPolicy]:
         """Every registered compression press this engine can run, with its default fields (one that needs
@@ -150,9 +139,7 @@ class Compressor:
             b["target"][row] = target
             b["recent_from"][row] = n - pol.recent_tokens(target)
         tables.fill_step([r.request_id for r in todo], b["page_table"], b["lengths"])
-        fn, args, static = self._call(pol, b)
-        exe = self.compiled.get(self.signature(pol, S, P))
-        pool, counts = exe(*args) if exe is not None else fn(*args, **static)
+        pool, counts = self.compiled.call(*self._call(pol, b))
         eng.runner.pool = pool
         counts = np.asarray(counts)
         for row, req in enumerate(todo):

@@ -512,8 +512,8 @@ class Engine:
         return room
 
     def _stop_ids(self, req: Request) -> set[int]:
-        sp = req.sampling
-        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos)
+        """Every token that ends `req` by `_stops` (for the decode loop, which stops a row on the device)."""
+        return {t for t in (*req.sampling.stop_token_ids, *self._eos) if self._stops(req, t)}
 
     def _build_decode(self, chunks: list[Chunk], prev=None) -> DecodeBatch:
         """`prev` = (last tokens [S] on the device, tokens each row produced in that call): the batch of a
@@ -589,11 +589,17 @@ class Engine:
         return b
 
     # ---- stop logic ---------------------------------------------------------------------------
+    def _stops(self, req: Request, token: int) -> bool:
+        """The stop rule: the request's `stop_token_ids`, and EOS unless it ignores EOS (no set built per
+        token)."""
+        sp = req.sampling
+        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self._eos)
+
     def _check_stop(self, req: Request) -> None:
         sp, last = req.sampling, req.output_ids[-1]
         out_of_room = len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len
         stream = req.stream
-        if last in sp.stop_token_ids or (not sp.ignore_eos and last in self._eos):  # no set built per token
+        if self._stops(req, last):
             req.finish_reason = "stop"  # counted as an output token, never shown as text
         elif stream is not None:
             stream.add([last], final=out_of_room)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.pool import write_kv
+from jaxkv.engine import programs
 from jaxkv.engine.runner import PendingDecode, fresh_attend
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve import buffer, host_tier
@@ -466,20 +467,9 @@ def _first_steps(b, k: int) -> None:
 
 def num_compilations() -> int:
     """Retrieval programs compiled so far: jit's own variants and those compiled ahead of time and installed
-    (`Retriever.install`)."""
+    (`Retriever.compiled`)."""
     jitted = (_step_tap, _decode_retrieval, _decode_retrieval_overlap)
-    return sum(fn._cache_size() for fn in jitted) + _aot_compiled
-
-
-_aot_compiled = 0  # programs compiled ahead of time and installed in a Retriever
-
-
-def _signature(fn, args, static) -> tuple:
-    """What tells one retrieval program from another within an engine: the function, its static arguments
-    and the layout of its per-call arguments (the parameters and the pool, args[0:2], are fixed)."""
-    leaves, treedef = jax.tree.flatten(args[2:])
-    layout = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
-    return (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, layout)
+    return sum(fn._cache_size() for fn in jitted) + programs.installed("retriever")
 
 
 class Retriever:
@@ -493,7 +483,8 @@ class Retriever:
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
         self._page_states: dict = {}  # RetrievalPolicy.page_state class -> its state, made on first use
-        self.compiled: dict = {}  # signature -> jax.stages.Compiled, filled by warmup.precompile
+        # Programs compiled ahead of time (warmup.precompile), called directly by the steps and decodes.
+        self.compiled = programs.Programs("retriever", owned=("cfg", "attn_impl", "mesh", "local_layers"))
         # The shared methods' selection buffers, host mirror and offload, with their statistics.
         self.buffers = SelectionBuffers(engine, self.params_for, host_tier=host_tier, resident=resident,
                                         inplace=inplace, overlap=overlap, eager=eager)
@@ -535,7 +526,7 @@ class Retriever:
     def calls(self, policy: RetrievalPolicy) -> list[tuple]:
         """(variant, call) of every program in `programs`; a call returns (signature, function, arguments,
         static arguments) on all-padding inputs (every slot -1: running one writes nothing), nothing traced:
-        `warmup.precompile` lowers it on its thread, compiles it on the pool and installs it (`install`),
+        `warmup.precompile` lowers it on its thread, compiles it on the pool and installs it (`compiled`),
         or loads it from the step cache. The inputs are the ones serving passes (`_tap_call`,
         `_decode_call`), so serving finds the installed program."""
         from jaxkv.engine.warmup import STOP_BUCKET, _batch
@@ -571,7 +562,7 @@ class Retriever:
                          prev_lengths=np.zeros((t, s, L, H), np.int32), active=np.zeros((t, s), bool),
                          stop_ids=np.full((s, STOP_BUCKET), -1, np.int32), **common)
                 fn, args, static = self._decode_call(policy, d, rows, np.zeros(s, bool), inplace, greedy)
-            return _signature(fn, args, static), fn, args, static
+            return self.compiled.signature(fn, args, static), fn, args, static
 
         return [(v, functools.partial(call, *v)) for v in self.programs(policy)]
 
@@ -590,7 +581,7 @@ class Retriever:
                 break
             done += 1
             _, fn, args, static = call()
-            out = self._run(fn, args, static)
+            out = self.compiled.call(fn, args, static)
             if kind == "tap":
                 self._keep_tap(static["policy"], static["page_state"], out)
             else:
@@ -598,19 +589,6 @@ class Retriever:
                 if out[-1] is not None:
                     self.buffers.keep(policy, out[-1])
         return done
-
-    def install(self, signature, compiled) -> None:
-        """A program compiled ahead of time where `_run` looks first (`warmup.precompile`)."""
-        global _aot_compiled
-        if signature not in self.compiled:
-            _aot_compiled += 1
-        self.compiled[signature] = compiled
-
-    def _run(self, fn, args, static):
-        """The installed program of this call when there is one (called as jit would: the same donated
-        buffers, the same placements), else jit's own path."""
-        exe = self.compiled.get(_signature(fn, args, static)) if self.compiled else None
-        return exe(*args) if exe is not None else fn(*args, **static)
 
     def _tap_call(self, arrays, rows, policy, page_cls, greedy, fresh):
         """(function, arguments, static arguments) of a ragged step with the tap: `policy` the stateful
@@ -729,7 +707,8 @@ class Retriever:
         # step's inputs are those precompile warmed.
         skip = ("fresh", "top_width", "prompt_next")
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
-        out = self._run(*self._tap_call(arrays, rows, policy, page_cls, not b.temperature.any(), b.fresh))
+        greedy = not b.temperature.any()
+        out = self.compiled.call(*self._tap_call(arrays, rows, policy, page_cls, greedy, b.fresh))
         self._keep_tap(policy, page_cls, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)
         return jax.device_get(out[:2])  # one sync for tokens and logprobs
@@ -777,7 +756,8 @@ class Retriever:
         known = self.buffers.known(policy, rows, chunks)
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "top_width"}  # never asked here
         inplace = self.buffers.reads_in_place(policy, chunks)
-        out = self._run(*self._decode_call(policy, arrays, rows, known, inplace, not b.temperature.any()))
+        greedy = not b.temperature.any()
+        out = self.compiled.call(*self._decode_call(policy, arrays, rows, known, inplace, greedy))
         tokens, logprobs, ran, last, stats, moved, *_, sbuf = out
         self._keep_decode(policy, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.pool import init_pool, write_kv
+from jaxkv.engine import programs
 from jaxkv.models import llama
 from jaxkv.parallel import shard as tp_shard
 from jaxkv.sampling import sample, top_logprobs
@@ -367,11 +368,8 @@ def num_compilations() -> int:
     retrace."""
     from jaxkv.engine import device_tables  # the step metadata computed on the device
 
-    return (_step._cache_size() + _step_graphless._cache_size() + _decode._cache_size() + _aot_compiled
-            + device_tables.num_compilations())
-
-
-_aot_compiled = 0  # programs compiled ahead of time and installed in a runner (ModelRunner.install)
+    return (_step._cache_size() + _step_graphless._cache_size() + _decode._cache_size()
+            + programs.installed("runner") + device_tables.num_compilations())
 
 
 class ModelRunner:
@@ -395,7 +393,8 @@ class ModelRunner:
         self.attn_impl = attn_impl
         # The multi-layer plan is the Pallas kernel's; the jnp twin takes the contract's arguments per layer.
         self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
-        self.compiled: dict = {}  # signature -> jax.stages.Compiled, filled by warmup.precompile
+        # Programs compiled ahead of time (warmup.precompile), called directly by `run` and `decode`.
+        self.compiled = programs.Programs("runner", owned=("cfg", "attn_impl", "use_plan", "mesh"))
 
     def _kw(self, greedy: bool) -> dict:
         return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy),
@@ -408,14 +407,14 @@ class ModelRunner:
 
     def run_extras(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, dict]:
         """`run`, plus what the batch's logprob fields asked for (host arrays, `_extras`; empty when none)."""
-        tokens, logprobs, extras, self.pool = self._dispatch(*self._step_call(batch))
+        tokens, logprobs, extras, self.pool = self.compiled.call(*self._step_call(batch))
         return jax.device_get((tokens, logprobs, extras))  # one sync (two fetches: ~1 ms more on an H200)
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
         """Dispatches K decode steps and returns at once (nothing waits for the device). Every input goes
         up as a device array in one `device_put`: `tokens` may already be one (a previous call's `last`),
         and jit keeps numpy and device inputs as separate variants, so all calls must agree on one."""
-        tokens, logprobs, ran, last, extras, self.pool = self._dispatch(*self._decode_call(batch))
+        tokens, logprobs, ran, last, extras, self.pool = self.compiled.call(*self._decode_call(batch))
         return PendingDecode(tokens, logprobs, ran, last, top=extras.get("top"))
 
     def _step_call(self, batch: StepBatch):
@@ -438,36 +437,11 @@ class ModelRunner:
         return _decode, (self.params, self.pool, jax.device_put({**arrays, **self._heads})), dict(
             **self._kw(not batch.temperature.any()), **extra)
 
-    def _dispatch(self, fn, args, static):
-        """A program compiled ahead of time (`lower` + `install`) when one matches, else jit's own path."""
-        exe = self.compiled.get(_signature(fn, args, static)) if self.compiled else None
-        return exe(*args) if exe is not None else fn(*args, **static)
-
     def call(self, batch: StepBatch | DecodeBatch):
         """(signature, function, arguments, static arguments) of the program `run` / `decode` would call for
         `batch`, nothing traced (`warmup.precompile` lowers it, or loads it from the step cache)."""
         fn, args, static = (self._step_call if isinstance(batch, StepBatch) else self._decode_call)(batch)
-        return _signature(fn, args, static), fn, args, static
-
-    def lower(self, batch: StepBatch | DecodeBatch):
-        """(signature, `jax.stages.Lowered`) of the program `run` / `decode` would call for `batch`. Lowering
-        traces in this thread; the returned programs compile in parallel threads (`warmup.precompile`)."""
-        signature, fn, args, static = self.call(batch)
-        return signature, fn.lower(*args, **static)
-
-    def install(self, signature, compiled) -> None:
-        global _aot_compiled
-        if signature not in self.compiled:
-            _aot_compiled += 1
-        self.compiled[signature] = compiled
-
-
-def _signature(fn, args, static) -> tuple:
-    """What tells one compiled step program from another within a runner: the function, its static
-    branches (sampling, fresh prompt, logprob extras) and the batch arrays' shapes and dtypes (params and
-    pool are fixed per runner)."""
-    return (fn, static["greedy"], static.get("fresh_heads") is not None, static.get("top_width", 0),
-            static.get("prompt_lp", False), tuple((k, v.shape, v.dtype) for k, v in args[2].items()))
+        return self.compiled.signature(fn, args, static), fn, args, static
 
 
 def _split_heads(sink: np.ndarray, window: np.ndarray, tp: int):

@@ -23,8 +23,6 @@ import logging
 import os
 import pickle
 import sys
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -90,7 +88,7 @@ class StepCache:
     def __init__(self, directory: str | os.PathLike, fingerprint: str):
         self.dir = Path(directory)
         self.fingerprint = hashlib.sha256((environment() + "|" + fingerprint).encode()).hexdigest()
-        self.hits = self.misses = self.errors = 0  # loads run one at a time (`_LOAD_LOCK` or precompile)
+        self.hits = self.misses = self.errors = 0  # loads run one at a time (a lock, or precompile)
 
     @classmethod
     def for_engine(cls, engine, directory: str | os.PathLike | None = None) -> StepCache | None:
@@ -160,53 +158,3 @@ class StepCache:
         except Exception as e:  # noqa: BLE001 - a program that cannot be kept compiles again next start
             log.warning("jaxkv: could not keep a compiled step in %s (%s)", self.dir,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
-
-
-_LOAD_LOCK = threading.Lock()  # one load at a time: parallel loads of Mosaic GPU programs fail
-
-
-class KeptPrograms(dict):
-    """signature -> compiled program, where some signatures are still only kept on disk (`pending`): `get`
-    loads such a program on first use (a load, ~0.3 s, never a compile), and `load_all` (a background
-    thread) loads the rest meanwhile. Stands in for a runner's or compressor's `compiled` dict."""
-
-    def __init__(self, existing: dict, cache: StepCache):
-        super().__init__(existing)
-        self.cache = cache
-        self.pending: dict = {}  # signature -> key
-        self._loading = False
-        self._wanted = 0  # steps waiting in `get` for a load
-
-    def __bool__(self):  # callers skip an empty dict: one with programs still on disk is not empty
-        return bool(len(self) or self.pending or self._loading)
-
-    def get(self, signature, default=None):
-        exe = super().get(signature)
-        if exe is None and (self.pending or self._loading):  # kept, or being loaded by the other thread
-            self._wanted += 1  # the background loader steps aside: a step waiting on a program goes first
-            try:
-                exe = self._load(signature)
-            finally:
-                self._wanted -= 1
-        if exe is None:
-            exe = super().get(signature)  # stored by the other thread since the first look
-        return default if exe is None else exe
-
-    def _load(self, signature):
-        with _LOAD_LOCK:
-            exe = super().get(signature)
-            if exe is None and signature in self.pending:
-                self._loading = True
-                try:
-                    exe = self.cache.load(self.pending.pop(signature))
-                    if exe is not None:
-                        self[signature] = exe
-                finally:
-                    self._loading = False
-            return exe
-
-    def load_all(self) -> None:
-        for signature in list(self.pending):
-            while self._wanted:  # a step needs a program now (the lock is not fair: let it in first)
-                time.sleep(0.001)
-            self._load(signature)

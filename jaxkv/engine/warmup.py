@@ -84,22 +84,24 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
 
     Each program is traced and lowered here, one after another (tracing holds the GIL), and its XLA
     compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
-    cores up to 16), where XLA works without the GIL; the compiled programs are installed where their
-    callers look first (the runner, the compressor, the retriever), which call them directly. Programs kept
+    cores up to 16), where XLA works without the GIL; the compiled programs are installed in their
+    owner's `compiled` (`jaxkv.engine.programs`: the runner, the compressor, the retriever), whose calls run
+    them directly. Programs kept
     by an earlier start in the step cache (`jaxkv.engine.step_cache`; `step_cache`: its directory, False:
     off, None: the default) are loaded instead, nothing traced; the others are written there once
     compiled. `background`: kept programs load on a background thread after this returns
     (`engine.program_loader`; a step that needs one first loads it itself), so a server is ready before
     every program is loaded."""
-    from jaxkv.engine.step_cache import KeptPrograms, StepCache
+    from jaxkv.engine.step_cache import StepCache
 
     runner, compressor, retriever = engine.runner, engine.compressor, engine.retriever
-    owners = (runner, compressor, retriever)
-    # (variant, its call, the owner whose `compiled` its program goes to: runner, compressor or retriever)
-    jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner) for v in variants(engine, logprobs)]
-    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j), compressor)
+    holders = (runner.compiled, compressor.compiled, retriever.compiled)  # `jaxkv.engine.programs.Programs`
+    # (variant, its call, the programs of its owner: the runner, the compressor or the retriever)
+    jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.compiled)
+            for v in variants(engine, logprobs)]
+    jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j), compressor.compiled)
              for pol, s, p in press_programs(engine, presses)]
-    jobs += [((f"retrieval {kind}", *rest, pol.name), call, retriever)
+    jobs += [((f"retrieval {kind}", *rest, pol.name), call, retriever.compiled)
              for pol in retrieval for (kind, *rest), call in retriever.calls(pol)]
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
@@ -110,49 +112,47 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
     largest = (0, None)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
         calls = []
-        for variant, call, owner in jobs:
+        for variant, call, programs in jobs:
             if stop_near_map_cap(len(calls), len(jobs)):
                 break
             signature, fn, args, static = call()
             key = cache.key(fn, args, static) if cache is not None else None
-            calls.append((variant, owner, signature, fn, args, static, key))
+            calls.append((variant, programs, signature, fn, args, static, key))
         done = len(calls)
         # programs kept by an earlier start load here (or later, `background`), one at a time (loads on
         # parallel threads failed on an H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing
         # traced
         if cache is not None and background:
-            for owner in owners:
-                owner.compiled = KeptPrograms(owner.compiled, cache)
             kept = [True if cache.has(c[-1]) else None for c in calls]
-            for (variant, owner, signature, *_, key), later in zip(calls, kept):
+            for (variant, programs, signature, *_, key), later in zip(calls, kept):
                 if later:
-                    owner.compiled.pending[signature] = key
+                    programs.keep(signature, cache, key)
                     largest = max(largest, (cache.scratch(key), variant), key=lambda x: x[0])
                     bar.update()
         else:
             kept = [cache.load(c[-1]) for c in calls] if cache is not None else [None] * done
         futures, built = [], []
-        for (variant, owner, signature, fn, args, static, key), compiled in zip(calls, kept):
+        for (variant, programs, signature, fn, args, static, key), compiled in zip(calls, kept):
             if compiled is True:  # loads later
                 continue
             if compiled is not None:
-                owner.install(signature, compiled)
+                programs.install(signature, compiled)
                 largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
                 bar.update()
                 continue
             lowered = fn.lower(*args, **static)
             fut = pool.submit(lowered.compile)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
-            futures.append((variant, owner, signature, lowered, fut, key))
+            futures.append((variant, programs, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {len(futures)}", refresh=False)
-        for variant, owner, signature, lowered, fut, key in futures:
+        for variant, programs, signature, lowered, fut, key in futures:
             try:
                 compiled = fut.result()
             except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
                 log.warning("jaxkv: compiling step variant %s failed on a compile thread (%s); compiling it "
                             "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 compiled = lowered.compile()
-            owner.install(signature, compiled)
+            programs.install(signature, compiled)
             built.append((key, compiled))
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
     bar.close()
@@ -165,12 +165,12 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             for key, compiled in built:
                 cache.save(key, compiled, scratch_bytes(compiled))
     if cache is not None and background:
-        pending = sum(len(owner.compiled.pending) for owner in owners)
+        pending = sum(len(programs.pending) for programs in holders)
         started = time.perf_counter()
 
         def load_all():
-            for owner in owners:
-                owner.compiled.load_all()
+            for programs in holders:
+                programs.load_all()
             log.info("jaxkv: %d kept programs loaded in %.1f s", pending, time.perf_counter() - started)
 
         engine.program_loader = threading.Thread(target=load_all, daemon=True, name="jaxkv-program-loader")

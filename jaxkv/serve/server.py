@@ -160,11 +160,12 @@ def precompile(engine, progress: bool = True, logprobs: bool = False, retrieval=
 def retrieval_policy(spec: str):
     """`NAME` or `NAME@TOKENS` (a `--precompile-retrieval` entry) -> the retrieval policy a request naming
     that method and budget resolves to. The budget is a shape (top-k), so each budget has its own programs."""
+    from jaxkv.engine.engine import _retrieves
     from jaxkv.policies import POLICIES, get_policy
 
     name, _, budget = spec.partition("@")
-    if getattr(POLICIES.get(name), "kind", None) != "retrieval":
-        known = sorted(n for n, c in POLICIES.items() if getattr(c, "kind", None) == "retrieval")
+    if not _retrieves(POLICIES.get(name)):
+        known = sorted(n for n, c in POLICIES.items() if _retrieves(c))
         raise ValueError(f"--precompile-retrieval: {name!r} is not a retrieval method "
                          f"(known: {', '.join(known)})")
     if not budget:

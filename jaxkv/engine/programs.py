@@ -1,0 +1,121 @@
+"""Programs compiled ahead of time for one owner of device programs (the model runner, the compressor, the
+retriever). `warmup.precompile` installs them here, or marks them kept on disk by the step cache
+(`jaxkv.engine.step_cache`) to load on first use or on a background thread; the owner's calls go through
+`Programs.call`, which runs the installed program whose signature matches, else the jitted function itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+
+_LOAD_LOCK = threading.Lock()  # one load at a time (all owners): parallel loads of Mosaic GPU programs fail
+_installed: dict[str, int] = {}  # owner kind -> programs installed ahead of time in this process
+
+
+def installed(kind: str) -> int:
+    """Programs installed ahead of time in this process in owners of `kind` ("runner", "compressor",
+    "retriever"), each signature once per owner; programs loaded later from `pending` are not counted. The
+    runner's and the retrieval module's `num_compilations()` add theirs to jit's own variants."""
+    return _installed.get(kind, 0)
+
+
+class Programs:
+    """One owner's compiled programs, by signature (`signature`). `owned`: the static arguments that are the
+    same in every call of this owner (its model configuration, mesh, attention implementation): they stay
+    out of the signature, since hashing them at every call would cost more than the look-up itself.
+
+    Programs kept on disk (`keep`) sit in `pending` until a call needs one (a load, ~0.3 s, never a compile)
+    or `load_all` (a background thread) loads it; a call waiting for a load goes before the background
+    loader."""
+
+    def __init__(self, kind: str, owned=()):
+        self.kind = kind
+        self.owned = frozenset(owned)
+        self._programs: dict = {}  # signature -> jax.stages.Compiled
+        self.pending: dict = {}  # signature -> step cache key, not loaded yet
+        self.cache = None  # the step cache `pending` loads from
+        self._loading = False
+        self._wanted = 0  # calls waiting in `lookup` for a load
+
+    def signature(self, fn, args, static) -> tuple:
+        """What tells one program of this owner from another: the function, its static arguments but the
+        `owned` ones, and the layout of the per-call arguments. `args`: (parameters, pool, batch, *state):
+        the parameters and the pool are the owner's; the batch, a flat dict of arrays, gives each entry's
+        name, shape and dtype in its order (device arrays: their abstract value, with weak type and
+        placement); any further arguments (a method's state) give their structure and their leaves' abstract
+        values. The batch is read entry by entry, not flattened as a pytree: every decode call pays for this
+        (CPU: 2.6 us for a decode batch, where the runner's own rule took 3.7)."""
+        owned, host = self.owned, np.ndarray
+        key = (fn, tuple(sorted([kv for kv in static.items() if kv[0] not in owned])),
+               tuple([(k, x.shape, x.dtype) if type(x) is host else (k, x.aval) for k, x in args[2].items()]))
+        if len(args) == 3:
+            return key
+        leaves, treedef = jax.tree.flatten(args[3:])
+        return (*key, treedef, tuple([jax.typeof(x) for x in leaves]))
+
+    def install(self, signature, compiled) -> None:
+        """A compiled program where `call` looks first (`warmup.precompile`)."""
+        if signature not in self._programs:
+            _installed[self.kind] = _installed.get(self.kind, 0) + 1
+        self._programs[signature] = compiled
+
+    def keep(self, signature, cache, key: str) -> None:
+        """A program the step cache `cache` keeps under `key`, loaded when first needed (`lookup`) or by
+        `load_all`."""
+        self.cache = cache
+        self.pending[signature] = key
+
+    def lookup(self, signature):
+        """The program of `signature` (loading it first when it is still only on disk), else None."""
+        exe = self._programs.get(signature)
+        if exe is None and (self.pending or self._loading):  # kept, or being loaded by the other thread
+            self._wanted += 1  # the background loader steps aside: a call waiting on a program goes first
+            try:
+                exe = self._load(signature)
+            finally:
+                self._wanted -= 1
+            if exe is None:
+                exe = self._programs.get(signature)  # stored by the other thread since the first look
+        return exe
+
+    def call(self, fn, args, static):
+        """The installed program of this call when there is one (called as jit would: the same donated
+        buffers, the same placements), else jit's own path. With nothing installed no signature is built."""
+        if self._programs or self.pending or self._loading:
+            exe = self.lookup(self.signature(fn, args, static))
+            if exe is not None:
+                return exe(*args)
+        return fn(*args, **static)
+
+    def load_all(self) -> None:
+        """Loads every pending program, stepping aside while a call waits for one."""
+        for signature in list(self.pending):
+            while self._wanted:  # a call needs a program now (the lock is not fair: let it in first)
+                time.sleep(0.001)
+            self._load(signature)
+
+    def _load(self, signature):
+        with _LOAD_LOCK:
+            exe = self._programs.get(signature)
+            if exe is None and signature in self.pending:
+                self._loading = True
+                try:
+                    exe = self.cache.load(self.pending.pop(signature))
+                    if exe is not None:
+                        self._programs[signature] = exe
+                finally:
+                    self._loading = False
+            return exe
+
+    def __len__(self) -> int:  # programs loaded (installed or loaded from `pending`)
+        return len(self._programs)
+
+    def __bool__(self) -> bool:  # one with programs still on disk is not empty
+        return bool(self._programs or self.pending or self._loading)
+
+    def values(self):
+        return self._programs.values()
