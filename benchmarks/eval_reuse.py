@@ -37,11 +37,12 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--out", default="eval_reuse.json")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     record = {"command": command_line("benchmarks.eval_reuse", argv), "device": describe_device(),
               "args": vars(args)}
 
-    model = jaxkv.load(args.model)
+    model = jaxkv.load(args.model, dtype=args.dtype)
     tok = model.tokenizer
     stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
     full = get_method("full", model)

@@ -145,7 +145,8 @@ def main(argv=None):
         """sdpa, except for presses that read the attention weights (eager; loaded when first needed)."""
         impl = "eager" if spec and spec["press"] in EAGER_PRESSES else "sdpa"
         if impl not in models:
-            models[impl] = LlamaForCausalLM.from_pretrained(req["model"], dtype=torch.float32,
+            dtype = getattr(torch, req.get("dtype", "float32"))
+            models[impl] = LlamaForCausalLM.from_pretrained(req["model"], dtype=dtype,
                                                             attn_implementation=impl).to(device).eval()
         return models[impl]
 

@@ -46,6 +46,8 @@ def jobs(args) -> list[tuple[str, str, list[str]]]:
     """(kind, log name, argv) of every process of the grid, the shorter contexts first, reuse last."""
     out = []
     common = ["--model", args.model, "--tasks", ",".join(args.tasks), "--budgets", args.budgets]
+    common += [] if args.dtype == "float32" else ["--dtype", args.dtype]
+    tag = "" if args.dtype == "float32" else f"_{args.dtype}"  # other dtypes log beside, never mixed
     for ctx in args.contexts:
         for seed in args.seeds:
             base = common + ["--context", str(ctx), "--num", str(args.num), "--seed", str(seed)]
@@ -55,20 +57,21 @@ def jobs(args) -> list[tuple[str, str, list[str]]]:
                 argv = [*base, "--skip-kvpress", "--methods", ",".join(group)]
                 argv += ["--full"] if i == 0 else []
                 argv += ["--retrieval-head", args.retrieval_head] if "specontext" in group else []
-                out.append(("ours", f"ours_{ctx}_{seed}_{'-'.join(group)}.json",
+                out.append(("ours", f"ours_{ctx}_{seed}_{'-'.join(group)}{tag}.json",
                             ["-m", "benchmarks.kvpress", "accuracy", *argv]))
             if args.kvpress_python:
                 for i, group in enumerate(KVPRESS):
                     argv = [*base, "--skip-ours", "--methods", ",".join(group), "--hf-dir", args.hf_dir,
                             "--kvpress-python", args.kvpress_python, "--threads", "2"]
                     argv += ["--full"] if i == 0 else []
-                    out.append(("kvpress", f"kvpress_{ctx}_{seed}_{'-'.join(group)}.json",
+                    out.append(("kvpress", f"kvpress_{ctx}_{seed}_{'-'.join(group)}{tag}.json",
                                 ["-m", "benchmarks.kvpress", "accuracy", *argv]))
             reuse = ["-m", "benchmarks.eval_reuse", "--model", args.model, "--tasks", "real_rag",
-                     "--context", str(ctx), "--num", str(args.num), "--seed", str(seed), "--methods"]
-            out.append(("ours", f"reuse_{ctx}_{seed}.json", [*reuse, ",".join(REUSE)]))
+                     "--context", str(ctx), "--num", str(args.num), "--seed", str(seed)]
+            reuse += ([] if args.dtype == "float32" else ["--dtype", args.dtype]) + ["--methods"]
+            out.append(("ours", f"reuse_{ctx}_{seed}{tag}.json", [*reuse, ",".join(REUSE)]))
             if args.head_classes:  # RedKnot with the model's profiled head classes and its FFN reuse
-                out.append(("ours", f"reuse_{ctx}_{seed}_redknot-map.json",
+                out.append(("ours", f"reuse_{ctx}_{seed}_redknot-map{tag}.json",
                             [*reuse, f"redknot:head_classes={args.head_classes};ffn_reuse=true;"
                                      "ffn_select=deviation"]))
     out.sort(key=lambda j: j[1].startswith("reuse_"))  # the reuse passes (instances one at a time) last
@@ -116,12 +119,14 @@ def press_table(out_dir: Path) -> tuple[str, dict]:
     kvpress, and identical completions of the two sides on the same prompts."""
     from benchmarks.kvpress import cell_labels
 
-    rows_by_ctx: dict[int, list] = {}
+    rows_by_ctx: dict[str, list] = {}  # "2048", or "8192 bfloat16" for a column run in another dtype
     for log in _logs(out_dir, "ours") + _logs(out_dir, "kvpress"):
+        dtype = log.get("dtype", "float32")
+        ctx = str(log["context"]) + ("" if dtype == "float32" else f" {dtype}")
         for r in log["rows"]:
-            rows_by_ctx.setdefault(int(log["context"]), []).append(r | {"seed": log["seed"]})
+            rows_by_ctx.setdefault(ctx, []).append(r | {"seed": log["seed"]})
     md, curves = [], {}
-    for ctx in sorted(rows_by_ctx):
+    for ctx in sorted(rows_by_ctx, key=lambda c: (int(c.split()[0]), c)):
         rows = rows_by_ctx[ctx]
         labels = cell_labels(rows)
         budgets = sorted({lab.partition("@")[2] for lab in labels if "@" in lab}, key=lambda b: -float(b))
@@ -181,10 +186,11 @@ def press_table(out_dir: Path) -> tuple[str, dict]:
 
 
 def reuse_table(out_dir: Path) -> str:
-    by_ctx: dict[int, dict[str, list]] = {}
+    by_ctx: dict[str, dict[str, list]] = {}
     for p in sorted(out_dir.glob("reuse_*.json")):
         log = json.loads(p.read_text())
-        ctx = int(p.stem.split("_")[1])
+        dtype = log.get("args", {}).get("dtype", "float32")
+        ctx = p.stem.split("_")[1] + ("" if dtype == "float32" else f" {dtype}")
         for r in log.get("rows", []):
             if r["method"] == "full" and "redknot-map" in p.name:
                 continue  # the same instances' full cache is in the context's main reuse log
@@ -213,7 +219,7 @@ def plot(curves: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ctxs = sorted({c for c, _, _ in curves})
+    ctxs = sorted({c for c, _, _ in curves}, key=lambda c: (int(str(c).split()[0]), str(c)))
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False, sharey=True)
     colors = {}
     for ax, ctx in zip(axes[0], ctxs):
@@ -287,6 +293,8 @@ def main(argv=None) -> None:
                     "--export); none: SpeContext is left out")
     ap.add_argument("--head-classes",
                     help="RedKnot's head classes for this model (tools.profile_heads --out)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both sides' dtype; another than float32 logs beside it (name suffix), own column")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--only", default="", help="comma-separated: run only the processes whose log name "
                     "contains one of these (e.g. specontext,redknot-map)")

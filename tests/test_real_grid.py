@@ -30,7 +30,7 @@ def test_real_grid_jobs_cover_the_grid_and_leave_out_what_lacks_its_artefact():
 
     args = argparse.Namespace(model="m", tasks=["real_vt"], budgets="0.5", contexts=[2048, 4096],
                               seeds=[1, 2], num=1, retrieval_head=None, kvpress_python="py",
-                              head_classes=None, hf_dir="hf", only=[])
+                              head_classes=None, hf_dir="hf", only=[], dtype="float32")
     names = [name for _, name, _ in real_grid.jobs(args)]
     assert len(names) == len(set(names))
     assert not any("specontext" in n or "redknot-map" in n for n in names)  # no head, no head classes
@@ -39,3 +39,24 @@ def test_real_grid_jobs_cover_the_grid_and_leave_out_what_lacks_its_artefact():
     assert names[-4:] == [f"reuse_{c}_{s}.json" for c in (2048, 4096) for s in (1, 2)]  # reuse last
     args.retrieval_head, args.head_classes = "head", "hc.json"
     assert sum("specontext" in n or "redknot-map" in n for _, n, _ in real_grid.jobs(args)) == 8
+
+
+def test_real_grid_keeps_another_dtype_in_its_own_logs_and_column(tmp_path):
+    """A bfloat16 column (fast on a GPU) logs under its own names, passes --dtype to every process and is
+    tabled apart from the float32 cells of the same context, never averaged with them."""
+    import argparse
+
+    args = argparse.Namespace(model="m", tasks=["real_vt"], budgets="0.5", contexts=[8192], seeds=[1], num=1,
+                              retrieval_head=None, kvpress_python="py", head_classes=None, hf_dir="hf",
+                              only=[], dtype="bfloat16")
+    jobs = real_grid.jobs(args)
+    assert all(name.endswith("_bfloat16.json") for _, name, _ in jobs)
+    assert all(argv[argv.index("--dtype") + 1] == "bfloat16" for _, _, argv in jobs)
+    row = {"side": "ours", "cell": "snapkv@0.5", "task": "real_vt", "index": 0, "tokens": [1]}
+    for dtype, score in (("float32", 1.0), ("bfloat16", 0.0)):
+        log = {"context": 8192, "seed": 1, "dtype": dtype, "rows": [row | {"score": score}]}
+        (tmp_path / f"ours_8192_1_snapkv_{dtype}.json").write_text(json.dumps(log))
+    md, _ = real_grid.press_table(tmp_path)
+    assert "**8192 tokens**" in md and "**8192 bfloat16 tokens**" in md
+    f32, bf16 = md.split("**8192 bfloat16 tokens**")  # float32 first, then the other dtype
+    assert "1.000 / -" in f32 and "0.000 / -" in bf16
