@@ -37,9 +37,10 @@ from jaxkv.policies.reuse.ffn_cache import SegmentFFNCache
 from jaxkv.sampling import top_logprobs_host
 
 # Sparse-phase rows of a prompt bucket of T tokens: the smallest of these fractions of T that holds the
-# method's rows (at least 8). Ratio <= 2 between neighbours; 3/16 holds the default 15 % selection of
-# SparseX and CacheBlend with its forced rows, 1/32 the new text of naive / EPIC requests. Six row buckets
-# per token bucket: a method that picks its rows compiles at most 6 x 37 passes up to a 32K context.
+# method's rows (at least 8). 1/32 holds the new text of most naive and EPIC requests (padding <= 3 % of
+# the prompt's rows), 3/16 the default 15 % selection of SparseX and CacheBlend with their forced rows;
+# ratio <= 2 from 1/8 up. Six row buckets per token bucket: a method that picks its rows compiles
+# 6 x 37 = 222 passes up to a 32K context (docs/policies.md, "Buckets").
 ROW_FRACTIONS = ((1, 32), (1, 8), (3, 16), (1, 4), (1, 2), (1, 1))
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
 # dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
