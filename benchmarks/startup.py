@@ -160,8 +160,10 @@ def main(argv=None) -> None:
     ap.add_argument("--first-request", type=int, default=0, metavar="N",
                     help="no precompile: time one request of N prompt tokens + 16 decoded on a fresh engine "
                          "twice (the first compiles what it needs) instead")
-    ap.add_argument("--precompile-reuse", default="redknot", type=lambda v: [m for m in v.split(",") if m],
-                    metavar="METHODS", help="segment-reuse methods whose passes precompile ('' = none)")
+    ap.add_argument("--precompile-reuse", default=",".join(REUSE_METHODS),
+                    type=lambda v: [m for m in v.split(",") if m], metavar="METHODS",
+                    help="segment-reuse methods whose passes precompile (default: every method of the mix; "
+                         "'' = none)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
     ap.add_argument("--json", default=None)

@@ -1,18 +1,18 @@
 """After precompile, a request mix of every kind the engine precompiles compiles nothing: plain greedy and
-sampled requests of short and long prompts, n > 1, compression presses, RedKnot segment reuse on registered
-segments and SpeContext (a random retrieval head made by the project's head code). The mix is the startup
-benchmark's (benchmarks/startup.py), counted by the engine's compile counters."""
+sampled requests of short and long prompts, n > 1, compression presses, every segment-reuse method on
+registered segments and SpeContext (a random retrieval head made by the project's head code). The mix is
+the startup benchmark's (benchmarks/startup.py), counted by the engine's compile counters."""
 
 import pytest
 
 import jaxkv
-from benchmarks.startup import random_retrieval_head, request_mix
+from benchmarks.startup import REUSE_METHODS, random_retrieval_head, request_mix
 from jaxkv.engine import compilations
 from jaxkv.engine.engine import Engine
 from tests.hf_tiny import make_tiny_checkpoint
 
 PRESSES = ["snapkv", "streaming_llm"]
-KINDS = ["greedy", "sampled", "n=4", *(f"press:{p}" for p in PRESSES), "reuse:redknot",
+KINDS = ["greedy", "sampled", "n=4", *(f"press:{p}" for p in PRESSES), *(f"reuse:{m}" for m in REUSE_METHODS),
          "retrieval:specontext"]
 
 
@@ -30,12 +30,12 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     engine = _engine(llama)
     retrieval = random_retrieval_head(llama)
     n = engine.precompile(progress=False, presses=PRESSES, retrieval=[retrieval])
-    assert engine.precompile_reuse("redknot", progress=False) > 0
+    assert engine.precompile_reuse(list(REUSE_METHODS), progress=False) > 0
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,
                       presses=PRESSES, kinds=KINDS)
     assert sorted(mix["compiled_per_kind"]) == sorted(KINDS)  # every kind ran (reuse needs global heads)
-    assert mix["requests"] == 3 + 3 + 4 + len(PRESSES) + 1 + 2  # prompts of 5, 32 and 64 tokens
+    assert mix["requests"] == 3 + 3 + 4 + len(PRESSES) + len(REUSE_METHODS) + 2  # prompts of 5, 32, 64 tokens
     assert engine.compressor.num_compressions == len(PRESSES)
     compiled = {k: v for k, v in mix["compiled_per_kind"].items() if any(v.values())}
     assert compiled == {}, f"compiled after ready: {compiled}"
