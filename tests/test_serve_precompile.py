@@ -121,7 +121,7 @@ def test_precompile_retrieval_refuses_a_compression_press(tmp_path):
     assert "--precompile-retrieval" in r.stderr and "quest" in r.stderr and "Traceback" not in r.stderr
 
 
-_TRACED_REUSE = re.compile(r"Finished tracing \+ transforming reuse_prefill ")
+_TRACED_REUSE = re.compile(r"Finished tracing reuse_prefill ")
 
 
 def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
