@@ -455,12 +455,13 @@ def test_every_method_precompiles_and_then_serves_without_a_compile(model, piece
     compiled = num_compilations()
     n = eng.precompile_reuse(pols, progress=False)
     assert n == sum(len(pass_shapes(p, eng.max_model_len)) for p in pols) == 4 * 6 + 5   # T 128; 8 .. 128
-    assert num_compilations() == compiled + n
+    assert n - 6 <= num_compilations() - compiled <= n   # naive's fields are every test's: some were there
+    compiled = num_compilations()
     for before, now in zip(pool0, (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)):
         np.testing.assert_array_equal(np.asarray(now), before)
     layouts = [(pre, [s1, s2], suf), (pre, [s1, s2], long_q), (pre[:2], [s2], suf + suf)]
     got = {(p.name, i): run(eng, *lay, p)[0] for p in pols for i, lay in enumerate(layouts)}
-    assert num_compilations() == compiled + n   # every request's shapes are precompiled ones
+    assert num_compilations() == compiled   # every request's shapes are precompiled ones
     fresh = make_engine(model)
     for name, i in [("sparsex", 1), ("redknot", 1), ("epic", 0)]:
         pol = next(p for p in pols if p.name == name)
