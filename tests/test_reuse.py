@@ -443,7 +443,8 @@ def test_every_method_precompiles_and_then_serves_without_a_compile(model, piece
     """`Engine.precompile_reuse([...])` compiles every method's passes (`pass_shapes`: the token buckets x
     their row buckets, or the token buckets alone for RedKnot) on all-padding batches: the pool is
     unchanged, and requests of every method, short and long questions (more probes than one chunk), one
-    segment or two, then compile nothing; the tokens equal a fresh engine's."""
+    segment, two, or ten short ones (their page-alignment holes take the layout past its tokens' bucket),
+    then compile nothing; the tokens equal a fresh engine's."""
     pre, s1, s2, suf = pieces
     long_q = [t for _ in range(5) for t in suf + s2][:70]
     eng = make_engine(model)
@@ -459,7 +460,9 @@ def test_every_method_precompiles_and_then_serves_without_a_compile(model, piece
     compiled = num_compilations()
     for before, now in zip(pool0, (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)):
         np.testing.assert_array_equal(np.asarray(now), before)
-    layouts = [(pre, [s1, s2], suf), (pre, [s1, s2], long_q), (pre[:2], [s2], suf + suf)]
+    # ten 5-token segments: 60 tokens whose page-aligned layout takes 88 slots (the bucket of 128, not 64)
+    many = (pre[:3], [s1[i:i + 5] for i in range(10)], suf)
+    layouts = [(pre, [s1, s2], suf), (pre, [s1, s2], long_q), (pre[:2], [s2], suf + suf), many]
     got = {(p.name, i): run(eng, *lay, p)[0] for p in pols for i, lay in enumerate(layouts)}
     assert num_compilations() == compiled   # every request's shapes are precompiled ones
     fresh = make_engine(model)

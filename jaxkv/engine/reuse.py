@@ -285,8 +285,8 @@ class Reuser:
         """A reuse pass's inputs for a prompt bucket of T tokens and `npg` pages per head, all padding (every
         position, slot, page and copy entry -1: a pass over it writes nothing). Every size but T follows
         T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"): pages
-        per head are the bucket of max(npg, T / page size) (holes add < 1 page per segment), the copy and
-        clear lists the whole table, the probes T (read `PROBE_CHUNK` at a time, up to the last one)."""
+        per head are the bucket of max(npg, T / page size) (T holds the layout's slots, so T's own), the
+        copy and clear lists the whole table, the probes T (read `PROBE_CHUNK` at a time, up to the last)."""
         eng, L, H, ps = self.engine, self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
         Pb = min(row_bucket(max(npg, -(-T // ps)), floor=4, geometric_from=32),
                  max(npg, eng.max_pages_per_head))
@@ -465,7 +465,10 @@ class Reuser:
         k_sel = min(k_sel, int((~forced).sum()))
         width = H if pol.selects_per_head else 1
         rows_are_tokens = forces_every_token(pol) and bool(forced.all())
-        T, R, select_cap = pass_shape(n, int(forced.sum()) + width * k_sel, pol.selects, rows_are_tokens)
+        # The token bucket holds the laid-out slots (tokens + page-alignment holes), so the page table's
+        # width is the one the bucket alone gives (`_blank_batch`): many segments never widen it past
+        # what precompile compiled.
+        T, R, select_cap = pass_shape(slot, int(forced.sum()) + width * k_sel, pol.selects, rows_are_tokens)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
         first_reused = bounds[0][0] if bounds else n
@@ -637,10 +640,11 @@ def forces_every_token(policy: ReusePolicy) -> bool:
 
 
 def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool) -> tuple[int, int, int]:
-    """(T, R, select_cap) of a reuse pass over `n` prompt tokens of which `rows` are recomputed in the sparse
-    phase: when the rows are the tokens, one bucket of both (floor 8); else the token bucket (floor 128)
-    and the smallest of its row buckets (`row_ladder`) that holds the rows. The top-k cap is R for a method
-    that selects (it picks at most R rows; the exact k is data), so it adds no compile key."""
+    """(T, R, select_cap) of a reuse pass over `n` prompt slots (tokens and page-alignment holes) of which
+    `rows` are recomputed in the sparse phase: when the rows are the tokens, one bucket of both (floor 8);
+    else the token bucket (floor 128) and the smallest of its row buckets (`row_ladder`) that holds the
+    rows. The top-k cap is R for a method that selects (it picks at most R rows; the exact k is data), so
+    it adds no compile key."""
     if rows_are_tokens:
         T = row_bucket(n, floor=8)
         return T, T, 0
