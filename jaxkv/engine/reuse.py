@@ -36,12 +36,13 @@ from jaxkv.policies.reuse.base import PROBE_CHUNK
 from jaxkv.policies.reuse.ffn_cache import SegmentFFNCache
 from jaxkv.sampling import top_logprobs_host
 
-# Sparse-phase rows of a prompt bucket of T tokens: the smallest of these fractions of T that holds the
-# method's rows (at least 8). 1/32 holds the new text of most naive and EPIC requests (padding <= 3 % of
-# the prompt's rows), 3/16 the default 15 % selection of SparseX and CacheBlend with their forced rows;
-# ratio <= 2 from 1/8 up. Six row buckets per token bucket: a method that picks its rows compiles
-# 6 x 37 = 222 passes up to a 32K context (docs/policies.md, "Buckets").
-ROW_FRACTIONS = ((1, 32), (1, 8), (3, 16), (1, 4), (1, 2), (1, 1))
+# Shapes of a reuse pass whose sparse-phase rows are a subset of the prompt (naive, EPIC, CacheBlend,
+# SparseX; docs/policies.md, "Buckets"): the token bucket T is a power of two (floor 128) capped at the
+# context's own bucket, and the rows R the smallest of `row_ladder(T)` that holds them: powers of two from 8
+# up to T/16 (small counts, such as naive's or EPIC's new text, padded at most 2x), steps of T/32 from T/16
+# to T/4 (the default 15 % selections of SparseX and CacheBlend with their forced rows, padded at most 1.5x,
+# 1.14x near T/4), then T/2 and T. Up to a 32K context: 9 token buckets, 114 passes per method.
+ROW_STEPS = 32    # the ladder's step between T/16 and T/4 is T / ROW_STEPS
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
 # dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
 # Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
@@ -317,7 +318,7 @@ class Reuser:
                              "(head_classes='all_global', server: --head-classes global)")
         total = 0
         for pol in policies:
-            shapes = pass_shapes(pol, eng.max_model_len)
+            shapes = pass_shapes(pol, eng.max_pages_per_head * self.page_size)
             for T, R, select_cap in tqdm(shapes, desc=f"jaxkv: compiling {pol.name} reuse passes",
                                          disable=not progress):
                 b = self._blank_batch(T, 1)   # pages per head from T alone, as a request of this bucket has
@@ -468,7 +469,8 @@ class Reuser:
         # The token bucket holds the laid-out slots (tokens + page-alignment holes), so the page table's
         # width is the one the bucket alone gives (`_blank_batch`): many segments never widen it past
         # what precompile compiled.
-        T, R, select_cap = pass_shape(slot, int(forced.sum()) + width * k_sel, pol.selects, rows_are_tokens)
+        T, R, select_cap = pass_shape(slot, int(forced.sum()) + width * k_sel, pol.selects, rows_are_tokens,
+                                      eng.max_pages_per_head * ps)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
         first_reused = bounds[0][0] if bounds else n
@@ -625,9 +627,21 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
     return -(-n // step) * step
 
 
+def token_bucket(n: int, limit: int) -> int:
+    """Token bucket of a pass whose rows are a subset of the prompt's `n` slots: a power of two (floor 128),
+    capped at the bucket of `limit` (the context's slots), so a prompt that nearly fills the context is
+    padded no further than the context's own bucket (33,040 slots of a 33,072-slot context: 36,864, not
+    65,536). Such a pass runs only its dense layers (`full_layers`: none for naive and EPIC, one for
+    CacheBlend and SparseX) on every token; T sizes the other per-token arrays and the page table."""
+    return min(max(128, 1 << (max(n, 1) - 1).bit_length()), row_bucket(limit, floor=128))
+
+
 def row_ladder(T: int) -> tuple[int, ...]:
-    """The sparse-phase row buckets of a prompt bucket of T tokens (`ROW_FRACTIONS` of T, at least 8)."""
-    return tuple(sorted({max(8, T * a // b) for a, b in ROW_FRACTIONS}))
+    """The sparse-phase row buckets of a token bucket T (see `ROW_STEPS`): powers of two from 8 to T/16,
+    multiples of T/32 (rounded up to 8) from T/16 to T/4, then T/2 and T."""
+    small = [1 << e for e in range(3, T.bit_length()) if 1 << e <= T // 16]
+    steps = [-(-(k * T) // (ROW_STEPS * 8)) * 8 for k in range(ROW_STEPS // 16, ROW_STEPS // 4 + 1)]
+    return tuple(sorted({max(8, r) for r in small + steps + [T // 2, T]}))
 
 
 def forces_every_token(policy: ReusePolicy) -> bool:
@@ -639,27 +653,29 @@ def forces_every_token(policy: ReusePolicy) -> bool:
     return bool(np.asarray(policy.forced(probe)).all())
 
 
-def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool) -> tuple[int, int, int]:
+def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool, limit: int) -> tuple[int, int, int]:
     """(T, R, select_cap) of a reuse pass over `n` prompt slots (tokens and page-alignment holes) of which
-    `rows` are recomputed in the sparse phase: when the rows are the tokens, one bucket of both (floor 8);
-    else the token bucket (floor 128) and the smallest of its row buckets (`row_ladder`) that holds the
-    rows. The top-k cap is R for a method that selects (it picks at most R rows; the exact k is data), so
-    it adds no compile key."""
+    `rows` are recomputed in the sparse phase, on a context of `limit` slots: when the rows are the tokens,
+    one bucket of both (`row_bucket`, floor 8: 8 steps per doubling, since every row is computed in every
+    layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that holds the rows. The
+    top-k cap is R for a method that selects (it picks at most R rows; the exact k is data), so it adds no
+    compile key."""
     if rows_are_tokens:
         T = row_bucket(n, floor=8)
         return T, T, 0
-    T = row_bucket(n, floor=128)
+    T = token_bucket(n, limit)
     R = next(r for r in row_ladder(T) if r >= min(rows, T))
     return T, R, (R if selects else 0)
 
 
-def pass_shapes(policy: ReusePolicy, max_model_len: int) -> list[tuple[int, int, int]]:
-    """Every (T, R, select_cap) a request of `policy` can hit on an engine of `max_model_len` tokens: what
-    `Reuser.precompile` compiles (and what counts its passes without compiling)."""
+def pass_shapes(policy: ReusePolicy, limit: int) -> list[tuple[int, int, int]]:
+    """Every (T, R, select_cap) a request of `policy` can hit on a context of `limit` slots (the engine's
+    pages per head x page size: max_model_len rounded up to a page): what `Reuser.precompile` compiles, and
+    what counts its passes without compiling."""
     if forces_every_token(policy):
-        return [pass_shape(n, n, False, True) for n in sorted({row_bucket(n, floor=8)
-                                                               for n in range(1, max_model_len + 1)})]
-    buckets = sorted({row_bucket(n, floor=128) for n in range(1, max_model_len + 1)})
+        return [pass_shape(n, n, False, True, limit) for n in sorted({row_bucket(n, floor=8)
+                                                                      for n in range(1, limit + 1)})]
+    buckets = sorted({token_bucket(n, limit) for n in range(1, limit + 1)})
     return [(T, R, R if policy.selects else 0) for T in buckets for R in row_ladder(T)]
 
 
