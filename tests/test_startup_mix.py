@@ -6,8 +6,8 @@ the startup benchmark's (benchmarks/startup.py), counted by the engine's compile
 import pytest
 
 import jaxkv
-from benchmarks.startup import REUSE_METHODS, random_retrieval_head, request_mix
-from jaxkv.engine import compilations
+from benchmarks.startup import REUSE_METHODS, parse_args, random_retrieval_head, request_mix
+from jaxkv.engine import code_maps, compilations
 from jaxkv.engine.engine import Engine
 from tests.hf_tiny import make_tiny_checkpoint
 
@@ -27,6 +27,9 @@ def _engine(model):
 
 
 def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
+    # Earlier tests of this process may have brought XLA:CPU near the memory-mapping cap, where the engine's
+    # guard (jaxkv/engine/code_maps.py) would drop the precompiled programs mid-mix: start from none.
+    code_maps.clear_compiled()
     engine = _engine(llama)
     retrieval = random_retrieval_head(llama)
     n = engine.precompile(progress=False, presses=PRESSES, retrieval=[retrieval])
@@ -43,3 +46,15 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     lazy = _engine(llama)
     again = request_mix(lazy, llama.config.vocab_size, retrieval=retrieval, presses=PRESSES, kinds=KINDS)
     assert again["digest"] == mix["digest"] and not lazy.runner.compiled
+
+
+def test_startup_benchmark_precompiles_redknot_unless_asked_for_more(capsys):
+    """At the GPU configuration every method is ~500 passes compiled one at a time, so the benchmark's
+    default is RedKnot's 41; `all` or a list asks for more, and an unknown name is refused at parsing."""
+    assert parse_args([]).precompile_reuse == ["redknot"]
+    assert parse_args(["--precompile-reuse", "all"]).precompile_reuse == list(REUSE_METHODS)
+    assert parse_args(["--precompile-reuse", "naive, sparsex"]).precompile_reuse == ["naive", "sparsex"]
+    assert parse_args(["--precompile-reuse", ""]).precompile_reuse == []
+    with pytest.raises(SystemExit):
+        parse_args(["--precompile-reuse", "naive,nope"])
+    assert "unknown reuse method 'nope'" in capsys.readouterr().err
