@@ -13,7 +13,7 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
 from jaxkv.cache.segments import SegmentError, SegmentStore
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.reuse import row_bucket
+from jaxkv.engine.reuse import pass_shape, pass_shapes, row_bucket, row_ladder, token_bucket
 from jaxkv.models import llama, rope
 from jaxkv.policies.reuse import REUSE_POLICIES, get_reuse_policy
 from jaxkv.policies.reuse.apply import num_compilations
@@ -336,9 +336,8 @@ def test_selection_size_is_data_so_prompts_share_a_compilation(model, pieces):
 
 
 def test_layouts_in_one_token_bucket_share_a_compilation(model, pieces):
-    """Every size of the pass but the rows follows the token bucket (pages per head, copy and clear lists)
-    or a floor (probes): one segment or two, a 19- or a 7-token question, 43 or 44 tokens, one compiled
-    pass. (Before, the probe count was its own power of two and these two compiled twice.)"""
+    """Every size of the pass but the rows follows the token bucket (pages per head, copy and clear lists,
+    probes): one segment or two, a 19- or a 7-token question, 43 or 44 tokens, one compiled pass."""
     pre, s1, s2, suf = pieces
     eng = make_engine(model)
     pol = get_reuse_policy("redknot")   # every token a row (T = R): the rows follow the token bucket too
@@ -348,27 +347,145 @@ def test_layouts_in_one_token_bucket_share_a_compilation(model, pieces):
     assert num_compilations() == before
 
 
-def test_precompiled_redknot_serves_without_a_compile_and_writes_nothing(model, pieces):
-    """`Engine.precompile_reuse("redknot")` compiles one pass per token bucket on all-padding batches: the
-    pool is unchanged, a RedKnot request then compiles nothing, and its tokens equal a fresh engine's.
-    Methods that pick rows from the prompt are refused."""
-    from jaxkv.engine.reuse import row_bucket
+def test_row_buckets_follow_the_token_bucket():
+    """A method that picks its rows gets a power-of-two token bucket (capped at the context's own bucket)
+    and the smallest row bucket of it that holds its rows: small counts padded at most 2x, counts between
+    T/16 and T/4 (the default selections) at most 1.5x. At the 8B benchmark layout (33,040 slots of a
+    33,072-slot context) naive and EPIC keep the 512 rows and SparseX / CacheBlend get 5,760 for 5,220 /
+    5,188 (5,632 when the rows were bucketed alone: +2.3 %). Counted for a 32K context (the GPU
+    benchmark's): 114 passes per such method, 41 for RedKnot."""
+    limit = 32768
+    for n in (1, 100, 129, 300, 2049, 17000, 32768):
+        T = token_bucket(n, limit)
+        assert T >= n and (T == 128 or T < 2 * n) and T & (T - 1) == 0
+    assert token_bucket(33040, 33072) == 36864 and token_bucket(20000, 33072) == 32768
+    for T in (128, 1024, 32768, 36864):
+        ladder = row_ladder(T)
+        assert ladder[0] == 8 and ladder[-1] == T and all(r % 8 == 0 for r in ladder)
+        for rows in range(1, T + 1, 7):
+            R = pass_shape(T - 3, rows, selects=True, rows_are_tokens=False, limit=T)[1]
+            assert rows <= R == min(r for r in ladder if r >= rows)
+            assert R <= max(8, 2 * rows - 1)
+            assert R < 1.5 * rows or not T // 16 < rows <= T // 4 or T < 256   # T/32 steps: 8 rows or more
+    assert pass_shape(300, 300, selects=False, rows_are_tokens=True, limit=1024) == (512, 512, 0)
+    assert pass_shape(300, 12, selects=False, rows_are_tokens=False, limit=1024) == (512, 16, 0)
+    assert pass_shape(300, 40, selects=True, rows_are_tokens=False, limit=1024) == (512, 48, 48)
+    layout = dict(naive=272, epic=272 + 8 * 16, cacheblend=272 + 4916, sparsex=272 + 32 + 4916)
+    got = {m: pass_shape(33040, rows, m in ("cacheblend", "sparsex"), False, 33072)[:2]
+           for m, rows in layout.items()}
+    assert got == dict(naive=(36864, 512), epic=(36864, 512), cacheblend=(36864, 5760), sparsex=(36864, 5760))
+    counts = {m: len(pass_shapes(get_reuse_policy(m), limit)) for m in sorted(REUSE_POLICIES)}
+    assert counts == {"cacheblend": 114, "epic": 114, "full": 41, "naive": 114, "redknot": 41, "sparsex": 114}
 
+
+@pytest.mark.parametrize("spec", [dict(name="naive", question=30), dict(name="epic", first=2, question=30),
+                                  dict(name="cacheblend", ratio=0.15),
+                                  dict(name="sparsex", ratio=0.1, block=2, tail=4, per_head=True)])
+def test_padding_rows_leave_the_tokens_unchanged(model, pieces, monkeypatch, spec):
+    """The row buckets of a token bucket are not the powers of two the rows had (40 or 48 rows for 35 to 48
+    of a 256-token bucket, where 64 were); padding rows are masked, so the tokens, the first token's logits
+    and the per-layer counts equal those of a pass whose rows are bucketed the old way."""
+    import jaxkv.engine.reuse as reuse_mod
+
+    cfg = model.config
     pre, s1, s2, suf = pieces
+    segments = [(s1 + s2) * 3, s1 * 3]   # 153 reused tokens, 165 to 188 in all: a 256-token bucket
+    spec = dict(spec)
+    suffix = (suf * 5)[:spec.pop("question", len(suf))]
+    pol = get_reuse_policy(spec.pop("name"), **spec)
+    shapes, ladder_pick = [], reuse_mod.pass_shape
+
+    def spy(*args):
+        shapes.append(ladder_pick(*args))
+        return shapes[-1]
+
+    def tight(n, rows, selects, rows_are_tokens, limit):
+        T = row_bucket(n, floor=128)
+        R = min(T, row_bucket(rows, floor=8))
+        shapes.append((T, R, R if selects else 0))
+        return shapes[-1]
+
+    def engine():
+        eng = Engine(model, page_size=4, max_model_len=256, attn_impl="reference",
+                     head_classes=all_global(cfg.num_layers, cfg.num_kv_heads))
+        eng.reuser.keep_logits = True
+        return eng
+
+    monkeypatch.setattr(reuse_mod, "pass_shape", spy)
+    got = run(engine(), pre, segments, suffix, pol)
+    monkeypatch.setattr(reuse_mod, "pass_shape", tight)
+    want = run(engine(), pre, segments, suffix, pol)
+    assert shapes[0][0] == shapes[1][0] == 256 and shapes[0][1] in (40, 48) and shapes[1][1] == 64
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1].first_logits, want[1].first_logits, atol=1e-5, rtol=1e-5)
+    for field in ("recomputed_rows", "kv_writes", "ffn_rows", "keys_seen"):
+        assert getattr(got[1], field) == getattr(want[1], field), field
+
+
+def test_probe_sum_reads_every_probe_in_chunks():
+    """`LayerView.probe_sum` over 150 probes (three chunks of 64, holes among them) equals the dense
+    softmax of every probe over the causal keys, summed; no probe gives zero."""
+    from jaxkv.policies.reuse.base import PROBE_CHUNK, LayerView
+
+    rng = np.random.default_rng(3)
+    R, hq, hkv, d = 200, 4, 2, 8
+    q, k = (jnp.asarray(rng.normal(size=(R, h, d)), jnp.float32) for h in (hq, hkv))
+    positions = np.arange(R, dtype=np.int32)
+    positions[190:] = -1                                   # padding rows
+    probe = np.full(256, -1, np.int32)
+    probe[:150] = np.arange(40, 190)
+    probe[[3, 77]] = -1                                    # probes not among the rows
+    view = LayerView(q=q, k=k, v=k, k_cached=k, v_cached=k, positions=jnp.asarray(positions),
+                     is_new=jnp.zeros(R, bool), forced=jnp.zeros(R, bool), seg_offset=jnp.full(R, -1),
+                     probe=jnp.asarray(probe), is_global=jnp.ones(hkv, bool), sink=jnp.zeros(hkv, jnp.int32),
+                     window=jnp.zeros(hkv, jnp.int32))
+    assert 150 > 2 * PROBE_CHUNK
+    got = np.asarray(jax.jit(lambda v: v.probe_sum(lambda p, _: jnp.sum(p, axis=(1, 2))))(view))
+    qn, kn = np.asarray(q, np.float64).reshape(R, hkv, hq // hkv, d), np.asarray(k, np.float64)
+    want = np.zeros((hkv, R))
+    for i in probe[probe >= 0]:
+        logits = np.einsum("hgd,rhd->hgr", qn[i], kn) / np.sqrt(d)
+        logits[..., (positions < 0) | (positions > positions[i])] = -np.inf
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        want += (p / p.sum(-1, keepdims=True)).sum(1)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    none = dataclasses.replace(view, probe=jnp.full(256, -1, jnp.int32))
+    assert not np.asarray(none.probe_sum(lambda p, _: jnp.sum(p, axis=(1, 2)))).any()
+
+
+def test_every_method_precompiles_and_then_serves_without_a_compile(model, pieces):
+    """`Engine.precompile_reuse([...])` compiles every method's passes (`pass_shapes`: the token buckets x
+    their row buckets, or the token buckets alone for RedKnot) on all-padding batches: the pool is
+    unchanged, and requests of every method, short and long questions (more probes than one chunk), one
+    segment, two, or ten short ones (their page-alignment holes take the layout past its tokens' bucket),
+    then compile nothing; the tokens equal a fresh engine's."""
+    pre, s1, s2, suf = pieces
+    long_q = [t for _ in range(5) for t in suf + s2][:70]
     eng = make_engine(model)
-    pol = get_reuse_policy("redknot", mass_thresh=0.77)   # fields no other test uses: its own compilations
+    # fields no other test uses: their own compilations
+    pols = [get_reuse_policy("naive"), get_reuse_policy("epic", first=5),
+            get_reuse_policy("cacheblend", ratio=0.21), get_reuse_policy("sparsex", ratio=0.21, dilate=1),
+            get_reuse_policy("redknot", mass_thresh=0.77)]
     pool0 = [np.asarray(x).copy() for x in (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)]
     compiled = num_compilations()
-    n = eng.precompile_reuse(pol, progress=False)
-    assert n == len({row_bucket(i, floor=8) for i in range(1, eng.max_model_len + 1)})   # 8 .. 128
-    assert num_compilations() == compiled + n
+    n = eng.precompile_reuse(pols, progress=False)
+    limit = eng.max_pages_per_head * eng.page_size
+    assert n == sum(len(pass_shapes(p, limit)) for p in pols) == 4 * 6 + 5   # T 128; 8 .. 128
+    assert n - 6 <= num_compilations() - compiled <= n   # naive's fields are every test's: some were there
+    compiled = num_compilations()
     for before, now in zip(pool0, (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)):
         np.testing.assert_array_equal(np.asarray(now), before)
-    got, _ = run(eng, pre, [s1, s2], suf, pol)
-    assert num_compilations() == compiled + n   # the request's shapes are one of the precompiled ones
-    assert got == run(make_engine(model), pre, [s1, s2], suf, pol)[0]
-    with pytest.raises(ValueError, match="picks its rows"):
-        eng.precompile_reuse("sparsex", progress=False)
+    # ten 5-token segments: 60 tokens whose page-aligned layout takes 88 slots (the bucket of 128, not 64)
+    many = (pre[:3], [s1[i:i + 5] for i in range(10)], suf)
+    layouts = [(pre, [s1, s2], suf), (pre, [s1, s2], long_q), (pre[:2], [s2], suf + suf), many]
+    got = {(p.name, i): run(eng, *lay, p)[0] for p in pols for i, lay in enumerate(layouts)}
+    assert num_compilations() == compiled   # every request's shapes are precompiled ones
+    fresh = make_engine(model)
+    for name, i in [("sparsex", 1), ("redknot", 1), ("epic", 0)]:
+        pol = next(p for p in pols if p.name == name)
+        assert got[(name, i)] == run(fresh, *layouts[i], pol)[0]
+    with pytest.raises(ValueError, match="unknown reuse method"):
+        eng.precompile_reuse(["naive", "nope"], progress=False)
 
 
 @pytest.mark.parametrize("spec", [dict(name="redknot", edge_thresh=1.0, dense_until=99),   # map windows

@@ -119,3 +119,45 @@ def test_precompile_retrieval_refuses_a_compression_press(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--precompile-retrieval" in r.stderr and "quest" in r.stderr and "Traceback" not in r.stderr
+
+
+_TRACED_REUSE = re.compile(r"Finished tracing reuse_prefill ")
+
+
+def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
+    """`--precompile-reuse naive,sparsex`: both methods' passes (a 64-token context: one token bucket x six
+    row buckets each) compile before the ready line; reuse requests of either, with questions whose rows
+    fall in different row buckets, then trace no reuse pass and compile nothing. A name that is no reuse
+    method is refused before the model loads."""
+    import subprocess
+    import sys
+
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
+    base = ["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16", "--num-pages", "64",
+            "--max-num-seqs", "1", "--max-step-tokens", "8", "--head-classes", "global"]
+    s = ServerProcess(base + ["--precompile-reuse", "naive,sparsex"], env={"JAX_LOG_COMPILES": "1"})
+    try:
+        startup = "".join(s.log)
+        assert re.search(r"jaxkv: precompiled 6 naive reuse passes", startup), startup
+        assert re.search(r"jaxkv: precompiled 6 sparsex reuse passes", startup), startup
+        assert _TRACED_REUSE.search(startup)   # the compile log is on: precompile traced the passes
+        assert httpx.get(s.base + "/info").json()["precompiled_reuse_passes"] == {"naive": 6, "sparsex": 6}
+        seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
+        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+        seen, xla_before = len(s.log), s.metric("jaxkv_xla_compilations_total")
+        for method in ("naive", "sparsex"):
+            for question in (PROMPT[16:19], PROMPT[16:46]):   # rows in the 8- and the 32/64-row buckets
+                r = c.completions.create(model=s.name, prompt=question, max_tokens=1, temperature=0,
+                                         extra_body={"reuse": {"segments": [seg], "method": method,
+                                                               "prefix": []}})
+                assert r.usage.completion_tokens == 1
+        traced = [line for line in s.log[seen:] if _TRACED_REUSE.search(line)]
+        assert traced == [], f"a reuse pass compiled while serving: {traced}"
+        assert s.metric("jaxkv_xla_compilations_total") == xla_before
+    finally:
+        s.stop()
+    r = subprocess.run([sys.executable, "-m", "jaxkv.serve", "--port", "0", *base,
+                        "--precompile-reuse", "naive,nope"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--precompile-reuse" in r.stderr and "unknown reuse method 'nope'" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -344,8 +344,8 @@ class Engine:
         return n
 
     def precompile_reuse(self, reuse="redknot", progress: bool = True) -> int:
-        """Compiles a segment-reuse method's pass for every token bucket (methods that recompute every token,
-        such as RedKnot); returns how many. Call before serving, with no segments registered yet or not: the
+        """Compiles the pass of a segment-reuse method (or of each of a list) for every token and row bucket
+        a request can hit; returns how many. Call before serving, with no segments registered yet or not: the
         passes write nothing (docs/policies.md, "Buckets")."""
         return self.reuser.precompile(reuse, progress)
 

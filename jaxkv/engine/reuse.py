@@ -32,12 +32,17 @@ from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
 from jaxkv.models import llama
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
 from jaxkv.policies.reuse.apply import layer_groups, offset_group_ok, reuse_prefill
+from jaxkv.policies.reuse.base import PROBE_CHUNK
 from jaxkv.policies.reuse.ffn_cache import SegmentFFNCache
 from jaxkv.sampling import top_logprobs_host
 
-# Probe queries (the new text after the first segment) are padded to at least this many: questions of up
-# to 64 tokens share one compiled variant.
-PROBE_FLOOR = 64
+# Shapes of a reuse pass whose sparse-phase rows are a subset of the prompt (naive, EPIC, CacheBlend,
+# SparseX; docs/policies.md, "Buckets"): the token bucket T is a power of two (floor 128) capped at the
+# context's own bucket, and the rows R the smallest of `row_ladder(T)` that holds them: powers of two from 8
+# up to T/16 (small counts, such as naive's or EPIC's new text, padded at most 2x), steps of T/32 from T/16
+# to T/4 (the default 15 % selections of SparseX and CacheBlend with their forced rows, padded at most 1.5x,
+# 1.14x near T/4), then T/2 and T. Up to a 32K context: 9 token buckets, 114 passes per method.
+ROW_STEPS = 32    # the ladder's step between T/16 and T/4 is T / ROW_STEPS
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
 # dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
 # Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
@@ -277,17 +282,17 @@ class Reuser:
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             raise ValueError(f"{what} token ids must lie in [0, {vocab})")
 
-    def _blank_batch(self, T: int, npg: int, num_probes: int) -> dict:
+    def _blank_batch(self, T: int, npg: int) -> dict:
         """A reuse pass's inputs for a prompt bucket of T tokens and `npg` pages per head, all padding (every
         position, slot, page and copy entry -1: a pass over it writes nothing). Every size but T follows
         T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"): pages
-        per head are the bucket of max(npg, T / page size) (holes add < 1 page per segment), the copy and
-        clear lists the whole table, the probes at least `PROBE_FLOOR`."""
+        per head are the bucket of max(npg, T / page size) (T holds the layout's slots, so T's own), the
+        copy and clear lists the whole table, the probes T (read `PROBE_CHUNK` at a time, up to the last)."""
         eng, L, H, ps = self.engine, self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
         Pb = min(row_bucket(max(npg, -(-T // ps)), floor=4, geometric_from=32),
                  max(npg, eng.max_pages_per_head))
         M = L * H * Pb  # segment pages <= the table's entries
-        Np = max(PROBE_FLOOR, 1 << max(num_probes - 1, 0).bit_length())
+        Np = -(-T // PROBE_CHUNK) * PROBE_CHUNK  # probes are prompt tokens: never more than T
         i32 = lambda shape, v=-1: np.full(shape, v, np.int32)  # noqa: E731
         return {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
                 "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
@@ -299,36 +304,34 @@ class Reuser:
 
     # ---- precompile ---------------------------------------------------------------------------
     def precompile(self, reuse, progress: bool = True) -> int:
-        """Compiles `reuse`'s pass for every token bucket up to the engine's context, so no request of it
-        waits on a compile; returns how many. Only for methods whose rows are every prompt token (RedKnot,
-        or any that recomputes every token): their pass's shapes follow the token bucket alone (docs/
-        policies.md, "Buckets"; questions up to `PROBE_FLOOR` tokens). Each runs on an all-padding batch:
-        every position, slot, page and copy entry is -1, so nothing in the pool is written."""
+        """Compiles the pass of `reuse` (a method, its name, or a list of them) for every shape a request
+        can hit up to the engine's context (`pass_shapes`), so no request of it waits on a compile; returns
+        how many. Each runs on an all-padding batch: every position, slot, page and copy entry is -1, so
+        nothing in the pool is written."""
         from tqdm.auto import tqdm
 
-        eng, cfg, pol = self.engine, self.cfg, resolve_reuse(reuse)
-        ps = self.page_size
+        eng, cfg = self.engine, self.cfg
+        methods = [reuse] if isinstance(reuse, str | ReusePolicy) else list(reuse)
+        policies = [resolve_reuse(m) for m in methods]   # every name checked before anything compiles
         if eng.tables.local.any():
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global', server: --head-classes global)")
-        probe = Layout(32, np.arange(32) == 31, np.where(np.arange(32) < 31, 0, -1).astype(np.int32),
-                       np.where(np.arange(32) < 31, np.arange(32), -1).astype(np.int32), ((0, 31),), ps)
-        if not np.asarray(pol.forced(probe)).all():
-            raise ValueError(f"precompile: {pol.name!r} picks its rows from the prompt, so its compiled "
-                             "shapes depend on more than the token bucket; only methods that recompute every "
-                             "token (e.g. redknot) can be precompiled")
-        sizes = sorted({row_bucket(n, floor=8) for n in range(1, eng.max_model_len + 1)})
-        for T in tqdm(sizes, desc=f"jaxkv: compiling {pol.name} reuse passes", disable=not progress):
-            b = self._blank_batch(T, 1, 0)   # pages per head from T alone, as a request of this bucket has
-            if pol.uses_segment_ffn:
-                b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
-            pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
-                                          policy=pol, num_rows=T, select_cap=0, impl=self.impl,
-                                          rows_are_tokens=True, head_windows=self.head_windows,
-                                          mesh=eng.runner.mesh)
-            eng.runner.pool = pool
-            jax.block_until_ready(tok)
-        return len(sizes)
+        total = 0
+        for pol in policies:
+            shapes = pass_shapes(pol, eng.max_pages_per_head * self.page_size)
+            for T, R, select_cap in tqdm(shapes, desc=f"jaxkv: compiling {pol.name} reuse passes",
+                                         disable=not progress):
+                b = self._blank_batch(T, 1)   # pages per head from T alone, as a request of this bucket has
+                if pol.uses_segment_ffn:
+                    b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
+                pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
+                                              policy=pol, num_rows=R, select_cap=select_cap, impl=self.impl,
+                                              rows_are_tokens=forces_every_token(pol),
+                                              head_windows=self.head_windows, mesh=eng.runner.mesh)
+                eng.runner.pool = pool
+                jax.block_until_ready(tok)
+            total += len(shapes)
+        return total
 
     # ---- requests -----------------------------------------------------------------------------
     def check(self, segments, extra_key, reuse) -> ReusePolicy:
@@ -462,19 +465,19 @@ class Reuser:
         k_sel = pol.num_selected(lay) if pol.selects else 0
         k_sel = min(k_sel, int((~forced).sum()))
         width = H if pol.selects_per_head else 1
-        T = row_bucket(n, floor=128)
-        R = min(T, row_bucket(int(forced.sum()) + width * k_sel, floor=8))
-        rows_are_tokens = bool(forced.all())
-        if rows_are_tokens:  # every token is a row: one bucket for both, so the flash path applies
-            T = R
-        select_cap = min(T, row_bucket(k_sel, floor=8)) if k_sel else 0
+        rows_are_tokens = forces_every_token(pol) and bool(forced.all())
+        # The token bucket holds the laid-out slots (tokens + page-alignment holes), so the page table's
+        # width is the one the bucket alone gives (`_blank_batch`): many segments never widen it past
+        # what precompile compiled.
+        T, R, select_cap = pass_shape(slot, int(forced.sum()) + width * k_sel, pol.selects, rows_are_tokens,
+                                      eng.max_pages_per_head * ps)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
             probe = np.nonzero(lay.is_new)[0]
-        b = self._blank_batch(T, npg, probe.size)
+        b = self._blank_batch(T, npg)
         b["lengths"][:] = slot
         b["last"], b["num_selected"] = np.int32(n - 1), np.int32(k_sel)
         b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
@@ -622,6 +625,58 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
         return 1 << (n - 1).bit_length()
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
+
+
+def token_bucket(n: int, limit: int) -> int:
+    """Token bucket of a pass whose rows are a subset of the prompt's `n` slots: a power of two (floor 128),
+    capped at the bucket of `limit` (the context's slots), so a prompt that nearly fills the context is
+    padded no further than the context's own bucket (33,040 slots of a 33,072-slot context: 36,864, not
+    65,536). Such a pass runs only its dense layers (`full_layers`: none for naive and EPIC, one for
+    CacheBlend and SparseX) on every token; T sizes the other per-token arrays and the page table."""
+    return min(max(128, 1 << (max(n, 1) - 1).bit_length()), row_bucket(limit, floor=128))
+
+
+def row_ladder(T: int) -> tuple[int, ...]:
+    """The sparse-phase row buckets of a token bucket T (see `ROW_STEPS`): powers of two from 8 to T/16,
+    multiples of T/32 (rounded up to 8) from T/16 to T/4, then T/2 and T."""
+    small = [1 << e for e in range(3, T.bit_length()) if 1 << e <= T // 16]
+    steps = [-(-(k * T) // (ROW_STEPS * 8)) * 8 for k in range(ROW_STEPS // 16, ROW_STEPS // 4 + 1)]
+    return tuple(sorted({max(8, r) for r in small + steps + [T // 2, T]}))
+
+
+def forces_every_token(policy: ReusePolicy) -> bool:
+    """Whether the method recomputes every prompt token (RedKnot, `full`): its rows are the tokens, so one
+    bucket serves both and the pass takes the fresh-prefill attention path."""
+    n = 32
+    probe = Layout(n, np.arange(n) == n - 1, np.where(np.arange(n) < n - 1, 0, -1).astype(np.int32),
+                   np.where(np.arange(n) < n - 1, np.arange(n), -1).astype(np.int32), ((0, n - 1),), 16)
+    return bool(np.asarray(policy.forced(probe)).all())
+
+
+def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool, limit: int) -> tuple[int, int, int]:
+    """(T, R, select_cap) of a reuse pass over `n` prompt slots (tokens and page-alignment holes) of which
+    `rows` are recomputed in the sparse phase, on a context of `limit` slots: when the rows are the tokens,
+    one bucket of both (`row_bucket`, floor 8: 8 steps per doubling, since every row is computed in every
+    layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that holds the rows. The
+    top-k cap is R for a method that selects (it picks at most R rows; the exact k is data), so it adds no
+    compile key."""
+    if rows_are_tokens:
+        T = row_bucket(n, floor=8)
+        return T, T, 0
+    T = token_bucket(n, limit)
+    R = next(r for r in row_ladder(T) if r >= min(rows, T))
+    return T, R, (R if selects else 0)
+
+
+def pass_shapes(policy: ReusePolicy, limit: int) -> list[tuple[int, int, int]]:
+    """Every (T, R, select_cap) a request of `policy` can hit on a context of `limit` slots (the engine's
+    pages per head x page size: max_model_len rounded up to a page): what `Reuser.precompile` compiles, and
+    what counts its passes without compiling."""
+    if forces_every_token(policy):
+        return [pass_shape(n, n, False, True, limit) for n in sorted({row_bucket(n, floor=8)
+                                                                      for n in range(1, limit + 1)})]
+    buckets = sorted({token_bucket(n, limit) for n in range(1, limit + 1)})
+    return [(T, R, R if policy.selects else 0) for T in buckets for R in row_ladder(T)]
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -153,9 +153,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "it they spill to --segment-store, and without a store registrations that would not "
                         "fit are refused (docs/segments.md); default: 4G")
     p.add_argument("--precompile-reuse", default="", metavar="METHODS",
-                   help="comma-separated segment-reuse methods whose pass is compiled for every token bucket "
-                        "before the server is ready (methods that recompute every token, e.g. redknot; "
-                        "needs --head-classes global; docs/policies.md, 'Buckets')")
+                   help="comma-separated segment-reuse methods (any of naive, epic, cacheblend, sparsex, "
+                        "redknot, full) whose pass is compiled for every token and row bucket before the "
+                        "server is ready, e.g. redknot,sparsex (needs --head-classes global; "
+                        "docs/policies.md, 'Buckets')")
     p.add_argument("--precompile-retrieval", default="", metavar="METHODS",
                    help="comma-separated retrieval methods requests may ask for, NAME or NAME@TOKENS "
                         "(budget per KV head; default the method's), e.g. quest@256,specontext: their decode "
@@ -254,9 +255,17 @@ def main(argv=None) -> int:
     from jaxkv.engine.engine import Engine
     from jaxkv.engine.memory import ACTIVATION_RESERVE, device_kv_bytes, step_activation_bytes
     from jaxkv.parallel.mesh import make_mesh
+    from jaxkv.policies.reuse import resolve_reuse
     from jaxkv.serve.app import ServeLimits
     from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
 
+    reuse_names = list(dict.fromkeys(filter(None, (x.strip() for x in args.precompile_reuse.split(",")))))
+    try:
+        for name in reuse_names:  # every name checked before the model loads
+            resolve_reuse(name)
+    except ValueError as e:
+        print(f"python -m jaxkv.serve: error: --precompile-reuse: {e}", file=sys.stderr)
+        return 2
     if args.model_note:
         print(args.model_note, flush=True)
     dtype = args.dtype
@@ -324,11 +333,11 @@ def main(argv=None) -> int:
     else:
         state.info["precompiled_variants"] = 0
     reuse_passes = {}
-    for name in filter(None, (x.strip() for x in args.precompile_reuse.split(","))):
+    for name in reuse_names:
         t0 = time.perf_counter()
         try:
             reuse_passes[name] = engine.precompile_reuse(name)
-        except ValueError as e:
+        except ValueError as e:  # an engine whose heads do not all keep full history
             print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
             return 2
         print(f"jaxkv: precompiled {reuse_passes[name]} {name} reuse passes in "

@@ -322,11 +322,11 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
         valid = positions >= 0
         ffn = None
         if view is not None:
-            def probs_after_writes():
+            def mass_after_writes():   # [Hkv, R] probe mass over the keys after this layer's writes
                 kc_after, _ = cached_kv(pool, slots)
-                probs = view.probe_probs(kc_after)
-                return probs if tp is None else tp.heads(probs, 0)
-            ffn = policy.ffn_rows(view if tp is None else tp.view(view), probs_after_writes)
+                mass = view.probe_sum(lambda probs, _: jnp.sum(probs, axis=(1, 2)), kc_after)
+                return mass if tp is None else tp.heads(mass, 0)
+            ffn = policy.ffn_rows(view if tp is None else tp.view(view), mass_after_writes)
         cap = policy.ffn_capacity_rows(x.shape[0])
         if ffn is None:
             x = x + jnp.where(valid[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)

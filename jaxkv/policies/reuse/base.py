@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG = -1e30
+# Probe queries a `LayerView.probe_sum` step takes at once: a question of up to this many tokens is one step.
+PROBE_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,8 @@ class LayerView:
     is_new: jax.Array  # [R] bool
     forced: jax.Array  # [R] bool: always recomputed (new text and the method's host-forced tokens)
     seg_offset: jax.Array  # [R] int32 offset inside the reused segment, -1 = new
-    probe: jax.Array  # [Np] int32 row indices of the probe queries (the new text after the first segment)
+    probe: jax.Array  # [Np] int32 row indices of the probe queries (the new text after the first segment),
+    # front-packed, -1 = padding; Np follows the prompt bucket (read them through `probe_sum`)
     is_global: jax.Array  # [Hkv] bool: the head-class map's global heads of this layer
     sink: jax.Array  # [Hkv] int32 local heads' sink (0 for global heads)
     window: jax.Array  # [Hkv] int32 local heads' window (0 for global heads)
@@ -81,14 +84,35 @@ class LayerView:
     def valid(self) -> jax.Array:
         return self.positions >= 0
 
-    def probe_probs(self, k: jax.Array | None = None) -> jax.Array:
-        """[Hkv, G, Np, R] softmax of the probe queries over the rows' keys (`k`, default the fresh ones),
-        causal by position, fp32; padding probes are all zero."""
+    def probe_sum(self, fn, k: jax.Array | None = None) -> jax.Array:
+        """Sum over the probe queries of ``fn(probs, rows)``, `PROBE_CHUNK` probes at a time: `probs`
+        [Hkv, G, C, R] is their softmax over the rows' keys (`k`, default the fresh ones), causal by
+        position, fp32, all zero for padding probes (`fn` must give zero for them); `rows` [C] their row
+        indices (-1 = padding). The probe array is as long as the prompt bucket, so a question's length is
+        no compile key: only the chunks up to the last probe run (a loop of data-dependent length), and a
+        long question never holds more than one chunk's probabilities."""
         k = self.k if k is None else k
+        probe = self.probe
+        pad = -probe.shape[0] % PROBE_CHUNK
+        if pad:
+            probe = jnp.concatenate([probe, jnp.full((pad,), -1, probe.dtype)])
+        last = jnp.max(jnp.where(probe >= 0, jnp.arange(probe.shape[0]), -1))
+        chunks = (last + PROBE_CHUNK) // PROBE_CHUNK
+
+        def chunk(c):
+            rows = jax.lax.dynamic_slice(probe, (c * PROBE_CHUNK,), (PROBE_CHUNK,))
+            return self._probe_probs(rows, k), rows
+
+        # the first chunk always runs (all padding without probes: `fn` of zero probabilities)
+        return jax.lax.fori_loop(1, chunks, lambda c, acc: jax.tree.map(jnp.add, acc, fn(*chunk(c))),
+                                 fn(*chunk(0)))
+
+    def _probe_probs(self, probe: jax.Array, k: jax.Array) -> jax.Array:
+        """[Hkv, G, C, R] softmax of the probe queries at rows `probe` [C] (-1: padding, all zero)."""
         hkv = k.shape[1]
-        rows = self.probe >= 0
-        pi = jnp.maximum(self.probe, 0)
-        qp = self.q[pi].astype(jnp.float32)  # [Np, Hq, D]
+        rows = probe >= 0
+        pi = jnp.maximum(probe, 0)
+        qp = self.q[pi].astype(jnp.float32)  # [C, Hq, D]
         g = qp.shape[1] // hkv
         qp = qp.reshape(qp.shape[0], hkv, g, -1)
         logits = jnp.einsum("nhgd,rhd->hgnr", qp, k.astype(jnp.float32),
@@ -178,10 +202,11 @@ class ReusePolicy:
         `selected` [R, Hkv] is the per-head choice made at the selection layer (all True by default)."""
         return view.valid[:, None] & selected
 
-    def ffn_rows(self, view: LayerView, attn_probs_fn) -> tuple[jax.Array, jax.Array] | None:
+    def ffn_rows(self, view: LayerView, probe_mass_fn) -> tuple[jax.Array, jax.Array] | None:
         """(keep [R] bool, priority [R] float) rows that get the FFN in this layer, or None for all. At most
-        `ffn_capacity_rows` of them run (highest priority first). `attn_probs_fn()` returns the probe
-        attention over the rows' keys after this layer's writes ([Hkv, G, Np, R])."""
+        `ffn_capacity_rows` of them run (highest priority first). `probe_mass_fn()` returns the attention
+        mass the probes give each row's key after this layer's writes, summed over the probes and the query
+        heads of each KV head ([Hkv, R])."""
         return None
 
     def ffn_capacity_rows(self, num_rows: int) -> int:

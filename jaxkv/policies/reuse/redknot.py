@@ -108,14 +108,18 @@ class RedKnot(ReusePolicy):
     def head_promote(self, view: LayerView):
         if self.edge_thresh >= 1:
             return None
-        p = view.probe_probs()  # [Hkv, G, Np, R] over fresh keys
-        qpos = view.positions[jnp.maximum(view.probe, 0)]  # [Np]
-        dist = qpos[:, None] - view.positions[None, :]  # [Np, R]
-        edge = (dist[None] >= ((1 - self.edge_frac) * view.window)[:, None, None]) & (
-            view.positions[None, None, :] >= view.sink[:, None, None])  # [Hkv, Np, R]
-        mass = jnp.sum(p * edge[:, None], axis=-1)  # [Hkv, G, Np]
+        far = (1 - self.edge_frac) * view.window  # [Hkv]
+
+        def edge_mass(p, probe):  # p [Hkv, G, C, R] over fresh keys -> [Hkv] summed over the chunk's probes
+            qpos = view.positions[jnp.maximum(probe, 0)]  # [C]
+            dist = qpos[:, None] - view.positions[None, :]  # [C, R]
+            edge = (dist[None] >= far[:, None, None]) & (
+                view.positions[None, None, :] >= view.sink[:, None, None])  # [Hkv, C, R]
+            mass = jnp.sum(p * edge[:, None], axis=-1)  # [Hkv, G, C]
+            return jnp.sum(jnp.mean(mass, axis=1), axis=-1)
+
         nprobe = jnp.maximum(jnp.sum(view.probe >= 0), 1)
-        mean = jnp.sum(jnp.mean(mass, axis=1), axis=-1) / nprobe  # [Hkv]
+        mean = view.probe_sum(edge_mass) / nprobe  # [Hkv]
         return ~view.is_global & (mean > self.edge_thresh)
 
     def segment_heads(self, is_global):
@@ -134,7 +138,7 @@ class RedKnot(ReusePolicy):
     def layer_breaks(self) -> tuple[int, ...]:
         return (self.dense_until,)  # dense FFN before it, sparse from it on
 
-    def ffn_rows(self, view: LayerView, attn_probs_fn):
+    def ffn_rows(self, view: LayerView, probe_mass_fn):
         if view.span[1] <= self.dense_until:  # every layer the body serves is before dense_until
             return None
         last = jnp.max(view.positions)
@@ -144,7 +148,7 @@ class RedKnot(ReusePolicy):
             dev = jnp.where(view.valid & ~must, jnp.sum(jnp.linalg.norm(k - kc, axis=-1), -1), 0.0)
             share = dev / jnp.maximum(jnp.max(dev), 1e-30)  # in [0, 1]: below the forced rows' 2 +
             return view.valid, share + 2.0 * must
-        mass = jnp.sum(attn_probs_fn(), axis=(0, 1, 2))  # [R] probe mass received
+        mass = jnp.sum(probe_mass_fn(), axis=0)  # [R] probe mass received
         order = jnp.argsort(-mass)
         csum = jnp.cumsum(mass[order]) / jnp.maximum(jnp.sum(mass), 1e-30)
         keep_sorted = (csum - mass[order] / jnp.maximum(jnp.sum(mass), 1e-30)) < self.mass_thresh

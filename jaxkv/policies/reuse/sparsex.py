@@ -71,6 +71,6 @@ class SparseX(ReusePolicy):
         return math.ceil(self.ratio * lay.num_reused)
 
     def score(self, view: LayerView):
-        mass = jnp.sum(view.probe_probs(), axis=(1, 2))  # [Hkv, R]
+        mass = view.probe_sum(lambda probs, _: jnp.sum(probs, axis=(1, 2)))  # [Hkv, R]
         score = mass.T if self.per_head else jnp.sum(mass, axis=0)
         return spread_forward(score, view.positions, self.dilate)
