@@ -59,11 +59,13 @@ DEFAULT_METHODS = "full,redknot,sparsex,cacheblend,epic,naive,reuse_full"
 ENGINE_PATHS = {"full"}  # methods through Engine.add_request; every other name is a reuse method
 CKPT_MAX_LEN = 131072  # max_position_embeddings of random checkpoints (Llama 3.1's): one fits every run
 TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", "embedded": "Embedded model",
-          "small": "Small random model (CPU smoke)"}
+          "small": "Small random model (CPU smoke)",
+          "8b-layout": "8B page layout, tiny hidden sizes (host-side costs on the CPU)"}
 HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
           "query rows", "FFN rows", "notes"]
 TIER_HEADER = ["method", "segments in", "TTFT (s)", "speed-up vs full", "share of the device speed-up",
-               "moved to the device (MB)", "read from the store (MB)", "pass programs"]
+               "moved to the device (MB)", "read from the store (MB)", "pass programs",
+               "host before the first program (ms)"]
 TIER_INDEPENDENT = {"full", "reuse_full"}  # read no segment: timed once, in the first tier
 
 
@@ -236,7 +238,7 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
     t0 = time.perf_counter()
     ttft_once(eng, policy, prompt)
     warm = time.perf_counter() - t0
-    times, stats, moved = [], None, []
+    times, stats, moved, before_program = [], None, [], []
     for _ in range(repeats):
         if times and remaining() < times[-1]:
             log(f"  {spec}: deadline, {len(times)} timed run(s)")
@@ -246,6 +248,8 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
         s, stats = ttft_once(eng, policy, prompt)
         times.append(s)
         moved.append([a - b for a, b in zip(moved_bytes(eng), before)])
+        if stats is not None:
+            before_program.append(stats.host_before_program_s)
     expected = w.segments * w.segment_len if policy is not None and policy.reuses else 0
     if stats is not None and stats.reused_tokens != expected:
         raise RuntimeError(f"{spec}: reused {stats.reused_tokens} tokens, expected {expected}: segments lost")
@@ -259,11 +263,14 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
                 "query_rows": float(np.mean(stats.recomputed_rows)) / n,
                 "ffn_rows": float(np.mean(stats.ffn_rows)) / n, "prefill_s": stats.prefill_s,
                 "promoted_heads": int(np.sum(stats.promoted_heads)),
-                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy)}
+                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy),
+                "host_before_program_s": float(np.median(before_program))}
     log(f"  {spec}{'' if tier is None else ' @ ' + tier}: warm-up (compile) {warm:.2f} s, "
         f"timed {', '.join(f'{t:.4f}' for t in times)} s "
         f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s in {stats.layer_groups} "
-                                              "program(s))" if stats else ""))
+                                              "program(s); host before the first program "
+                                              f"{1e3 * row['host_before_program_s']:.1f} ms)"
+                                              if stats else ""))
     return row
 
 
@@ -306,7 +313,8 @@ def tier_table(rows: list[dict]) -> str:
         share = f"{dev / r['ttft_s']:.0%}" if dev and r["tier"] != "device" else ""
         out.append([r["method"], r["tier"], f"{r['ttft_s']:.4f}", speedup, share,
                     f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}",
-                    str(r.get("pass_programs", ""))])
+                    str(r.get("pass_programs", "")),
+                    f"{1e3 * r['host_before_program_s']:.1f}" if "host_before_program_s" in r else ""])
     return markdown_table(TIER_HEADER, out)
 
 
@@ -376,6 +384,8 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     store = args.store or (tempfile.mkdtemp(prefix="jaxkv-bench-store-")
                            if "store" in tiers or args.restart else None)
     eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    if args.pinned_host:
+        eng.reuser.tiers.memory_kinds = True
     if args.layer_groups is not None:
         eng.reuser.layer_groups = args.layer_groups
     t0 = time.perf_counter()
@@ -487,7 +497,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.reuse", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="8b", help="comma list of 8b, 1b, embedded (ignored with --small)")
+    ap.add_argument("--shape", default="8b",
+                    help="comma list of 8b, 1b, embedded, 8b-layout (ignored with --small)")
     ap.add_argument("--small", action="store_true", help="tiny random model, 2 x 64-token segments (CPU)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma list: full (engine prefill), reuse_full, reuse specs name[:field=v;field=v]")
@@ -512,6 +523,9 @@ def parse_args(argv):
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")
+    ap.add_argument("--pinned-host", action="store_true",
+                    help="host copies of segments as pinned host arrays (JAX's pinned_host memory kind) also "
+                         "on the CPU: the host-side path a GPU's promotion takes")
     ap.add_argument("--restart", action="store_true",
                     help="then time a second engine on the store: restart -> first reused token")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
