@@ -161,16 +161,27 @@ class Prompt:
     ids: list[int]  # the whole prompt as `full` sees it
 
 
-def register_segments(eng, w: Workload, rng, log, frozen: bool = True) -> Prompt:
+def insert_unprefilled(eng, tokens: list[int]) -> str:
+    """A segment entered in the segment store on freshly allocated pages, not prefilled (its K/V are whatever
+    those pages held): for timings of host-side work, which do not depend on the values."""
+    ru, cfg = eng.reuser, eng.model.config
+    L, H, npg = cfg.num_layers, cfg.num_kv_heads, -(-len(tokens) // eng.page_size)
+    heads = np.broadcast_to(np.arange(H, dtype=np.int32)[None, :, None], (L, H, npg)).ravel()
+    ids = ru._allocate(L * H * npg, heads).reshape(L, H, npg)
+    return ru.store.insert(tokens, None, ids, start=ru.start).segment_id
+
+
+def register_segments(eng, w: Workload, rng, log, frozen: bool = True, prefill: bool = True) -> Prompt:
     """Registers the segments (frozen: they stay on the device; not frozen when they are to move between
-    tiers) and returns the prompt around them."""
+    tiers; `prefill` False: inserted unprefilled) and returns the prompt around them."""
     vocab = eng.model.config.vocab_size
     draw = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731 (3..: clear of pad/BOS/EOS)
     segments, seg_ids = [], []
     for i in range(w.segments):
         t0 = time.perf_counter()
         segments.append(draw(w.segment_len))
-        seg_ids.append(eng.register_segment(segments[-1], frozen=frozen))
+        seg_ids.append(eng.register_segment(segments[-1], frozen=frozen) if prefill
+                       else insert_unprefilled(eng, segments[-1]))
         log(f"  segment {i + 1}/{w.segments} registered in {time.perf_counter() - t0:.2f} s")
     prefix, suffix = draw(w.prefix_len), draw(w.suffix_len)
     return Prompt(prefix, seg_ids, suffix, prefix + [t for s in segments for t in s] + suffix)
@@ -389,7 +400,8 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     if args.layer_groups is not None:
         eng.reuser.layer_groups = args.layer_groups
     t0 = time.perf_counter()
-    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"])
+    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"],
+                               prefill=not args.unprefilled_segments)
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
               "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers, "tiers": tiers,
               "layer_groups": eng.reuser.layer_groups,
@@ -526,6 +538,10 @@ def parse_args(argv):
     ap.add_argument("--pinned-host", action="store_true",
                     help="host copies of segments as pinned host arrays (JAX's pinned_host memory kind) also "
                          "on the CPU: the host-side path a GPU's promotion takes")
+    ap.add_argument("--unprefilled-segments", action="store_true",
+                    help="segments enter the store on allocated pages, not prefilled (their K/V mean "
+                         "nothing): host-side timings such as the host time before the first program, "
+                         "without minutes of segment prefill on a CPU; not with the store tier")
     ap.add_argument("--restart", action="store_true",
                     help="then time a second engine on the store: restart -> first reused token")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
@@ -539,6 +555,9 @@ def parse_args(argv):
     if args.layer_groups is not None and args.layer_groups < 1:
         ap.error("--layer-groups must be >= 1")
     args.tier_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if args.unprefilled_segments and ("store" in args.tier_list or args.restart):
+        ap.error("--unprefilled-segments: unprefilled segments are not written to a store (no store tier, "
+                 "no --restart)")
     bad = [t for t in args.tier_list if t not in ("device", "host", "store")]
     if bad or not args.tier_list:
         ap.error(f"--tiers: unknown tier(s) {bad}; choose from device, host, store")

@@ -71,3 +71,14 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     assert "| naive | store |" in text and "Restart: a second engine on the same store" in text
     with pytest.raises(SystemExit):
         bench.main(["--small", "--tiers", "disk"])
+
+
+def test_bench_reuse_unprefilled_segments_time_the_pinned_host_path(tmp_path):
+    argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--methods", "naive",
+            "--tiers", "host", "--layer-groups", "2", "--pinned-host", "--unprefilled-segments"]
+    (result,) = bench.main(argv)
+    (row,) = result["rows"]
+    assert row["tier"] == "host" and row["pass_programs"] == 2 and row["promoted_bytes"] > 0
+    assert 0 < row["host_before_program_s"] < row["ttft_s"]
+    with pytest.raises(SystemExit):
+        bench.main(argv + ["--tiers", "store"])
