@@ -507,7 +507,15 @@ class Promotion:
 
         for plan in self._plans[len(self._parts):upto]:
             flat = [x for host_k, host_v, host_pos, *_ in plan for x in (*host_k, *host_v, *host_pos)]
-            moved = iter(jax.device_put(flat, device_sharding()))
+            moved = [None] * len(flat)
+            pinned = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
+            pageable = [i for i, x in enumerate(flat) if not isinstance(x, jax.Array)]
+            # pinned host arrays to the device's memory; numpy uncommitted, as a sharded pool's writes take it
+            for where, sharding in ((pinned, device_sharding()), (pageable, None)):
+                if where:
+                    for i, y in zip(where, jax.device_put([flat[i] for i in where], sharding)):
+                        moved[i] = y
+            moved = iter(moved)
             parts = []
             for host_k, host_v, host_pos, *_ in plan:
                 parts.append(tuple(tuple(next(moved) for _ in x) for x in (host_k, host_v, host_pos)))
