@@ -26,6 +26,10 @@ SHAPES = {  # jaxkv ModelConfig fields of the Llama shapes the benchmarks use
     # CPU smoke shape that splits over up to 4 devices (4 KV heads)
     "small-tp4": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4,
                       head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    # the 8B shape's page layout (32 layers x 8 KV heads, 2 query heads each) with tiny hidden/head sizes:
+    # host-side costs of a reuse pass measured on the CPU, where compute is cheap
+    "8b-layout": dict(hidden_size=64, intermediate_size=128, num_layers=32, num_heads=16, num_kv_heads=8,
+                      head_dim=8, vocab_size=512, tie_word_embeddings=True),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                head_dim=64, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,

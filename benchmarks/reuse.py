@@ -59,11 +59,13 @@ DEFAULT_METHODS = "full,redknot,sparsex,cacheblend,epic,naive,reuse_full"
 ENGINE_PATHS = {"full"}  # methods through Engine.add_request; every other name is a reuse method
 CKPT_MAX_LEN = 131072  # max_position_embeddings of random checkpoints (Llama 3.1's): one fits every run
 TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", "embedded": "Embedded model",
-          "small": "Small random model (CPU smoke)"}
+          "small": "Small random model (CPU smoke)",
+          "8b-layout": "8B page layout, tiny hidden sizes (host-side costs on the CPU)"}
 HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
           "query rows", "FFN rows", "notes"]
 TIER_HEADER = ["method", "segments in", "TTFT (s)", "speed-up vs full", "share of the device speed-up",
-               "moved to the device (MB)", "read from the store (MB)", "pass programs"]
+               "moved to the device (MB)", "read from the store (MB)", "pass programs",
+               "host before the first program (ms)"]
 TIER_INDEPENDENT = {"full", "reuse_full"}  # read no segment: timed once, in the first tier
 
 
@@ -159,16 +161,27 @@ class Prompt:
     ids: list[int]  # the whole prompt as `full` sees it
 
 
-def register_segments(eng, w: Workload, rng, log, frozen: bool = True) -> Prompt:
+def insert_unprefilled(eng, tokens: list[int]) -> str:
+    """A segment entered in the segment store on freshly allocated pages, not prefilled (its K/V are whatever
+    those pages held): for timings of host-side work, which do not depend on the values."""
+    ru, cfg = eng.reuser, eng.model.config
+    L, H, npg = cfg.num_layers, cfg.num_kv_heads, -(-len(tokens) // eng.page_size)
+    heads = np.broadcast_to(np.arange(H, dtype=np.int32)[None, :, None], (L, H, npg)).ravel()
+    ids = ru._allocate(L * H * npg, heads).reshape(L, H, npg)
+    return ru.store.insert(tokens, None, ids, start=ru.start).segment_id
+
+
+def register_segments(eng, w: Workload, rng, log, frozen: bool = True, prefill: bool = True) -> Prompt:
     """Registers the segments (frozen: they stay on the device; not frozen when they are to move between
-    tiers) and returns the prompt around them."""
+    tiers; `prefill` False: inserted unprefilled) and returns the prompt around them."""
     vocab = eng.model.config.vocab_size
     draw = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731 (3..: clear of pad/BOS/EOS)
     segments, seg_ids = [], []
     for i in range(w.segments):
         t0 = time.perf_counter()
         segments.append(draw(w.segment_len))
-        seg_ids.append(eng.register_segment(segments[-1], frozen=frozen))
+        seg_ids.append(eng.register_segment(segments[-1], frozen=frozen) if prefill
+                       else insert_unprefilled(eng, segments[-1]))
         log(f"  segment {i + 1}/{w.segments} registered in {time.perf_counter() - t0:.2f} s")
     prefix, suffix = draw(w.prefix_len), draw(w.suffix_len)
     return Prompt(prefix, seg_ids, suffix, prefix + [t for s in segments for t in s] + suffix)
@@ -236,7 +249,7 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
     t0 = time.perf_counter()
     ttft_once(eng, policy, prompt)
     warm = time.perf_counter() - t0
-    times, stats, moved = [], None, []
+    times, stats, moved, before_program = [], None, [], []
     for _ in range(repeats):
         if times and remaining() < times[-1]:
             log(f"  {spec}: deadline, {len(times)} timed run(s)")
@@ -246,6 +259,8 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
         s, stats = ttft_once(eng, policy, prompt)
         times.append(s)
         moved.append([a - b for a, b in zip(moved_bytes(eng), before)])
+        if stats is not None:
+            before_program.append(stats.host_before_program_s)
     expected = w.segments * w.segment_len if policy is not None and policy.reuses else 0
     if stats is not None and stats.reused_tokens != expected:
         raise RuntimeError(f"{spec}: reused {stats.reused_tokens} tokens, expected {expected}: segments lost")
@@ -259,11 +274,14 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
                 "query_rows": float(np.mean(stats.recomputed_rows)) / n,
                 "ffn_rows": float(np.mean(stats.ffn_rows)) / n, "prefill_s": stats.prefill_s,
                 "promoted_heads": int(np.sum(stats.promoted_heads)),
-                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy)}
+                "pass_programs": stats.layer_groups, "fields": dataclasses.asdict(policy),
+                "host_before_program_s": float(np.median(before_program))}
     log(f"  {spec}{'' if tier is None else ' @ ' + tier}: warm-up (compile) {warm:.2f} s, "
         f"timed {', '.join(f'{t:.4f}' for t in times)} s "
         f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s in {stats.layer_groups} "
-                                              "program(s))" if stats else ""))
+                                              "program(s); host before the first program "
+                                              f"{1e3 * row['host_before_program_s']:.1f} ms)"
+                                              if stats else ""))
     return row
 
 
@@ -306,7 +324,8 @@ def tier_table(rows: list[dict]) -> str:
         share = f"{dev / r['ttft_s']:.0%}" if dev and r["tier"] != "device" else ""
         out.append([r["method"], r["tier"], f"{r['ttft_s']:.4f}", speedup, share,
                     f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}",
-                    str(r.get("pass_programs", ""))])
+                    str(r.get("pass_programs", "")),
+                    f"{1e3 * r['host_before_program_s']:.1f}" if "host_before_program_s" in r else ""])
     return markdown_table(TIER_HEADER, out)
 
 
@@ -376,10 +395,13 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     store = args.store or (tempfile.mkdtemp(prefix="jaxkv-bench-store-")
                            if "store" in tiers or args.restart else None)
     eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    if args.pinned_host:
+        eng.reuser.tiers.memory_kinds = True
     if args.layer_groups is not None:
         eng.reuser.layer_groups = args.layer_groups
     t0 = time.perf_counter()
-    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"])
+    prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"],
+                               prefill=not args.unprefilled_segments)
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
               "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers, "tiers": tiers,
               "layer_groups": eng.reuser.layer_groups,
@@ -487,7 +509,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.reuse", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="8b", help="comma list of 8b, 1b, embedded (ignored with --small)")
+    ap.add_argument("--shape", default="8b",
+                    help="comma list of 8b, 1b, embedded, 8b-layout (ignored with --small)")
     ap.add_argument("--small", action="store_true", help="tiny random model, 2 x 64-token segments (CPU)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma list: full (engine prefill), reuse_full, reuse specs name[:field=v;field=v]")
@@ -512,6 +535,13 @@ def parse_args(argv):
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")
+    ap.add_argument("--pinned-host", action="store_true",
+                    help="host copies of segments as pinned host arrays (JAX's pinned_host memory kind) also "
+                         "on the CPU: the host-side path a GPU's promotion takes")
+    ap.add_argument("--unprefilled-segments", action="store_true",
+                    help="segments enter the store on allocated pages, not prefilled (their K/V mean "
+                         "nothing): host-side timings such as the host time before the first program, "
+                         "without minutes of segment prefill on a CPU; not with the store tier")
     ap.add_argument("--restart", action="store_true",
                     help="then time a second engine on the store: restart -> first reused token")
     ap.add_argument("--out", default=None, help=f"markdown file whose '{SECTION}' section gets the tables")
@@ -525,6 +555,9 @@ def parse_args(argv):
     if args.layer_groups is not None and args.layer_groups < 1:
         ap.error("--layer-groups must be >= 1")
     args.tier_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if args.unprefilled_segments and ("store" in args.tier_list or args.restart):
+        ap.error("--unprefilled-segments: unprefilled segments are not written to a store (no store tier, "
+                 "no --restart)")
     bad = [t for t in args.tier_list if t not in ("device", "host", "store")]
     if bad or not args.tier_list:
         ap.error(f"--tiers: unknown tier(s) {bad}; choose from device, host, store")

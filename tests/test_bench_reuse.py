@@ -60,11 +60,25 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     # segments promoted for the request: the pass runs in the layer groups asked for; on the device in one
     assert rows["naive", "host"]["pass_programs"] == rows["naive", "store"]["pass_programs"] > 1
     assert rows["naive", "device"]["pass_programs"] == 1
+    promoting = [(m, t) for m in ("naive", "redknot") for t in ("host", "store")]
+    assert all(rows[key]["host_before_program_s"] > 0 for key in promoting)
     # RedKnot promotes only its local heads (the small model's head-class map has global heads)
     assert 0 < rows["redknot", "host"]["promoted_bytes"] < segment_bytes
     r = result["restart"]
     assert r["restored"] == w["segments"] and r["first_token_s"] > 0
     text = out.read_text()
+    assert "host before the first program (ms)" in text
     assert "| naive | store |" in text and "Restart: a second engine on the same store" in text
     with pytest.raises(SystemExit):
         bench.main(["--small", "--tiers", "disk"])
+
+
+def test_bench_reuse_unprefilled_segments_time_the_pinned_host_path(tmp_path):
+    argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--methods", "naive",
+            "--tiers", "host", "--layer-groups", "2", "--pinned-host", "--unprefilled-segments"]
+    (result,) = bench.main(argv)
+    (row,) = result["rows"]
+    assert row["tier"] == "host" and row["pass_programs"] == 2 and row["promoted_bytes"] > 0
+    assert 0 < row["host_before_program_s"] < row["ttft_s"]
+    with pytest.raises(SystemExit):
+        bench.main(argv + ["--tiers", "store"])

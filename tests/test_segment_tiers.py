@@ -3,6 +3,8 @@ serves requests over all of them with the tokens of a large pool and no segment 
 recently used segments leave the device first; frozen ones stay where they were pinned; RedKnot's promotion
 moves only the heads it reads; the store tier; cards and metrics show the tiers."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -446,11 +448,16 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
         assert all(where(eng, s) == ["host"] for s in ids)
         poison_free_pages(eng)
         jax.clear_caches()
+        t0 = time.perf_counter()
         rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse=policy, sampling=GREEDY)
-        tokens = []
+        tokens, first_token_s = [], None
         while eng.has_unfinished():
             tokens += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+            if tokens and first_token_s is None:
+                first_token_s = time.perf_counter() - t0
         assert reuse_prefill._cache_size() == (1 if groups == 1 else GROUP_PROGRAMS[method])
+        # the host's time from admission to the pass's first program is measured within the first step
+        assert 0 < eng.reuser.stats[rid].host_before_program_s < first_token_s
         pool = eng.runner.pool
         got[groups] = (tokens, eng.reuser.stats[rid], np.asarray(pool.k), np.asarray(pool.v),
                        np.asarray(pool.pos))
@@ -480,3 +487,47 @@ def test_layer_groups_cover_every_layer_and_the_first_holds_the_selection_layer(
     assert layer_groups(get_reuse_policy("sparsex", full_layers=2), 3, 8) == [(0, 3)]  # layer 2 selects
     assert layer_groups(get_reuse_policy("sparsex", full_layers=9), 4, 8) == [(0, 4)]  # every layer dense
     assert layer_groups(naive, 32, 1) == [(0, 32)]
+
+
+def test_nothing_pageable_goes_to_the_device_behind_pinned_segment_copies(model5, monkeypatch):
+    """A transfer of pageable numpy is synchronous: queued behind the asynchronous transfers of pinned
+    host copies it holds the host until they have moved, and no program of the pass goes out meanwhile.
+    From the first pinned K/V transfer to the first program of a grouped pass, every transfer is pinned."""
+    import jaxkv.engine.reuse as reuse_mod
+    import jaxkv.engine.segment_tiers as tiers_mod
+
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
+    eng = engine(model5, 600)
+    eng.reuser.layer_groups = 5
+    eng.reuser.tiers.memory_kinds = True
+    ids = [eng.register_segment(d) for d in docs]
+    eng.reuser.tiers.evict(eng.allocator.num_pages)
+    assert all(where(eng, s) == ["host"] for s in ids)
+    events = []  # ("put", pinned arrays, numpy arrays) per transfer call, ("program",) per program
+    put = jax.device_put
+
+    def spy_put(x, *a, **kw):
+        leaves = jax.tree_util.tree_leaves(x)
+        pinned = sum(isinstance(y, jax.Array) and y.sharding.memory_kind == "pinned_host" for y in leaves)
+        events.append(("put", pinned, sum(isinstance(y, np.ndarray | np.generic) for y in leaves)))
+        return put(x, *a, **kw)
+
+    def program(fn):
+        def run(*a, **kw):
+            events.append(("program",))
+            return fn(*a, **kw)
+        return run
+
+    monkeypatch.setattr(jax, "device_put", spy_put)
+    monkeypatch.setattr(tiers_mod, "_write_pages", program(tiers_mod._write_pages))
+    monkeypatch.setattr(reuse_mod, "reuse_prefill", program(reuse_mod.reuse_prefill))
+    tokens = ask(eng, ids)
+    assert eng.reuser.stats and list(eng.reuser.stats.values())[-1].layer_groups == 5
+    first_pinned = next(i for i, e in enumerate(events) if e[0] == "put" and e[1])
+    first_program = events.index(("program",))
+    assert first_pinned < first_program
+    assert [e for e in events[first_pinned:first_program] if e[0] == "put" and e[2]] == []
+    monkeypatch.undo()
+    # the same tokens with the segments already on the device (one program, nothing moved)
+    assert ask(eng, ids) == tokens

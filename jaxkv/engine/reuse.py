@@ -80,6 +80,9 @@ class ReuseStats:
 
     heads: int = 1
     layer_groups: int = 1  # programs the pass ran in (> 1: segments promoted beside it, layer group by group)
+    # host seconds from admission to the dispatch of its first program (a promoted page write or the pass):
+    # until then the device has nothing of this request to run beside the transfers
+    host_before_program_s: float = 0.0
     # per layer: rows the sparse FFN chose but its capacity dropped (lowest mass first; with RedKnot's
     # ffn_select="deviation" every reused row is a candidate, so this counts every reused row it skipped)
     ffn_dropped: list[int] = dataclasses.field(default_factory=list)
@@ -403,6 +406,7 @@ class Reuser:
         for e in entries:
             if e is not None:
                 self.store.acquire(e)
+        self._admitted_at, self.tiers.first_write_at = time.perf_counter(), None
         try:
             # The heads the method reads come to the device (from host memory or the store) first: all at
             # once before a single-program pass, or layer group by layer group beside a grouped one.
@@ -410,8 +414,8 @@ class Reuser:
             promotion = self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]),
                                            defer=len(groups) > 1)
             try:
-                if promotion is not None:  # the first group's K/V move while the pass's inputs are built
-                    promotion.start(groups, send=1)
+                if promotion is not None:  # page ids and rows now; K/V after the pass inputs (`_grouped`)
+                    promotion.start(groups, send=0)
                 return self._prefill(p, entries, seg_tokens, promotion, groups)
             finally:
                 if promotion is not None:
@@ -503,7 +507,7 @@ class Reuser:
 
         static = dict(cfg=cfg, policy=pol, num_rows=R, select_cap=select_cap, impl=self.impl,
                       rows_are_tokens=rows_are_tokens, head_windows=self.head_windows, mesh=eng.runner.mesh)
-        t0 = time.perf_counter()
+        t0 = self._pass_at = time.perf_counter()  # `_grouped` sets it at its first program
         if promotion is None:
             pool, tok, logprob, logits, st = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads,
                                                            **static)
@@ -523,11 +527,13 @@ class Reuser:
             top = [[(int(i), float(x)) for i, x in zip(ids, lps)]]
             logits = logits if self.keep_logits else None
         elapsed = time.perf_counter() - t0
+        first = min(t for t in (self.tiers.first_write_at, self._pass_at) if t is not None)
         ints = lambda name: [int(round(float(x))) for x in st[name]]  # noqa: E731
         self.stats[req.request_id] = ReuseStats(
             pol.name, n, lay.num_reused, ints("query_rows"), ints("kv_writes"), ints("ffn_rows"),
             ints("promoted_heads"), ints("keys_seen"), elapsed,
-            logits, heads=H, layer_groups=programs, ffn_dropped=ints("ffn_dropped"))
+            logits, heads=H, layer_groups=programs, ffn_dropped=ints("ffn_dropped"),
+            host_before_program_s=first - self._admitted_at)
 
         eng.tables.adopt_pages(req.request_id, table, slot, n - 1)
         req.num_computed = n
@@ -546,9 +552,10 @@ class Reuser:
         """The reuse pass as one program per layer group, each dispatched right after its layers' promoted
         pages are written, so it depends on no later group's transfer: a program waits for all its inputs,
         and XLA runs a transfer beside a program only when the transfer was dispatched first (docs/
-        segments.md, "Layer groups"). The pass's inputs go to the device right after the first group's K/V
-        (sent while they were built), before the other groups', so they do not queue behind them. Returns
-        what `reuse_prefill` does, the pool aside (set on the runner)."""
+        segments.md, "Layer groups"). The pass's inputs go to the device first (pageable numpy: a synchronous
+        transfer, which queued behind the pinned K/V would hold the host until they had moved), then every
+        group's K/V (asynchronous), then the programs. Returns what `reuse_prefill` does, the pool aside
+        (set on the runner)."""
         eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
         per_group = _group_copies(b, copy_layer, groups, self.cfg.num_kv_heads)
         common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
@@ -560,6 +567,8 @@ class Reuser:
         carry = None
         for g, (l0, l1) in enumerate(groups):
             promotion.write(g)
+            if g == 0:
+                self._pass_at = time.perf_counter()
             bg = {**common, **per_group[g]}
             if by_offset and 0 < l0 and l1 < L:
                 part = {**params, "layers": llama.SharedLayers(params["layers"][l0:l1])}

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -69,11 +70,12 @@ class HostCopy:
     """Every (layer, KV head) of one segment in host memory: k, v [L * H, slots, D] (numpy) or a list of
     L pinned host arrays [H, slots, D] (one per layer: a transfer of a few MB reaches the link's speed, one
     of a head's ~1 MB half of it; H100: 23 GB/s for 1 MB arrays, 48-53 GB/s from 8 MB); pos [L * H, slots]
-    int32 (numpy)."""
+    int32 (numpy), or L pinned [H, slots] arrays beside pinned K/V (a transfer of pageable numpy is
+    synchronous: it would hold the host until the device has taken it)."""
 
     k: object
     v: object
-    pos: np.ndarray
+    pos: object
     nbytes: int
 
 
@@ -108,6 +110,7 @@ class SegmentTiers:
         self._reads: dict[str, tuple[np.ndarray, Future]] = {}  # store reads started ahead (`prefetch`)
         self._reader: ThreadPoolExecutor | None = None
         self.prefetch_hits = 0  # promotions served by a store read started when the request was queued
+        self.first_write_at: float | None = None  # perf_counter when the last promotion wrote its first pages
 
     @property
     def persist(self):
@@ -314,14 +317,14 @@ class SegmentTiers:
         ids = jnp.asarray(e.pages.reshape(L * H, npg))
         k = pool.k[ids].reshape(L * H, npg * ps, -1)
         v = pool.v[ids].reshape(L * H, npg * ps, -1)
-        pos = np.asarray(pool.pos[ids].reshape(L * H, npg * ps))
+        pos = pool.pos[ids].reshape(L * H, npg * ps)
         if self.memory_kinds:
             from jaxkv.cache.memory_kinds import host_sharding
 
-            k = jax.device_put(list(k.reshape(L, H, npg * ps, -1)), host_sharding())
-            v = jax.device_put(list(v.reshape(L, H, npg * ps, -1)), host_sharding())
+            k, v, pos = (jax.device_put(list(x.reshape(L, H, npg * ps, *x.shape[2:])), host_sharding())
+                         for x in (k, v, pos))
         else:
-            k, v = np.asarray(k), np.asarray(v)
+            k, v, pos = np.asarray(k), np.asarray(v), np.asarray(pos)
         return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
 
     def _forget(self, e: SegmentEntry) -> None:
@@ -416,7 +419,8 @@ class SegmentTiers:
     def _stage(self, e: SegmentEntry, missing: np.ndarray):
         """The `missing` heads' K/V on the host, ready to move: (k, v, pos). k, v: a list of L pinned host
         arrays [H, slots, D] (a pinned copy, which moves whole layers) or numpy [L * H, slots, D] whose
-        missing rows hold the heads; pos [L * H, slots] numpy. A store read happens here."""
+        missing rows hold the heads; pos: L pinned [H, slots] arrays with pinned K/V, else numpy
+        [L * H, slots]. A store read happens here."""
         c = self._host.get(e.segment_id)
         if c is not None:
             self._drop_read(e.segment_id)
@@ -450,9 +454,9 @@ class SegmentTiers:
         if c is None:
             seg = self.persist.disk.get(e.segment_id)
             return seg.k, seg.v, seg.pos
-        k = np.stack([np.asarray(x) for x in c.k]) if isinstance(c.k, list) else c.k
-        v = np.stack([np.asarray(x) for x in c.v]) if isinstance(c.v, list) else c.v
-        return k.reshape(L, H, slots, -1), v.reshape(L, H, slots, -1), c.pos.reshape(L, H, slots)
+        k, v, pos = (np.stack([np.asarray(a) for a in x]) if isinstance(x, list) else x
+                     for x in (c.k, c.v, c.pos))
+        return k.reshape(L, H, slots, -1), v.reshape(L, H, slots, -1), pos.reshape(L, H, slots)
 
 
 
@@ -470,43 +474,51 @@ class _Move:
 
 class Promotion:
     """Promoted heads written into their pages per layer group, so a program over some layers depends only
-    on those layers' transfers: `start` plans the groups and dispatches the first ones' transfers, `send`
-    the others' (a group's page ids and positions, then its K/V; group after group, the first group's
-    first); `write(g)` writes group g's pages (call it just before the program over those layers);
-    `finish` sends and writes whatever is left (always call it: the entries already name these pages). One
-    group of every layer is the plain promotion."""
+    on those layers' transfers: `start` plans the groups and sends every group's page ids and rows in one
+    transfer (small, pageable: synchronous, so it goes before any K/V is in flight), then the first groups'
+    K/V; `send` the others' K/V and positions (one call per group, the first group's first); `write(g)`
+    writes group g's pages (call it just before the program over those layers); `finish` sends and writes
+    whatever is left (always call it: the entries already name these pages). One group of every layer is
+    the plain promotion."""
 
     def __init__(self, tiers: SegmentTiers, moves: list[_Move]):
         self.tiers, self.moves = tiers, moves
         self.groups: list[tuple[int, int]] | None = None
         self._plans: list[list] = []  # per group: `_part`s on the host, one per segment holding its layers
-        self._parts: list[list] = []  # per group sent: (k, v, rows, pages, pos) on the device, per segment
+        self._meta: list[list] = []  # per group: (rows, page ids) on the device, per segment
+        self._parts: list[list] = []  # per group sent: (k, v, pos) on the device, per segment
         self._written: set[int] = set()
 
     def start(self, groups: list[tuple[int, int]] | None = None, send: int | None = None) -> None:
-        """Plans layer groups `groups` ([l0, l1) ranges covering every layer; default one group) and sends
-        the first `send` of them (None: all)."""
+        """Plans layer groups `groups` ([l0, l1) ranges covering every layer; default one group), sends
+        every group's page ids and rows, and sends the first `send` groups' K/V (None: all)."""
         if self.groups is None:
             L, H = self.tiers.L, self.tiers.H
             self.groups = [(0, L)] if groups is None else [tuple(g) for g in groups]
             self._plans = [[p for p in (_part(mv, l0, l1, H) for mv in self.moves) if p is not None]
                            for l0, l1 in self.groups]
+            self._meta = jax.device_put([[(rows, ids) for *_, rows, ids in plan] for plan in self._plans])
         self.send(send)
 
     def send(self, upto: int | None = None) -> None:
-        """Dispatches the transfers of the groups before `upto` (None: every group) not sent yet."""
+        """Dispatches the K/V and positions of the groups before `upto` (None: every group) not sent yet:
+        one transfer call per group (pinned host arrays move asynchronously)."""
         from jaxkv.cache.memory_kinds import device_sharding
 
         for plan in self._plans[len(self._parts):upto]:
-            meta = jax.device_put([(rows, ids, pos) for *_, rows, ids, pos in plan])
+            flat = [x for host_k, host_v, host_pos, *_ in plan for x in (*host_k, *host_v, *host_pos)]
+            moved = [None] * len(flat)
+            pinned = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
+            pageable = [i for i, x in enumerate(flat) if not isinstance(x, jax.Array)]
+            # pinned host arrays to the device's memory; numpy uncommitted, as a sharded pool's writes take it
+            for where, sharding in ((pinned, device_sharding()), (pageable, None)):
+                if where:
+                    for i, y in zip(where, jax.device_put([flat[i] for i in where], sharding)):
+                        moved[i] = y
+            moved = iter(moved)
             parts = []
-            for (host_k, host_v, *_), (rows, ids, pos) in zip(plan, meta):
-                n = len(host_k)
-                if isinstance(host_k[0], np.ndarray):
-                    kv = jax.device_put(host_k + host_v)
-                else:  # pinned host arrays
-                    kv = jax.device_put(host_k + host_v, device_sharding())
-                parts.append((tuple(kv[:n]), tuple(kv[n:]), rows, ids, pos))
+            for host_k, host_v, host_pos, *_ in plan:
+                parts.append(tuple(tuple(next(moved) for _ in x) for x in (host_k, host_v, host_pos)))
             self._parts.append(parts)
 
     def write(self, group: int) -> None:
@@ -516,7 +528,9 @@ class Promotion:
         self.send(group + 1)
         self._written.add(group)
         runner = self.tiers.engine.runner
-        for k, v, rows, ids, pos in self._parts[group]:
+        for (k, v, pos), (rows, ids) in zip(self._parts[group], self._meta[group]):
+            if self.tiers.first_write_at is None:
+                self.tiers.first_write_at = time.perf_counter()
             runner.pool = _write_pages(runner.pool, k, v, rows, ids, pos)
 
     def finish(self) -> None:
@@ -527,35 +541,37 @@ class Promotion:
 
 
 def _part(mv: _Move, l0: int, l1: int, H: int):
-    """The heads of layers [l0, l1) of one move: (host K arrays, host V arrays, rows, page ids [m * npg],
-    positions [m, slots]) as `_write_pages` takes them once moved, or None when none of them is missing."""
+    """The heads of layers [l0, l1) of one move: (host K arrays, host V arrays, host position arrays, rows,
+    page ids [m * npg]) as `_write_pages` takes them once moved, or None when none of them is missing."""
     flat = np.nonzero(mv.missing.reshape(-1))[0]
     mine = (flat >= l0 * H) & (flat < l1 * H)
     if not mine.any():
         return None
     flat = flat[mine]
     ids = np.ascontiguousarray(mv.ids[mine].reshape(-1), np.int32)
-    pos = np.asarray(mv.pos[flat], np.int32)
     if isinstance(mv.k, list):  # pinned, per layer: the layers holding a missing head move whole
         layers = np.unique(flat // H)
         rows = np.nonzero(mv.missing[layers].reshape(-1))[0]
         rows = None if len(rows) == len(layers) * H else rows.astype(np.int32)
-        return [mv.k[i] for i in layers], [mv.v[i] for i in layers], rows, ids, pos
+        pos = ([mv.pos[i] for i in layers] if isinstance(mv.pos, list)
+               else [np.asarray(mv.pos[i * H:(i + 1) * H], np.int32) for i in layers])
+        return [mv.k[i] for i in layers], [mv.v[i] for i in layers], pos, rows, ids
     a, b = int(flat[0]), int(flat[-1]) + 1  # a contiguous run of heads is a view (no copy)
     take = (lambda x: x[a:b]) if b - a == len(flat) else (lambda x: x[flat])
-    return [take(mv.k)], [take(mv.v)], None, ids, pos
+    return [take(mv.k)], [take(mv.v)], [np.asarray(take(mv.pos), np.int32)], None, ids
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_pages(pool: KVPool, k: tuple, v: tuple, rows, pages, pos) -> KVPool:
-    """Heads' K/V (the concatenation of `k`, `v` [n, slots, D], at `rows` when given) and positions [m, slots]
-    written into pool pages [m * npg] as whole pages; a written slot's merge bias is cleared."""
+def _write_pages(pool: KVPool, k: tuple, v: tuple, rows, pages, pos: tuple) -> KVPool:
+    """Heads' K/V and positions (the concatenation of `k`, `v` [n, slots, D] and `pos` [n, slots], at `rows`
+    when given) written into pool pages [m * npg] as whole pages; a written slot's merge bias is cleared."""
     N, P, D = pool.k.shape
 
     def heads(parts):
         x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-        return (x if rows is None else x[rows]).reshape(-1, P, D).astype(pool.k.dtype)
+        return x if rows is None else x[rows]
 
     bias = None if pool.bias is None else pool.bias.at[pages].set(0.0)
-    return KVPool(k=pool.k.at[pages].set(heads(k)), v=pool.v.at[pages].set(heads(v)),
-                  pos=pool.pos.at[pages].set(pos.reshape(-1, P)), page_size=pool.page_size, bias=bias)
+    k, v = (heads(x).reshape(-1, P, D).astype(pool.k.dtype) for x in (k, v))
+    return KVPool(k=pool.k.at[pages].set(k), v=pool.v.at[pages].set(v),
+                  pos=pool.pos.at[pages].set(heads(pos).reshape(-1, P)), page_size=pool.page_size, bias=bias)
