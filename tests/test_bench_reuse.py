@@ -45,8 +45,9 @@ def test_segments_shrink_to_fit_the_embedded_models_positions():
 
 def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the_store(tmp_path):
     out = tmp_path / "benchmarks.md"
-    argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--methods", "full,naive,redknot",
-            "--tiers", "device,host,store", "--restart", "--store", str(tmp_path / "store"), "--out", str(out),
+    argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
+            "--methods", "full,naive,redknot", "--tiers", "device,host,store", "--restart",
+            "--store", str(tmp_path / "store"), "--out", str(out),
             "--layer-groups", "4"]
     (result,) = bench.main(argv)
     rows = {(r["method"], r["tier"]): r for r in result["rows"]}
@@ -55,7 +56,8 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     w = result["workload"]
     segment_bytes = rows["naive", "host"]["promoted_bytes"]
     assert segment_bytes > 0 and rows["naive", "device"]["promoted_bytes"] == 0
-    assert rows["naive", "store"]["promoted_bytes"] == rows["naive", "store"]["store_read_bytes"] == segment_bytes
+    store = rows["naive", "store"]
+    assert store["promoted_bytes"] == store["store_read_bytes"] == segment_bytes
     assert rows["naive", "host"]["store_read_bytes"] == 0
     # segments promoted for the request: the pass runs in the layer groups asked for; on the device in one
     assert rows["naive", "host"]["pass_programs"] == rows["naive", "store"]["pass_programs"] > 1

@@ -135,8 +135,8 @@ def test_precompiled_presses_compress_any_budget_without_a_compile(llama):
 
 
 def test_precompiled_logprob_variants_serve_logprobs_and_echo_without_a_compile(llama):
-    """`precompile(logprobs=True)` adds the logprob variants (alternatives; prompt logprobs for echo): a mix of
-    such requests then compiles nothing, and the top alternatives equal jit's own path."""
+    """`precompile(logprobs=True)` adds the logprob variants (alternatives; prompt logprobs for echo): a mix
+    of such requests then compiles nothing, and the top alternatives equal jit's own path."""
     kw = dict(page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
     engine = Engine(llama, **kw)
     plain = len(warmup.variants(engine))
@@ -153,7 +153,8 @@ def test_precompiled_logprob_variants_serve_logprobs_and_echo_without_a_compile(
         out = {}
         while eng.has_unfinished():
             for o in eng.step():
-                out.setdefault(o.request_id, []).append((o.new_token_ids, o.new_top_logprobs, o.prompt_logprobs))
+                out.setdefault(o.request_id, []).append(
+                    (o.new_token_ids, o.new_top_logprobs, o.prompt_logprobs))
         return [out[i] for i in ids]
 
     got = outputs(engine)

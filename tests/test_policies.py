@@ -290,7 +290,8 @@ def test_hardkv_calibration_file_round_trips_and_rejects_other_models(model, tmp
     with pytest.raises(ValueError, match="window"):
         load_calibration(path, model, HardKV(window=32))
     # A path given as the field (`--policy-arg calibration=FILE`) loads that file, with the same checks.
-    np.testing.assert_allclose(np.array(HardKV(calibration=str(path)).bind(model).calibration), temps, rtol=1e-5)
+    bound = HardKV(calibration=str(path)).bind(model)
+    np.testing.assert_allclose(np.array(bound.calibration), temps, rtol=1e-5)
     with pytest.raises(ValueError, match="window"):
         HardKV(calibration=str(path), window=32).bind(model)
     # Beside the model, a file fitted for another window is left alone (temperatures solved online).

@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=str(ROOT / "jaxkv" / "assets" / "default_model"))
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--tasks", default="mq_niah,vt",
-                    help="comma list: synthetic tasks (mq_niah, vt, ...) or real-text ones (real_niah_multikey, "
-                         "real_vt, ...) for any model")
+                    help="comma list: synthetic tasks (mq_niah, vt, ...) or real-text ones "
+                         "(real_niah_multikey, real_vt, ...) for any model")
     ap.add_argument("--num", type=int, default=8, help="instances per task")
     ap.add_argument("--global-fraction", type=float, default=0.25)
     ap.add_argument("--retrieval-heads", type=int, default=0)

@@ -57,7 +57,8 @@ class SegmentConfig:
     ffn_cache_bytes: int | None = None
     store: str | None = None
     host_bytes: int = 4 << 30
-    head_classes: Any = None  # the reuse methods' head-class map (HeadClassMap | path); None: beside the model
+    # the reuse methods' head-class map (HeadClassMap | path); None: the file beside the model
+    head_classes: Any = None
 
 
 LAYER_LOOPS = ("unrolled", "shared", "scan")  # jaxkv/models/llama.py, "Three layouts of layers"
@@ -92,7 +93,8 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.layer_loop is not None and self.layer_loop not in LAYER_LOOPS:
-            raise ValueError(f"Engine: layer_loop must be one of {list(LAYER_LOOPS)} (got {self.layer_loop!r})")
+            raise ValueError(f"Engine: layer_loop must be one of {list(LAYER_LOOPS)} "
+                             f"(got {self.layer_loop!r})")
         for name in ("page_size", "max_num_seqs", "max_step_tokens", "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -344,7 +344,8 @@ def make_instance(task: str, context: int, seed: int, index: int, **kwargs) -> I
     return TASKS[task](rng, context, **kwargs)
 
 
-def make_instances(task: str, context: int, num: int, seed: int = 0, tokenizer=None, **kwargs) -> list[Instance]:
+def make_instances(task: str, context: int, num: int, seed: int = 0, tokenizer=None,
+                   **kwargs) -> list[Instance]:
     """`num` deterministic instances of `task` at `context` tokens (prompt + reference completion). A
     real-text task (`real_*`, jaxkv/eval/realtext.py) is sized with the model's `tokenizer`."""
     if task.startswith("real_"):
