@@ -275,11 +275,12 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     procs = args.client_procs or max(1, min(-(-max(args.concurrency) // 32), (os.cpu_count() or 2) - 1))
     server_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
-    # The offline anchor compiles as the server does (XLA autotuning off unless --xla-autotune), before
+    # The offline anchor compiles as the server does (XLA autotuning on unless --no-xla-autotune), before
     # this process's backend starts; the server inherits the same XLA_FLAGS.
     from jaxkv.serve.__main__ import xla_flags
 
-    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), "--xla-autotune" in server_args)
+    autotune = "--no-xla-autotune" not in server_args
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), autotune)
     # The server runs where this process would (ServerProcess alone pins the CPU, as the tests want).
     platforms = os.environ.get("JAX_PLATFORMS", "")
     server = ServerProcess(server_args, timeout=1800, env={"JAX_PLATFORMS": platforms})

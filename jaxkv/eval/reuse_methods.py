@@ -77,9 +77,14 @@ class EngineReuse(Method):
         segments = self._cached_segments(eng, pieces)
         rid = eng.add_reuse_request(pieces.prefix, segments, pieces.suffix, reuse=self.policy, sampling=sp)
         out: list[int] = []
+        last = None
         while eng.has_unfinished():
             for o in eng.step():
                 out += o.new_token_ids
+                last = o
+        if rid not in eng.reuser.stats:  # refused at admission: say why instead of a missing-key error
+            why = getattr(last, "text", "") or getattr(last, "finish_reason", "")
+            raise RuntimeError(f"the {self.policy} reuse request was not served: {why}")
         st = eng.reuser.stats.pop(rid)
         if out and out[-1] in stop_ids:
             out = out[:-1]
