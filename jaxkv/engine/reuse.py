@@ -322,24 +322,27 @@ class Reuser:
         return min(Pb, max(npg, self.engine.max_pages_per_head))
 
     # ---- precompile ---------------------------------------------------------------------------
-    def precompile(self, reuse, progress: bool = True, background: bool = True) -> int:
+    def precompile(self, reuse, progress: bool = True, background: bool = True, step_cache=None) -> int:
         """Compiles the pass of `reuse` (a method, its name, or a list of them) for every shape a request
         can hit up to the engine's context (`pass_shapes`), so no request of it waits on a compile; returns
         how many. The passes are ordinary ahead-of-time programs (`warmup.precompile_reuse`): lowered one
         after another, compiled on the warm-up pool, installed in `compiled`, and kept in the step cache,
         from which a later start loads them (`background`: on a background thread, a pass needed before
-        loading itself). Under tensor parallelism each pass runs once instead, in turn, on its all-padding
-        batch (every position, slot, page and copy entry -1: nothing in the pool is written)."""
+        loading itself; `step_cache`: its directory, False: off, None: the default). Under tensor
+        parallelism each pass runs once instead, in turn, on its all-padding batch (every position, slot,
+        page and copy entry -1: nothing in the pool is written)."""
         from jaxkv.engine import warmup
 
         methods = [reuse] if isinstance(reuse, str | ReusePolicy) else list(reuse)
-        policies = [resolve_reuse(m) for m in methods]   # every name checked before anything compiles
+        # every name checked before anything compiles; a method named twice compiles once
+        policies = list(dict.fromkeys(resolve_reuse(m) for m in methods))
         if self.engine.tables.local.any():
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global', server: --head-classes global)")
         if self.engine.runner.mesh is None:
             try:
-                return warmup.precompile_reuse(self.engine, policies, progress, background=background)
+                return warmup.precompile_reuse(self.engine, policies, progress, step_cache=step_cache,
+                                               background=background)
             except MemoryError as e:  # the largest pass cannot fit beside the weights and the pool
                 raise ValueError(str(e)) from None
         return self._run_each(policies, progress)
