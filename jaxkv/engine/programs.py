@@ -1,7 +1,8 @@
 """Programs compiled ahead of time for one owner of device programs (the model runner, the compressor, the
-retriever, the segment reuser). `warmup.precompile` installs them here, or marks them kept on disk by the step cache
-(`jaxkv.engine.step_cache`) to load on first use or on a background thread; the owner's calls go through
-`Programs.call`, which runs the installed program whose signature matches, else the jitted function itself.
+retriever, the segment reuser). `warmup.precompile` installs them here, or marks them kept on disk by the
+step cache (`jaxkv.engine.step_cache`) to load on first use or on a background thread; the owner's calls go
+through `Programs.call`, which runs the installed program whose signature matches, else the jitted function
+itself.
 """
 
 from __future__ import annotations

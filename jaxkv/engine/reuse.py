@@ -44,11 +44,13 @@ from jaxkv.sampling import top_logprobs_host
 # most 2x), steps of T/32 from T/16 to T/4 (the default 15 % selections of SparseX and CacheBlend with their
 # forced rows, padded at most 1.5x, 1.14x near T/4), then T/2 and T. Up to a 32K context: 7 token buckets,
 # 76 passes per method (114 with 8-row and 128-token floors); 37 at 4K (66). A method whose rows are its
-# tokens (RedKnot) has one bucket of both (`row_bucket`, floor `MIN_ROWS`): 38 passes at 32K (41), 14 at 4K.
+# tokens (RedKnot) has one bucket of both (`row_bucket`, floor 8): 41 passes at 32K, 17 at 4K. Its floor
+# stays: RedKnot's FFN buffer is a share of the rows' bucket (`ffn_capacity_rows`), so a larger bucket
+# would change which rows get the FFN.
 ROW_STEPS = 32    # the ladder's step between T/16 and T/4 is T / ROW_STEPS
-# The fewest rows a pass computes: a pass of fewer rows runs the same program with padding rows (masked),
-# which at a few dozen rows of one prompt costs next to nothing, and the floor takes the 8-, 16- and 32-row
-# buckets out of every ladder.
+# The fewest sparse-phase rows of a method that recomputes a subset: a pass of fewer rows runs the same
+# program with padding rows (masked), which at a few dozen rows of one prompt costs next to nothing, and the
+# floor takes the 8-, 16- and 32-row buckets out of every ladder.
 MIN_ROWS = 64
 # The smallest token bucket of a method that recomputes a subset: below 512 slots the pass's per-token work
 # (its dense layers, page copies and table) is small, and the 128- and 256-token buckets' ladders go.
@@ -720,12 +722,12 @@ def forces_every_token(policy: ReusePolicy) -> bool:
 def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool, limit: int) -> tuple[int, int, int]:
     """(T, R, select_cap) of a reuse pass over `n` prompt slots (tokens and page-alignment holes) of which
     `rows` are recomputed in the sparse phase, on a context of `limit` slots: when the rows are the tokens,
-    one bucket of both (`row_bucket`, floor `MIN_ROWS`: 8 steps per doubling past 2K, since every row is
-    computed in every layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that
+    one bucket of both (`row_bucket`, floor 8: 8 steps per doubling past 2K, since every row is computed
+    in every layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that
     holds the rows. The top-k cap is R for a method that selects (it picks at most R rows; the exact k is
     data), so it adds no compile key."""
     if rows_are_tokens:
-        T = row_bucket(n, floor=MIN_ROWS)
+        T = row_bucket(n, floor=8)
         return T, T, 0
     T = token_bucket(n, limit)
     R = next(r for r in row_ladder(T) if r >= min(rows, T))
@@ -737,7 +739,7 @@ def pass_shapes(policy: ReusePolicy, limit: int) -> list[tuple[int, int, int]]:
     pages per head x page size: max_model_len rounded up to a page): what `Reuser.precompile` compiles, and
     what counts its passes without compiling."""
     if forces_every_token(policy):
-        return [pass_shape(n, n, False, True, limit) for n in sorted({row_bucket(n, floor=MIN_ROWS)
+        return [pass_shape(n, n, False, True, limit) for n in sorted({row_bucket(n, floor=8)
                                                                       for n in range(1, limit + 1)})]
     buckets = sorted({token_bucket(n, limit) for n in range(1, limit + 1)})
     return [(T, R, R if policy.selects else 0) for T in buckets for R in row_ladder(T)]
