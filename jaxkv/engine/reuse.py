@@ -692,11 +692,10 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
 
 def token_bucket(n: int, limit: int) -> int:
     """Token bucket of a pass whose rows are a subset of the prompt's `n` slots: a power of two (floor
-    `TOKEN_FLOOR`),
-    capped at the bucket of `limit` (the context's slots), so a prompt that nearly fills the context is
-    padded no further than the context's own bucket (33,040 slots of a 33,072-slot context: 36,864, not
-    65,536). Such a pass runs only its dense layers (`full_layers`: none for naive and EPIC, one for
-    CacheBlend and SparseX) on every token; T sizes the other per-token arrays and the page table."""
+    `TOKEN_FLOOR`), capped at the bucket of `limit` (the context's slots), so a prompt that nearly fills
+    the context is padded no further than the context's own bucket (33,040 slots of a 33,072-slot context:
+    36,864, not 65,536). Such a pass runs only its dense layers (`full_layers`: none for naive and EPIC,
+    one for CacheBlend and SparseX) on every token; T sizes the other per-token arrays and the page table."""
     return min(max(TOKEN_FLOOR, 1 << (max(n, 1) - 1).bit_length()), row_bucket(limit, floor=128))
 
 
