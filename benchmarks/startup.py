@@ -11,7 +11,8 @@ configured as a GPU server would be. A row per engine configuration:
 
 `--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
 cold and the warm startup. `--precompile-reuse` names the segment-reuse methods precompiled (default
-`redknot`: 41 passes at the GPU configuration; `all`: every method of the mix, 497).
+`redknot`: 41 passes at the GPU configuration; `all`: every method of the mix, 345), compiled together on the
+warm-up pool after the step variants.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--precompile-reuse", default="redknot", type=reuse_methods, metavar="METHODS",
                     help="segment-reuse methods whose passes precompile, comma-separated, or 'all' (every "
                          f"method of the mix: {','.join(REUSE_METHODS)}; at the GPU configuration 41 RedKnot "
-                         "passes and 114 for each of the others, 497 in all); '' = none (default: redknot)")
+                         "passes and 76 for each of the others, 345 in all); '' = none (default: redknot)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
     ap.add_argument("--json", default=None)
@@ -239,13 +240,21 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     programs = engine.precompile(progress=args.progress, presses=presses,
                                  retrieval=[] if retrieval is None else [retrieval])
-    reuse_passes = {m: engine.precompile_reuse(m, progress=args.progress) for m in args.precompile_reuse}
+    steps_s = time.perf_counter() - t0
+    reuse_passes = {}
+    if args.precompile_reuse:  # every method's passes on the pool at once (the count per method: pass_shapes)
+        from jaxkv.engine.reuse import pass_shapes
+        from jaxkv.policies.reuse import resolve_reuse
+
+        limit = engine.max_pages_per_head * engine.page_size
+        reuse_passes = {m: len(pass_shapes(resolve_reuse(m), limit)) for m in args.precompile_reuse}
+        reuse_passes["ready"] = engine.precompile_reuse(args.precompile_reuse, progress=args.progress)
     ready = time.perf_counter() - t0
     before_xla, before_steps = compilations.xla_programs(), compilations.step_programs()
     row = dict(shape=args.shape, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                max_model_len=args.max_model_len, variants=variants, programs=programs,
                press_programs=len(warmup.press_programs(engine, presses)), reuse_passes=reuse_passes,
-               ready_s=round(ready, 1),
+               steps_s=round(steps_s, 1), reuse_s=round(ready - steps_s, 1), ready_s=round(ready, 1),
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                xla_programs_at_ready=before_xla, **_seconds(compilations))

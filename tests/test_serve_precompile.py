@@ -125,9 +125,9 @@ _TRACED_REUSE = re.compile(r"Finished tracing reuse_prefill ")
 
 
 def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
-    """`--precompile-reuse naive,sparsex`: both methods' passes (a 64-token context: one token bucket x six
-    row buckets each) compile before the ready line; reuse requests of either, with questions whose rows
-    fall in different row buckets, then trace no reuse pass and compile nothing. A name that is no reuse
+    """`--precompile-reuse naive,sparsex`: both methods' passes (a 64-token context: one token bucket x the
+    64- and 128-row buckets each) compile before the ready line; reuse requests of either, with short and
+    long questions, then trace no reuse pass and compile nothing. A name that is no reuse
     method is refused before the model loads."""
     import subprocess
     import sys
@@ -138,15 +138,15 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
     s = ServerProcess(base + ["--precompile-reuse", "naive,sparsex"], env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        assert re.search(r"jaxkv: precompiled 6 naive reuse passes", startup), startup
-        assert re.search(r"jaxkv: precompiled 6 sparsex reuse passes", startup), startup
+        assert re.search(r"jaxkv: precompiled 2 naive reuse passes", startup), startup
+        assert re.search(r"jaxkv: precompiled 2 sparsex reuse passes", startup), startup
         assert _TRACED_REUSE.search(startup)   # the compile log is on: precompile traced the passes
-        assert httpx.get(s.base + "/info").json()["precompiled_reuse_passes"] == {"naive": 6, "sparsex": 6}
+        assert httpx.get(s.base + "/info").json()["precompiled_reuse_passes"] == {"naive": 2, "sparsex": 2}
         seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
         c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
         seen, xla_before = len(s.log), s.metric("jaxkv_xla_compilations_total")
         for method in ("naive", "sparsex"):
-            for question in (PROMPT[16:19], PROMPT[16:46]):   # rows in the 8- and the 32/64-row buckets
+            for question in (PROMPT[16:19], PROMPT[16:46]):   # 4 and ~32 rows: both in the 64-row floor
                 r = c.completions.create(model=s.name, prompt=question, max_tokens=1, temperature=0,
                                          extra_body={"reuse": {"segments": [seg], "method": method,
                                                                "prefix": []}})

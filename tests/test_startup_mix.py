@@ -9,6 +9,7 @@ import jaxkv
 from benchmarks.startup import REUSE_METHODS, parse_args, random_retrieval_head, request_mix
 from jaxkv.engine import code_maps, compilations
 from jaxkv.engine.engine import Engine
+from jaxkv.policies.reuse.apply import reuse_prefill
 from tests.hf_tiny import make_tiny_checkpoint
 
 PRESSES = ["snapkv", "streaming_llm"]
@@ -33,7 +34,12 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     engine = _engine(llama)
     retrieval = random_retrieval_head(llama)
     n = engine.precompile(progress=False, presses=PRESSES, retrieval=[retrieval])
-    assert engine.precompile_reuse(list(REUSE_METHODS), progress=False) > 0
+    counted, jitted = compilations.step_programs(), reuse_prefill._cache_size()
+    passes = engine.precompile_reuse(list(REUSE_METHODS), progress=False)
+    # 192-token context: T 256 and rows 64, 128, 256 for each method (RedKnot: 8 .. 256 tokens); every pass
+    # compiled on the warm-up pool and installed (none through jit), counted with the step programs
+    assert passes == len(engine.reuser.compiled) == 3 * (len(REUSE_METHODS) - 1) + 6
+    assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,
                       presses=PRESSES, kinds=KINDS)
@@ -49,8 +55,8 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
 
 
 def test_startup_benchmark_precompiles_redknot_unless_asked_for_more(capsys):
-    """At the GPU configuration every method is ~500 passes compiled one at a time, so the benchmark's
-    default is RedKnot's 41; `all` or a list asks for more, and an unknown name is refused at parsing."""
+    """At the GPU configuration every method is 345 passes, so the benchmark's default is RedKnot's 41; `all`
+    or a list asks for more, and an unknown name is refused at parsing."""
     assert parse_args([]).precompile_reuse == ["redknot"]
     assert parse_args(["--precompile-reuse", "all"]).precompile_reuse == list(REUSE_METHODS)
     assert parse_args(["--precompile-reuse", "naive, sparsex"]).precompile_reuse == ["naive", "sparsex"]
@@ -58,3 +64,34 @@ def test_startup_benchmark_precompiles_redknot_unless_asked_for_more(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--precompile-reuse", "naive,nope"])
     assert "unknown reuse method 'nope'" in capsys.readouterr().err
+
+
+def test_reuse_passes_load_from_the_step_cache_in_a_second_process(tmp_path):
+    """A second process building the same engine loads every reuse pass of two methods from the step cache
+    (no XLA compile in the precompile), serves a request of each without compiling a pass and gives the
+    tokens of jit's own path, also when the passes load in the background while it serves."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "ckpt")
+    env = {**os.environ, "JAXKV_COMPILATION_CACHE": "", "JAX_PLATFORMS": "cpu"}
+
+    def side(phase):
+        out = subprocess.run([sys.executable, "-m", "tests._reuse_cache_worker", phase, str(ckpt),
+                              str(tmp_path / "steps")], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    wrote = side("write")
+    # 128-token context: T 128, rows 64 and 128 for naive; 8 .. 128 tokens for RedKnot
+    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 7 and wrote["hits"] == 0
+    assert wrote["compiled_in_precompile"] >= wrote["passes"]
+    read = side("read")
+    assert read["hits"] == read["installed"] == wrote["passes"] and read["compiled_in_precompile"] == 0
+    assert read["passes_compiled_while_serving"] == 0
+    assert read["tokens"] == wrote["reference_tokens"]
+    assert read["background_hits"] == wrote["passes"] and read["background_compiled_while_serving"] == 0
+    assert read["background_tokens"] == wrote["reference_tokens"]
+    assert read["background_loaded"] == wrote["passes"] and read["background_pending"] == 0

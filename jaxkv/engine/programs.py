@@ -1,7 +1,8 @@
 """Programs compiled ahead of time for one owner of device programs (the model runner, the compressor, the
-retriever). `warmup.precompile` installs them here, or marks them kept on disk by the step cache
-(`jaxkv.engine.step_cache`) to load on first use or on a background thread; the owner's calls go through
-`Programs.call`, which runs the installed program whose signature matches, else the jitted function itself.
+retriever, the segment reuser). `warmup.precompile` installs them here, or marks them kept on disk by the
+step cache (`jaxkv.engine.step_cache`) to load on first use or on a background thread; the owner's calls go
+through `Programs.call`, which runs the installed program whose signature matches, else the jitted function
+itself.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ _installed: dict[str, int] = {}  # owner kind -> programs installed ahead of tim
 
 def installed(kind: str) -> int:
     """Programs installed ahead of time in this process in owners of `kind` ("runner", "compressor",
-    "retriever"), each signature once per owner; programs loaded later from `pending` are not counted. The
-    runner's and the retrieval module's `num_compilations()` add theirs to jit's own variants."""
+    "retriever", "reuser"), each signature once per owner; programs loaded later from `pending` are not
+    counted. The runner's, the retrieval module's and the reuse pass's `num_compilations()` add theirs to
+    jit's own variants."""
     return _installed.get(kind, 0)
 
 

@@ -26,6 +26,7 @@ from jaxkv.cache.allocator import OutOfPages
 from jaxkv.cache.head_classes import HeadClassMap, load_or_default
 from jaxkv.cache.segments import SegmentEntry, SegmentError, SegmentStore
 from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.programs import Programs
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.runner import StepBatch
 from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
@@ -37,12 +38,23 @@ from jaxkv.policies.reuse.ffn_cache import SegmentFFNCache
 from jaxkv.sampling import top_logprobs_host
 
 # Shapes of a reuse pass whose sparse-phase rows are a subset of the prompt (naive, EPIC, CacheBlend,
-# SparseX; docs/policies.md, "Buckets"): the token bucket T is a power of two (floor 128) capped at the
-# context's own bucket, and the rows R the smallest of `row_ladder(T)` that holds them: powers of two from 8
-# up to T/16 (small counts, such as naive's or EPIC's new text, padded at most 2x), steps of T/32 from T/16
-# to T/4 (the default 15 % selections of SparseX and CacheBlend with their forced rows, padded at most 1.5x,
-# 1.14x near T/4), then T/2 and T. Up to a 32K context: 9 token buckets, 114 passes per method.
+# SparseX; docs/policies.md, "Buckets"): the token bucket T is a power of two (floor `TOKEN_FLOOR`) capped at
+# the context's own bucket, and the rows R the smallest of `row_ladder(T)` that holds them: `MIN_ROWS`, then
+# powers of two up to T/16 (small counts, such as naive's or EPIC's new text: at most 63 padded rows, else at
+# most 2x), steps of T/32 from T/16 to T/4 (the default 15 % selections of SparseX and CacheBlend with their
+# forced rows, padded at most 1.5x, 1.14x near T/4), then T/2 and T. Up to a 32K context: 7 token buckets,
+# 76 passes per method (114 with 8-row and 128-token floors); 37 at 4K (66). A method whose rows are its
+# tokens (RedKnot) has one bucket of both (`row_bucket`, floor 8): 41 passes at 32K, 17 at 4K. Its floor
+# stays: RedKnot's FFN buffer is a share of the rows' bucket (`ffn_capacity_rows`), so a larger bucket
+# would change which rows get the FFN.
 ROW_STEPS = 32    # the ladder's step between T/16 and T/4 is T / ROW_STEPS
+# The fewest sparse-phase rows of a method that recomputes a subset: a pass of fewer rows runs the same
+# program with padding rows (masked), which at a few dozen rows of one prompt costs next to nothing, and the
+# floor takes the 8-, 16- and 32-row buckets out of every ladder.
+MIN_ROWS = 64
+# The smallest token bucket of a method that recomputes a subset: below 512 slots the pass's per-token work
+# (its dense layers, page copies and table) is small, and the 128- and 256-token buckets' ladders go.
+TOKEN_FLOOR = 512
 # Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
 # dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
 # Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
@@ -174,6 +186,8 @@ class Reuser:
                                          bucket=lambda n: row_bucket(n, floor=128))
         # layer-group programs of a pass whose segments are promoted for it (1: always one program)
         self.layer_groups = LAYER_GROUPS
+        # Passes compiled ahead of time on the warm-up pool (`precompile`), looked up by every pass.
+        self.compiled = Programs("reuser", owned=("cfg", "impl", "head_windows", "mesh"))
 
     # ---- segments -----------------------------------------------------------------------------
     def register(self, tokens, extra_key: str | None = None, frozen: bool = False,
@@ -291,49 +305,89 @@ class Reuser:
         T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"): pages
         per head are the bucket of max(npg, T / page size) (T holds the layout's slots, so T's own), the
         copy and clear lists the whole table, the probes T (read `PROBE_CHUNK` at a time, up to the last)."""
-        eng, L, H, ps = self.engine, self.cfg.num_layers, self.cfg.num_kv_heads, self.page_size
-        Pb = min(row_bucket(max(npg, -(-T // ps)), floor=4, geometric_from=32),
-                 max(npg, eng.max_pages_per_head))
+        L, H = self.cfg.num_layers, self.cfg.num_kv_heads
+        Pb = self._table_pages(T, npg)
         M = L * H * Pb  # segment pages <= the table's entries
         Np = -(-T // PROBE_CHUNK) * PROBE_CHUNK  # probes are prompt tokens: never more than T
         i32 = lambda shape, v=-1: np.full(shape, v, np.int32)  # noqa: E731
         return {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
                 "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
-                "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": np.int32(0),
-                "num_selected": np.int32(0), "probe": i32(Np), "src": i32(M), "dst": i32(M),
+                "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": i32((), 0),
+                "num_selected": i32((), 0), "probe": i32(Np), "src": i32(M), "dst": i32(M),
                 "delta": i32(M, 0), "clear": i32(M), "temperature": np.zeros(1, np.float32),
                 "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
                 "counters": i32(1, 0)}
 
+    def _table_pages(self, T: int, npg: int) -> int:
+        """Page-table width of a pass of token bucket T over a layout of `npg` pages per head."""
+        Pb = row_bucket(max(npg, -(-T // self.page_size)), floor=4, geometric_from=32)
+        return min(Pb, max(npg, self.engine.max_pages_per_head))
+
     # ---- precompile ---------------------------------------------------------------------------
-    def precompile(self, reuse, progress: bool = True) -> int:
+    def precompile(self, reuse, progress: bool = True, background: bool = True, step_cache=None) -> int:
         """Compiles the pass of `reuse` (a method, its name, or a list of them) for every shape a request
         can hit up to the engine's context (`pass_shapes`), so no request of it waits on a compile; returns
-        how many. Each runs on an all-padding batch: every position, slot, page and copy entry is -1, so
-        nothing in the pool is written."""
-        from tqdm.auto import tqdm
+        how many. The passes are ordinary ahead-of-time programs (`warmup.precompile_reuse`): lowered one
+        after another, compiled on the warm-up pool, installed in `compiled`, and kept in the step cache,
+        from which a later start loads them (`background`: on a background thread, a pass needed before
+        loading itself; `step_cache`: its directory, False: off, None: the default). Under tensor
+        parallelism each pass runs once instead, in turn, on its all-padding batch (every position, slot,
+        page and copy entry -1: nothing in the pool is written)."""
+        from jaxkv.engine import warmup
 
-        eng, cfg = self.engine, self.cfg
         methods = [reuse] if isinstance(reuse, str | ReusePolicy) else list(reuse)
-        policies = [resolve_reuse(m) for m in methods]   # every name checked before anything compiles
-        if eng.tables.local.any():
+        # every name checked before anything compiles; a method named twice compiles once
+        policies = list(dict.fromkeys(resolve_reuse(m) for m in methods))
+        if self.engine.tables.local.any():
             raise ValueError("segment reuse needs an engine whose heads all keep full history "
                              "(head_classes='all_global', server: --head-classes global)")
-        total = 0
-        for pol in policies:
-            shapes = pass_shapes(pol, eng.max_pages_per_head * self.page_size)
-            for T, R, select_cap in tqdm(shapes, desc=f"jaxkv: compiling {pol.name} reuse passes",
-                                         disable=not progress):
-                b = self._blank_batch(T, 1)   # pages per head from T alone, as a request of this bucket has
-                if pol.uses_segment_ffn:
-                    b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
-                pool, tok, *_ = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads, cfg=cfg,
-                                              policy=pol, num_rows=R, select_cap=select_cap, impl=self.impl,
-                                              rows_are_tokens=forces_every_token(pol),
-                                              head_windows=self.head_windows, mesh=eng.runner.mesh)
-                eng.runner.pool = pool
-                jax.block_until_ready(tok)
-            total += len(shapes)
+        if self.engine.runner.mesh is None:
+            try:
+                return warmup.precompile_reuse(self.engine, policies, progress, step_cache=step_cache,
+                                               background=background)
+            except MemoryError as e:  # the largest pass cannot fit beside the weights and the pool
+                raise ValueError(str(e)) from None
+        return self._run_each(policies, progress)
+
+    def calls(self, policy: ReusePolicy) -> list[tuple]:
+        """(variant, call) of every pass of `policy` (`pass_shapes`); a call returns (signature, function,
+        arguments, static arguments) on an all-padding batch of that shape, nothing traced, as a request's
+        pass looks it up (`_prefill`). The variant is ("reuse <method>", rows, tokens, pages per head)."""
+        def call(T, R, select_cap):
+            fn, args, static = self._pass_call(policy, T, R, select_cap)
+            return self.compiled.signature(fn, args, static), fn, args, static
+
+        out = []
+        for T, R, select_cap in pass_shapes(policy, self.engine.max_pages_per_head * self.page_size):
+            variant = (f"reuse {policy.name}", R, T, self._table_pages(T, 1))
+            out.append((variant, functools.partial(call, T, R, select_cap)))
+        return out
+
+    def _pass_call(self, policy: ReusePolicy, T: int, R: int, select_cap: int):
+        """(function, arguments, static arguments) of the pass of shape (T, R, select_cap) on an all-padding
+        batch whose pages per head follow T alone, as a request of this bucket has."""
+        eng = self.engine
+        b = self._blank_batch(T, 1)
+        if policy.uses_segment_ffn:
+            b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
+        static = dict(cfg=self.cfg, policy=policy, num_rows=R, select_cap=select_cap, impl=self.impl,
+                      rows_are_tokens=forces_every_token(policy), head_windows=self.head_windows,
+                      mesh=eng.runner.mesh)
+        return reuse_prefill, (eng.runner.params, eng.runner.pool, b, self.heads), static
+
+    def _run_each(self, policies, progress: bool) -> int:
+        """Runs every pass of `policies` once, in turn, on its all-padding batch (traced, compiled by jit);
+        returns how many."""
+        from tqdm.auto import tqdm
+
+        eng, total = self.engine, 0
+        todo = [call for pol in policies for _, call in self.calls(pol)]
+        for call in tqdm(todo, desc="jaxkv: compiling reuse passes", disable=not progress):
+            _, fn, args, static = call()
+            pool, tok, *_ = self.compiled.call(fn, args, static)
+            eng.runner.pool = pool
+            jax.block_until_ready(tok)
+            total += 1
         return total
 
     # ---- requests -----------------------------------------------------------------------------
@@ -483,7 +537,7 @@ class Reuser:
             probe = np.nonzero(lay.is_new)[0]
         b = self._blank_batch(T, npg)
         b["lengths"][:] = slot
-        b["last"], b["num_selected"] = np.int32(n - 1), np.int32(k_sel)
+        b["last"][...], b["num_selected"][...] = n - 1, k_sel
         b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
         b["forced"][:n], b["seg_offset"][:n], b["storage"][:n] = forced, lay.seg_offset, storage
         b["page_table"][0, :, :, :npg] = table
@@ -509,8 +563,8 @@ class Reuser:
                       rows_are_tokens=rows_are_tokens, head_windows=self.head_windows, mesh=eng.runner.mesh)
         t0 = self._pass_at = time.perf_counter()  # `_grouped` sets it at its first program
         if promotion is None:
-            pool, tok, logprob, logits, st = reuse_prefill(eng.runner.params, eng.runner.pool, b, self.heads,
-                                                           **static)
+            pool, tok, logprob, logits, st = self.compiled.call(
+                reuse_prefill, (eng.runner.params, eng.runner.pool, b, self.heads), static)
             eng.runner.pool = pool
             programs = 1
         else:
@@ -637,20 +691,22 @@ def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
 
 
 def token_bucket(n: int, limit: int) -> int:
-    """Token bucket of a pass whose rows are a subset of the prompt's `n` slots: a power of two (floor 128),
-    capped at the bucket of `limit` (the context's slots), so a prompt that nearly fills the context is
-    padded no further than the context's own bucket (33,040 slots of a 33,072-slot context: 36,864, not
-    65,536). Such a pass runs only its dense layers (`full_layers`: none for naive and EPIC, one for
-    CacheBlend and SparseX) on every token; T sizes the other per-token arrays and the page table."""
-    return min(max(128, 1 << (max(n, 1) - 1).bit_length()), row_bucket(limit, floor=128))
+    """Token bucket of a pass whose rows are a subset of the prompt's `n` slots: a power of two (floor
+    `TOKEN_FLOOR`), capped at the bucket of `limit` (the context's slots), so a prompt that nearly fills
+    the context is padded no further than the context's own bucket (33,040 slots of a 33,072-slot context:
+    36,864, not 65,536). Such a pass runs only its dense layers (`full_layers`: none for naive and EPIC,
+    one for CacheBlend and SparseX) on every token; T sizes the other per-token arrays and the page table."""
+    return min(max(TOKEN_FLOOR, 1 << (max(n, 1) - 1).bit_length()), row_bucket(limit, floor=128))
 
 
 def row_ladder(T: int) -> tuple[int, ...]:
-    """The sparse-phase row buckets of a token bucket T (see `ROW_STEPS`): powers of two from 8 to T/16,
-    multiples of T/32 (rounded up to 8) from T/16 to T/4, then T/2 and T."""
+    """The sparse-phase row buckets of a token bucket T (see `ROW_STEPS`): `MIN_ROWS` (or T when smaller),
+    powers of two from there to T/16, multiples of T/32 (rounded up to 8) from T/16 to T/4, then T/2 and
+    T."""
+    floor = min(MIN_ROWS, T)
     small = [1 << e for e in range(3, T.bit_length()) if 1 << e <= T // 16]
     steps = [-(-(k * T) // (ROW_STEPS * 8)) * 8 for k in range(ROW_STEPS // 16, ROW_STEPS // 4 + 1)]
-    return tuple(sorted({max(8, r) for r in small + steps + [T // 2, T]}))
+    return tuple(sorted({max(floor, r) for r in small + steps + [T // 2, T]}))
 
 
 def forces_every_token(policy: ReusePolicy) -> bool:
@@ -665,10 +721,10 @@ def forces_every_token(policy: ReusePolicy) -> bool:
 def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool, limit: int) -> tuple[int, int, int]:
     """(T, R, select_cap) of a reuse pass over `n` prompt slots (tokens and page-alignment holes) of which
     `rows` are recomputed in the sparse phase, on a context of `limit` slots: when the rows are the tokens,
-    one bucket of both (`row_bucket`, floor 8: 8 steps per doubling, since every row is computed in every
-    layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that holds the rows. The
-    top-k cap is R for a method that selects (it picks at most R rows; the exact k is data), so it adds no
-    compile key."""
+    one bucket of both (`row_bucket`, floor 8: 8 steps per doubling past 2K, since every row is computed
+    in every layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that
+    holds the rows. The top-k cap is R for a method that selects (it picks at most R rows; the exact k is
+    data), so it adds no compile key."""
     if rows_are_tokens:
         T = row_bucket(n, floor=8)
         return T, T, 0

@@ -77,25 +77,22 @@ def press_programs(engine, presses=None) -> list[tuple]:
 
 
 def precompile(engine, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-               presses=None, step_cache=None, background: bool = False, retrieval=()) -> int:
+               presses=None, step_cache=None, background: bool = False, retrieval=(), reuse=()) -> int:
     """Compiles (or loads from the persistent cache) every step variant, every compression program of
-    `presses` (`press_programs`) and every retrieval program of the `retrieval` policies
-    (`Retriever.calls`); returns how many. Logs one line.
+    `presses` (`press_programs`), every retrieval program of the `retrieval` policies (`Retriever.calls`)
+    and every pass of the `reuse` methods (`Reuser.calls`); returns how many. Logs one line.
 
     Each program is traced and lowered here, one after another (tracing holds the GIL), and its XLA
     compilation runs on a pool of `workers` threads (default: `JAXKV_COMPILE_WORKERS`, else the host's
     cores up to 16), where XLA works without the GIL; the compiled programs are installed in their
-    owner's `compiled` (`jaxkv.engine.programs`: the runner, the compressor, the retriever), whose calls run
-    them directly. Programs kept
+    owner's `compiled` (`jaxkv.engine.programs`: the runner, the compressor, the retriever, the reuser),
+    whose calls run them directly. Programs kept
     by an earlier start in the step cache (`jaxkv.engine.step_cache`; `step_cache`: its directory, False:
     off, None: the default) are loaded instead, nothing traced; the others are written there once
     compiled. `background`: kept programs load on a background thread after this returns
     (`engine.program_loader`; a step that needs one first loads it itself), so a server is ready before
     every program is loaded."""
-    from jaxkv.engine.step_cache import StepCache
-
     runner, compressor, retriever = engine.runner, engine.compressor, engine.retriever
-    holders = (runner.compiled, compressor.compiled, retriever.compiled)  # `jaxkv.engine.programs.Programs`
     # (variant, its call, the programs of its owner: the runner, the compressor or the retriever)
     jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.compiled)
             for v in variants(engine, logprobs)]
@@ -103,12 +100,56 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
              for pol, s, p in press_programs(engine, presses)]
     jobs += [((f"retrieval {kind}", *rest, pol.name), call, retriever.compiled)
              for pol in retrieval for (kind, *rest), call in retriever.calls(pol)]
+    jobs += _reuse_jobs(engine, reuse)
+    engine.device_tables.warm()
+    done, hits, largest, took, workers, cached = compile_programs(
+        engine, jobs, "jaxkv: compiling step variants", progress, workers, step_cache, background)
+    engine.largest_step_scratch = largest
+    engine.step_cache_hits = hits
+    note = f", {hits} from the step cache" if cached else ""
+    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads%s); the largest needs %.2f GiB of "
+             "scratch", done, took, workers, note, largest[0] / 2**30)
+    check_fits(largest[0], largest[1])
+    return done
+
+
+def precompile_reuse(engine, reuse, progress: bool = True, workers: int | None = None, step_cache=None,
+                     background: bool = False) -> int:
+    """Every pass of the `reuse` methods (policies) as `precompile` does the step variants: lowered here,
+    compiled on the warm-up pool, installed in the reuser's `compiled`, kept in (or loaded from) the step
+    cache; returns how many. The largest pass's scratch is checked against the free device memory
+    (`check_fits`), and counted in the engine's `largest_step_scratch` and `step_cache_hits`."""
+    jobs = _reuse_jobs(engine, reuse)
+    names = ", ".join(dict.fromkeys(pol.name for pol in reuse))
+    done, hits, largest, took, workers, cached = compile_programs(
+        engine, jobs, f"jaxkv: compiling reuse passes ({names})", progress, workers, step_cache, background)
+    engine.largest_step_scratch = max(engine.largest_step_scratch, largest, key=lambda x: x[0])
+    engine.step_cache_hits += hits
+    note = f", {hits} from the step cache" if cached else ""
+    log.info("jaxkv: %d reuse passes (%s) ready in %.1f s (%d compile threads%s); the largest needs %.2f GiB "
+             "of scratch", done, names, took, workers, note, largest[0] / 2**30)
+    check_fits(largest[0], largest[1])
+    return done
+
+
+def _reuse_jobs(engine, reuse) -> list[tuple]:
+    reuser = engine.reuser
+    return [(v, call, reuser.compiled) for pol in reuse for v, call in reuser.calls(pol)]
+
+
+def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: int | None = None,
+                     step_cache=None, background: bool = False) -> tuple:
+    """Lowers, compiles and installs `jobs` ((variant, call, owner's programs); a call returns (signature,
+    function, arguments, static arguments), nothing traced) as `precompile` describes; returns (programs
+    ready, step cache hits, (largest scratch bytes, its variant), seconds, compile threads, whether the step
+    cache was on)."""
+    from jaxkv.engine.step_cache import StepCache
+
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
     cache = None if step_cache is False else StepCache.for_engine(engine, step_cache)
     xla_loads = compilations.xla_programs()["persistent_cache"]
     t0 = time.perf_counter()
-    bar = tqdm(total=len(jobs), desc="jaxkv: compiling step variants", disable=not progress)
-    engine.device_tables.warm()
+    bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
     largest = (0, None)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
         calls = []
@@ -165,10 +206,13 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
             for key, compiled in built:
                 cache.save(key, compiled, scratch_bytes(compiled))
     if cache is not None and background:
+        holders = list({id(c[1]): c[1] for c in calls}.values())
         pending = sum(len(programs.pending) for programs in holders)
-        started = time.perf_counter()
+        started, before = time.perf_counter(), engine.program_loader
 
         def load_all():
+            if before is not None:  # one loader at a time; joining this one waits for every earlier one
+                before.join()
             for programs in holders:
                 programs.load_all()
             log.info("jaxkv: %d kept programs loaded in %.1f s", pending, time.perf_counter() - started)
@@ -176,13 +220,8 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
         engine.program_loader = threading.Thread(target=load_all, daemon=True, name="jaxkv-program-loader")
         engine.program_loader.start()
         log.info("jaxkv: %d kept programs load in the background", pending)
-    engine.largest_step_scratch = largest
-    engine.step_cache_hits = 0 if cache is None else cache.hits + sum(k is True for k in kept)
-    note = "" if cache is None else f", {engine.step_cache_hits} from the step cache"
-    log.info("jaxkv: %d step variants ready in %.1f s (%d compile threads%s); the largest needs %.2f GiB of "
-             "scratch", done, time.perf_counter() - t0, workers, note, largest[0] / 2**30)
-    check_fits(largest[0], largest[1])
-    return done
+    hits = 0 if cache is None else cache.hits + sum(k is True for k in kept)
+    return done, hits, largest, time.perf_counter() - t0, workers, cache is not None
 
 
 def scratch_bytes(compiled) -> int:
@@ -211,13 +250,14 @@ def check_fits(need: int, variant, free: int | None = None) -> None:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if need > free:
         kind, s, t, p = variant[:4]
-        tokens = kind in ("step", "retrieval tap")  # else a decode or a compression
+        reuse = kind.startswith("reuse")  # a reuse pass: (kind, rows, tokens, pages per head)
+        tokens = reuse or kind in ("step", "retrieval tap")  # else a decode or a compression
         shape = f"{t} tokens" if tokens else f"{s} sequences"
+        lower = "--max-model-len" if reuse else "--max-step-tokens or --max-num-seqs"
         raise MemoryError(
             f"the {kind} variant of {shape} and a {p}-page table needs {need / 2**30:.2f} GiB of device "
             f"memory for its temporaries but only {free / 2**30:.2f} GiB is free beside the weights and "
-            "the KV pool; lower --max-step-tokens or --max-num-seqs, or give the pool less memory "
-            "(--memory-utilization, --num-pages)")
+            f"the KV pool; lower {lower}, or give the pool less memory (--memory-utilization, --num-pages)")
 
 
 def _batch(engine, kind, s, t, p, greedy, fresh, top_width=0, prompt_lp=False) -> StepBatch | DecodeBatch:

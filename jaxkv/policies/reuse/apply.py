@@ -441,4 +441,8 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
 
 
 def num_compilations() -> int:
-    return reuse_prefill._cache_size()
+    """Reuse passes compiled so far: jit's own variants and those compiled ahead of time and installed
+    (`Reuser.compiled`)."""
+    from jaxkv.engine import programs
+
+    return reuse_prefill._cache_size() + programs.installed("reuser")
