@@ -580,7 +580,7 @@ def test_a_store_promotion_moves_layers_as_they_are_read_and_refuses_a_damaged_r
     chunk = tmp_path / "segments" / ids[0] / "k" / "c" / str(L - 1) / "1" / "0" / "0"
     data = chunk.read_bytes()
     chunk.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
-    free = eng.allocator.num_free
+    free, promoted = eng.allocator.num_free, tiers.bytes_promoted
     rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse="naive", sampling=GREEDY)
     outs = [o for _ in range(5) for o in eng.step() if o.request_id == rid]
     assert outs and outs[-1].finish_reason == "abort" and "checksum" in outs[-1].text
@@ -588,5 +588,6 @@ def test_a_store_promotion_moves_layers_as_they_are_read_and_refuses_a_damaged_r
     bad, good = store.get(ids[0]), store.get(ids[1])
     assert (bad.pages == -1).all() and tiers.tiers(bad) == ["store"]
     assert tiers.device_heads(good).all() and free - eng.allocator.num_free == good.pages.size
+    assert tiers.bytes_promoted - promoted == tiers.L * tiers.H * tiers.head_bytes(good)  # the good one only
     chunk.write_bytes(data)  # repaired: read again on the next use
     assert ask(eng, ids) == want

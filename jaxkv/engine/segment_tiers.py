@@ -332,6 +332,9 @@ class SegmentTiers:
         mv.entry.pages[mv.missing] = -1
         self.engine.allocator.decref(mv.ids)
         self._moves += 1
+        self.promotions -= 1
+        self.bytes_promoted -= mv.counted[0]
+        self.bytes_promoted_all_heads -= mv.counted[1]
 
     def _forget(self, e: SegmentEntry) -> None:
         """A segment left the store (deleted): its host copy, pin and any read ahead go with it."""
@@ -370,16 +373,17 @@ class SegmentTiers:
                 except Exception:
                     self.engine.allocator.decref(ids)
                     raise
-                moves.append(_Move(missing, ids, k, v, pos, e, read))
+                pinned = isinstance(k, list)  # pinned host copies move whole layers
+                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
+                counted = (moved * self.head_bytes(e), int(absent.sum()) * self.head_bytes(e))
+                moves.append(_Move(missing, ids, k, v, pos, e, read, counted))
                 e.pages[missing] = ids
                 if e.segment_id in self._host:
                     self._host.move_to_end(e.segment_id)
                 self.promotions += 1
                 self._moves += 1
-                pinned = isinstance(k, list)  # pinned host copies move whole layers
-                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
-                self.bytes_promoted += moved * self.head_bytes(e)
-                self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
+                self.bytes_promoted += counted[0]
+                self.bytes_promoted_all_heads += counted[1]
         except BaseException:  # the segments planned so far are promoted, also when a later one failed
             Promotion(self, moves).finish(report=False)
             raise
@@ -493,6 +497,7 @@ class _Move:
     pos: np.ndarray
     entry: SegmentEntry | None = None
     read: object = None
+    counted: tuple[int, int] = (0, 0)  # bytes it adds to `bytes_promoted`, `bytes_promoted_all_heads`
     failed: bool = False
 
 
