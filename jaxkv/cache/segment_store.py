@@ -17,6 +17,9 @@ committed and is invisible (`list` skips it, `sweep` removes its leftovers). The
 checksum of every stored chunk's bytes, checked on `get`: a corrupted or truncated entry raises
 `CorruptSegmentError` and is never served.
 
+**Reads.** `read` hands a segment over layer by layer while later layers are still read (chunk files read
+straight into place, each checked right after its read); `get` waits for all of it.
+
 **Identity.** A store opened with another model's identity (weights, dtype, page layout) is refused with
 `StoreMismatchError`, never silently reused. Namespaces stay apart because they are part of the segment id
 (`jaxkv.cache.segments.segment_id`).
