@@ -276,14 +276,18 @@ class SegmentStore:
     def _read_layer(self, segment_id: str, layer: int, want: np.ndarray, out: dict, chunks: dict,
                     local: Path | None) -> None:
         """Reads and checks the wanted heads of one layer (k, v, pos chunks) into `out`: from the files of
-        a local store (`local`, its root), else through the kvstore."""
-        for name in ("k", "v", "pos"):
-            for head in np.nonzero(want)[0]:
+        a local store (`local`, its root; every file of the layer announced to the kernel first, so the disk
+        reads them all while the first ones are hashed), else through the kvstore."""
+        todo = [(name, int(head), f"segments/{segment_id}/{name}/c/{layer}/{head}/"
+                 + "/".join(["0"] * (out[name].ndim - 2)))
+                for name in ("k", "v", "pos") for head in np.nonzero(want)[0]]
+        ahead = {key: _open_ahead(local / key) for *_, key in todo} if local is not None else {}
+        try:
+            for name, head, key in todo:
                 block = out[name][layer, head]
-                key = f"segments/{segment_id}/{name}/c/{layer}/{head}/" + "/".join(["0"] * (block.ndim))
                 try:
                     if local is not None:
-                        _read_file(local / key, _bytes(block))
+                        _read_file(ahead[key], _bytes(block))
                     else:
                         _read_value(self._kv, key, _bytes(block))
                 except (OSError, ValueError) as e:
@@ -292,6 +296,10 @@ class SegmentStore:
                 if _chunk_digest(block) != chunks[name][layer][head]:
                     raise CorruptSegmentError(f"segment {segment_id} in {self.url} failed its checksum: the "
                                               "stored KV was changed or truncated after it was written")
+        finally:
+            for fd in ahead.values():
+                if isinstance(fd, int):
+                    os.close(fd)
 
     def _read_with_tensorstore(self, segment_id: str, m: dict, want, stored, out: dict) -> None:
         """`read` through tensorstore (any chunk encoding; stores written before per-chunk checksums)."""
@@ -395,21 +403,30 @@ def _done(fn, *args) -> Future:
     return f
 
 
-def _read_file(path: Path, into: memoryview) -> None:
-    """A chunk file's bytes straight into `into`, which they must fill exactly (ValueError otherwise)."""
-    fd = os.open(path, os.O_RDONLY)
+def _open_ahead(path: Path) -> int | OSError:
+    """The chunk file opened, its reading from the disk started (POSIX_FADV_WILLNEED), or why it cannot be."""
     try:
-        size = os.fstat(fd).st_size
-        if size != len(into):
-            raise ValueError(f"{size} bytes, expected {len(into)}")
-        done = 0
-        while done < size:
-            n = os.preadv(fd, [into[done:]], done)
-            if n <= 0:
-                raise ValueError(f"ended at {done} of {size} bytes")
-            done += n
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        return e
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    return fd
+
+
+def _read_file(fd: int | OSError, into: memoryview) -> None:
+    """An open chunk file's bytes straight into `into`, which they must fill exactly (else ValueError)."""
+    if isinstance(fd, OSError):
+        raise fd
+    size = os.fstat(fd).st_size
+    if size != len(into):
+        raise ValueError(f"{size} bytes, expected {len(into)}")
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [into[done:]], done)
+        if n <= 0:
+            raise ValueError(f"ended at {done} of {size} bytes")
+        done += n
 
 
 def _read_value(kv, key: str, into: memoryview) -> None:
