@@ -19,7 +19,9 @@ first timed):
 `--tiers device,host,store` times every reuse method with its segments starting in each tier (placed there
 before every run, untimed; the request promotes the heads its method reads, which is timed) and reports
 the bytes each request moved and the programs its pass ran in (segments promoted: one per layer group,
-`--layer-groups`, each beside the next group's transfer; on the device: one). `--restart` then starts a
+`--layer-groups`, each beside the next group's transfer; on the device: one), and the store read's speed
+(bytes / seconds from its start to its last layer checked); `--drop-page-cache` drops the store's files
+from the page cache before every timed run, so they come from the disk. `--restart` then starts a
 second engine on the same store and times restart -> first reused token (no segment prefilled again).
 
 RedKnot reads the reuse head-class map next to the model: random-weight shapes get a synthetic one (KV head

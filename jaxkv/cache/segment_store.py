@@ -287,7 +287,7 @@ class SegmentStore:
                 block = out[name][layer, head]
                 try:
                     if local is not None:
-                        _read_file(ahead[key], _bytes(block))
+                        _read_file(ahead.pop(key, None), local / key, _bytes(block))
                     else:
                         _read_value(self._kv, key, _bytes(block))
                 except (OSError, ValueError) as e:
@@ -298,7 +298,7 @@ class SegmentStore:
                                               "stored KV was changed or truncated after it was written")
         finally:
             for fd in ahead.values():
-                if isinstance(fd, int):
+                if fd is not None:
                     os.close(fd)
 
     def _read_with_tensorstore(self, segment_id: str, m: dict, want, stored, out: dict) -> None:
@@ -403,30 +403,34 @@ def _done(fn, *args) -> Future:
     return f
 
 
-def _open_ahead(path: Path) -> int | OSError:
-    """The chunk file opened, its reading from the disk started (POSIX_FADV_WILLNEED), or why it cannot be."""
+def _open_ahead(path: Path) -> int | None:
+    """The chunk file opened and its reading from the disk started (POSIX_FADV_WILLNEED); None when it
+    cannot be opened now (`_read_file` opens it again and reports why)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        return e
+    except OSError:
+        return None
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     return fd
 
 
-def _read_file(fd: int | OSError, into: memoryview) -> None:
-    """An open chunk file's bytes straight into `into`, which they must fill exactly (else ValueError)."""
-    if isinstance(fd, OSError):
-        raise fd
-    size = os.fstat(fd).st_size
-    if size != len(into):
-        raise ValueError(f"{size} bytes, expected {len(into)}")
-    done = 0
-    while done < size:
-        n = os.preadv(fd, [into[done:]], done)
-        if n <= 0:
-            raise ValueError(f"ended at {done} of {size} bytes")
-        done += n
+def _read_file(fd: int | None, path: Path, into: memoryview) -> None:
+    """A chunk file's bytes (from `fd`, which it closes, else opened from `path`) straight into `into`, which
+    they must fill exactly (else ValueError)."""
+    fd = os.open(path, os.O_RDONLY) if fd is None else fd
+    try:
+        size = os.fstat(fd).st_size
+        if size != len(into):
+            raise ValueError(f"{size} bytes, expected {len(into)}")
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [into[done:]], done)
+            if n <= 0:
+                raise ValueError(f"ended at {done} of {size} bytes")
+            done += n
+    finally:
+        os.close(fd)
 
 
 def _read_value(kv, key: str, into: memoryview) -> None:
