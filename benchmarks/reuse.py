@@ -19,7 +19,9 @@ first timed):
 `--tiers device,host,store` times every reuse method with its segments starting in each tier (placed there
 before every run, untimed; the request promotes the heads its method reads, which is timed) and reports
 the bytes each request moved and the programs its pass ran in (segments promoted: one per layer group,
-`--layer-groups`, each beside the next group's transfer; on the device: one). `--restart` then starts a
+`--layer-groups`, each beside the next group's transfer; on the device: one), and the store read's speed
+(bytes / seconds from its start to its last layer checked); `--drop-page-cache` drops the store's files
+from the page cache before every timed run, so they come from the disk. `--restart` then starts a
 second engine on the same store and times restart -> first reused token (no segment prefilled again).
 
 RedKnot reads the reuse head-class map next to the model: random-weight shapes get a synthetic one (KV head
@@ -64,7 +66,7 @@ TITLES = {"8b": "8B shape (random weights)", "1b": "1B shape (random weights)", 
 HEADER = ["method", "TTFT (s)", "speed-up vs full", "speed-up vs reuse_full", "recomputed K/V",
           "query rows", "FFN rows", "notes"]
 TIER_HEADER = ["method", "segments in", "TTFT (s)", "speed-up vs full", "share of the device speed-up",
-               "moved to the device (MB)", "read from the store (MB)", "pass programs",
+               "moved to the device (MB)", "read from the store (MB)", "store read (GB/s)", "pass programs",
                "host before the first program (ms)"]
 TIER_INDEPENDENT = {"full", "reuse_full"}  # read no segment: timed once, in the first tier
 
@@ -234,6 +236,36 @@ def place_segments(eng, prompt: Prompt, tier: str | None) -> None:
     jax.block_until_ready(eng.runner.pool.k)
 
 
+def drop_page_cache(store: str | None) -> int:
+    """Asks the kernel to drop the cached pages of every file of a local segment store (flushed first:
+    dirty pages stay cached), so the next read comes from the disk; returns the files. A no-op for stores
+    that are not a local directory."""
+    import os
+
+    if not store or ("://" in store and not store.startswith("file://")):
+        return 0
+    n = 0
+    for path in Path(store.removeprefix("file://")).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            n += 1
+    return n
+
+
+def store_read_span(eng) -> float | None:
+    """Seconds from the start of the last promotion's first store read to the end of its last (None when it
+    read nothing from the store)."""
+    reads = eng.reuser.tiers.last_reads
+    if not reads or any(r.finished is None for r in reads):
+        return None
+    return max(r.finished for r in reads) - min(r.started for r in reads)
+
+
 def moved_bytes(eng) -> tuple[int, int]:
     """(bytes promoted to the device, bytes read from the store) so far."""
     persist = eng.reuser.persist
@@ -241,24 +273,30 @@ def moved_bytes(eng) -> tuple[int, int]:
 
 
 def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, remaining, log,
-                 tier: str | None = None) -> dict:
+                 tier: str | None = None, drop_cache: str | None = None) -> dict:
     """Warm-up (compile) run, then up to `repeats` timed runs (fewer when `remaining()` seconds would not hold
-    another); one row dict. With `tier`, the segments start every run there (placed untimed)."""
+    another); one row dict. With `tier`, the segments start every run there (placed untimed); with
+    `drop_cache` (a store directory), the store's files leave the page cache before every run (untimed)."""
     policy = None if spec in ENGINE_PATHS else policy_for(spec)
     place_segments(eng, prompt, tier)
     t0 = time.perf_counter()
     ttft_once(eng, policy, prompt)
     warm = time.perf_counter() - t0
-    times, stats, moved, before_program = [], None, [], []
+    times, stats, moved, before_program, read_s = [], None, [], [], []
     for _ in range(repeats):
         if times and remaining() < times[-1]:
             log(f"  {spec}: deadline, {len(times)} timed run(s)")
             break
         place_segments(eng, prompt, tier)
+        if drop_cache and tier == "store":
+            drop_page_cache(drop_cache)
+        eng.reuser.tiers.last_reads = []
         before = moved_bytes(eng)
         s, stats = ttft_once(eng, policy, prompt)
         times.append(s)
         moved.append([a - b for a, b in zip(moved_bytes(eng), before)])
+        if (span := store_read_span(eng)) is not None:
+            read_s.append(span)
         if stats is not None:
             before_program.append(stats.host_before_program_s)
     expected = w.segments * w.segment_len if policy is not None and policy.reuses else 0
@@ -268,6 +306,8 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
            "path": "engine prefill" if policy is None else "reuse prefill", "tier": tier or "device",
            "promoted_bytes": int(np.median([m[0] for m in moved])),
            "store_read_bytes": int(np.median([m[1] for m in moved]))}
+    if read_s:
+        row["store_read_s"] = float(np.median(read_s))
     if stats is not None:
         n = stats.prompt_tokens
         row |= {"recompute_kv": stats.recompute_fraction,
@@ -278,7 +318,10 @@ def bench_method(eng, spec: str, prompt: Prompt, w: Workload, repeats: int, rema
                 "host_before_program_s": float(np.median(before_program))}
     log(f"  {spec}{'' if tier is None else ' @ ' + tier}: warm-up (compile) {warm:.2f} s, "
         f"timed {', '.join(f'{t:.4f}' for t in times)} s "
-        f"-> median {row['ttft_s']:.4f} s" + (f" (reuse pass {stats.prefill_s:.4f} s in {stats.layer_groups} "
+        f"-> median {row['ttft_s']:.4f} s"
+        + (f"; store read {row['store_read_bytes'] / row['store_read_s'] / 1e9:.2f} GB/s "
+           f"({row['store_read_s']:.4f} s)" if "store_read_s" in row else "")
+        + (f" (reuse pass {stats.prefill_s:.4f} s in {stats.layer_groups} "
                                               "program(s); host before the first program "
                                               f"{1e3 * row['host_before_program_s']:.1f} ms)"
                                               if stats else ""))
@@ -324,6 +367,7 @@ def tier_table(rows: list[dict]) -> str:
         share = f"{dev / r['ttft_s']:.0%}" if dev and r["tier"] != "device" else ""
         out.append([r["method"], r["tier"], f"{r['ttft_s']:.4f}", speedup, share,
                     f"{r['promoted_bytes'] / 1e6:,.3g}", f"{r['store_read_bytes'] / 1e6:,.3g}",
+                    f"{r['store_read_bytes'] / r['store_read_s'] / 1e9:.2f}" if r.get("store_read_s") else "",
                     str(r.get("pass_programs", "")),
                     f"{1e3 * r['host_before_program_s']:.1f}" if "host_before_program_s" in r else ""])
     return markdown_table(TIER_HEADER, out)
@@ -419,7 +463,8 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
                 continue
             t0 = time.perf_counter()
             place = None if tiers == ["device"] else tier
-            result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log, place))
+            result["rows"].append(bench_method(eng, spec, prompt, w, args.repeats, remaining, log, place,
+                                               store if args.drop_page_cache else None))
             last_cost = time.perf_counter() - t0
             emit(result)
     for spec in [m for m in (args.profile or "").split(",") if m]:
@@ -532,6 +577,9 @@ def parse_args(argv):
                     help="comma list of device, host, store: where the segments start each run")
     ap.add_argument("--store", default=None, help="segment store directory or URL for the store tier and "
                                                   "--restart (default: a fresh temporary directory)")
+    ap.add_argument("--drop-page-cache", action="store_true",
+                    help="before every timed run with segments in the store tier, drop the store's files "
+                         "from the page cache (posix_fadvise DONTNEED), so they are read from the disk")
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")

@@ -48,7 +48,7 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
             "--methods", "full,naive,redknot", "--tiers", "device,host,store", "--restart",
             "--store", str(tmp_path / "store"), "--out", str(out),
-            "--layer-groups", "4"]
+            "--layer-groups", "4", "--drop-page-cache"]
     (result,) = bench.main(argv)
     rows = {(r["method"], r["tier"]): r for r in result["rows"]}
     assert set(rows) == {("full", "device")} | {(m, t) for m in ("naive", "redknot")
@@ -58,6 +58,9 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     assert segment_bytes > 0 and rows["naive", "device"]["promoted_bytes"] == 0
     store = rows["naive", "store"]
     assert store["promoted_bytes"] == store["store_read_bytes"] == segment_bytes
+    assert 0 < store["store_read_s"] < store["ttft_s"] and "store_read_s" not in rows["naive", "host"]
+    files = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
+    assert bench.drop_page_cache(str(tmp_path / "store")) == len(files) > 0
     assert rows["naive", "host"]["store_read_bytes"] == 0
     # segments promoted for the request: the pass runs in the layer groups asked for; on the device in one
     assert rows["naive", "host"]["pass_programs"] == rows["naive", "store"]["pass_programs"] > 1
@@ -69,7 +72,7 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     r = result["restart"]
     assert r["restored"] == w["segments"] and r["first_token_s"] > 0
     text = out.read_text()
-    assert "host before the first program (ms)" in text
+    assert "host before the first program (ms)" in text and "store read (GB/s)" in text
     assert "| naive | store |" in text and "Restart: a second engine on the same store" in text
     with pytest.raises(SystemExit):
         bench.main(["--small", "--tiers", "disk"])

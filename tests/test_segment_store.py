@@ -154,3 +154,69 @@ def test_kill_9_mid_write_leaves_each_segment_whole_or_absent(tmp_path):
     store.sweep(older_than_s=0)
     with_data = {p.name for p in (tmp_path / "segments").iterdir() if any(f.is_file() for f in p.rglob("*"))}
     assert with_data == listed  # leftovers of killed writes are gone
+
+
+def not_decoded_by_tensorstore(*args):
+    raise AssertionError("plain chunks are read into place, not decoded through tensorstore")
+
+
+def test_a_read_hands_over_layer_by_layer_and_checks_each(tmp_path):
+    """`read` returns at once and fills layer by layer: layer 0 can be waited for (and used) while a later
+    layer is still unread; a damaged chunk fails only the wait that covers its layer."""
+    import threading
+
+    store = SegmentStore(tmp_path, IDENTITY)
+    store._read_with_tensorstore = not_decoded_by_tensorstore
+    seg = make_segment(5)
+    store.put(seg)
+    gate = threading.Event()
+    real = store._read_layer
+
+    def held_back(segment_id, layer, *args):
+        if layer == L - 1:
+            assert gate.wait(20), "the last layer was waited for before the first was handed over"
+        return real(segment_id, layer, *args)
+
+    store._read_layer = held_back
+    read = store.read(seg.segment_id)
+    read.wait(0, 1)  # while the last layer is still held back
+    assert same(read.k[0], seg.k[0]) and same(read.v[0], seg.v[0]) and not read.done()
+    gate.set()
+    got = read.result()
+    assert same(got.k, seg.k) and same(got.v, seg.v) and np.array_equal(got.pos, seg.pos)
+    del store._read_layer
+
+    chunk = tmp_path / "segments" / seg.segment_id / "v" / "c" / str(L - 1) / "2" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    read = store.read(seg.segment_id)
+    read.wait(0, L - 1)  # the layers before it are whole
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        read.wait(L - 1, L)
+    assert read.failed()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_store_read_through_the_kvstore_reads_and_checks_the_same(tmp_path, damage):
+    """Where the store is not a local directory (gs://, s3://, ...), chunks are read through the tensorstore
+    kvstore into place (here the local directory's kvstore, its file reads turned off), with the same
+    checks."""
+    store = SegmentStore(tmp_path, IDENTITY)
+    store._local_root = lambda: None
+    store._read_with_tensorstore = not_decoded_by_tensorstore
+    seg = make_segment(6)
+    store.put(seg)
+    got = store.get(seg.segment_id)
+    assert same(got.k, seg.k) and same(got.v, seg.v) and np.array_equal(got.pos, seg.pos)
+    chunk = tmp_path / "segments" / seg.segment_id / "k" / "c" / "1" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    if damage == "flip":
+        data[3] ^= 0x10
+        chunk.write_bytes(bytes(data))
+    elif damage == "truncate":
+        chunk.write_bytes(bytes(data[:-2]))
+    else:
+        chunk.unlink()
+    with pytest.raises(CorruptSegmentError, match=seg.segment_id):
+        store.get(seg.segment_id)

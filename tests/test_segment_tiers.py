@@ -348,12 +348,12 @@ def test_a_queued_request_reads_its_segments_from_the_store_ahead(model, docs, t
         tiers.place(eng.reuser.store.get(s), "store")
     disk = eng.reuser.persist.disk
     reads = []
-    real_get = disk.get
-    monkeypatch.setattr(disk, "get", lambda sid, heads=None: reads.append(sid) or real_get(sid, heads))
+    real_read = disk.read
+    monkeypatch.setattr(disk, "read", lambda sid, heads=None: reads.append(sid) or real_read(sid, heads))
     rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse="naive", sampling=GREEDY)
     assert set(tiers._reads) == set(ids)
-    for _, fut in tiers._reads.values():
-        fut.result()  # the reads finish before the engine steps: they ran while the request was queued
+    for _, read in tiers._reads.values():
+        read.wait()  # the reads finish before the engine steps: they ran while the request was queued
     assert sorted(reads) == sorted(ids)
     out = []
     while eng.has_unfinished():
@@ -531,3 +531,63 @@ def test_nothing_pageable_goes_to_the_device_behind_pinned_segment_copies(model5
     monkeypatch.undo()
     # the same tokens with the segments already on the device (one program, nothing moved)
     assert ask(eng, ids) == tokens
+
+
+@pytest.mark.parametrize("groups", [1, 5])
+def test_a_store_promotion_moves_layers_as_they_are_read_and_refuses_a_damaged_read(model5, tmp_path,
+                                                                                     monkeypatch, groups):
+    """From the store, a promotion sends each piece of layers to the device once it is read and checked (one
+    layer per piece here: the first is sent while the last is still unread) and answers as from the device.
+    A chunk damaged in the last layer fails its checksum: the request is refused, that segment's new pages go
+    back (it names none, so nothing of it is ever served) and stays in the store; the other segment is
+    promoted, and the next request reads the repaired chunk. In layer groups this happens before the pass."""
+    import threading
+
+    from jaxkv.cache.segment_store import SegmentRead, SegmentStore
+    from jaxkv.engine import segment_tiers
+
+    monkeypatch.setattr(segment_tiers, "STORE_PIECE_LAYERS", 1)
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
+    L = model5.config.num_layers
+    eng = engine(model5, 600, segment_store=str(tmp_path), segment_host_bytes=0)
+    eng.reuser.layer_groups = groups
+    ids = [eng.register_segment(d) for d in docs]
+    want = ask(eng, ids)
+    tiers, store = eng.reuser.tiers, eng.reuser.store
+
+    # pipelined: the last layer of the first segment is read only once the first layer was handed over
+    first_sent, real_read, real_wait = threading.Event(), SegmentStore._read_layer, SegmentRead.wait
+
+    def wait(self, l0=0, l1=None):
+        real_wait(self, l0, l1)
+        if (l0, l1) == (0, 1):
+            first_sent.set()
+
+    def read_layer(self, segment_id, layer, *args):
+        if layer == L - 1 and groups == 1:
+            assert first_sent.wait(20), "the promotion waited for the whole read before moving a layer"
+        return real_read(self, segment_id, layer, *args)
+
+    monkeypatch.setattr(SegmentRead, "wait", wait)
+    monkeypatch.setattr(SegmentStore, "_read_layer", read_layer)
+    for s in ids:
+        tiers.place(store.get(s), "store")
+    assert ask(eng, ids) == want and (groups > 1 or first_sent.is_set())
+
+    for s in ids:
+        tiers.place(store.get(s), "store")
+    chunk = tmp_path / "segments" / ids[0] / "k" / "c" / str(L - 1) / "1" / "0" / "0"
+    data = chunk.read_bytes()
+    chunk.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    free, promoted = eng.allocator.num_free, tiers.bytes_promoted
+    rid = eng.add_reuse_request(PREFIX, ids, SUFFIX, reuse="naive", sampling=GREEDY)
+    outs = [o for _ in range(5) for o in eng.step() if o.request_id == rid]
+    assert outs and outs[-1].finish_reason == "abort" and "checksum" in outs[-1].text
+    assert not any(o.new_token_ids for o in outs)
+    bad, good = store.get(ids[0]), store.get(ids[1])
+    assert (bad.pages == -1).all() and tiers.tiers(bad) == ["store"]
+    assert tiers.device_heads(good).all() and free - eng.allocator.num_free == good.pages.size
+    assert tiers.bytes_promoted - promoted == tiers.L * tiers.H * tiers.head_bytes(good)  # the good one only
+    chunk.write_bytes(data)  # repaired: read again on the next use
+    assert ask(eng, ids) == want

@@ -17,6 +17,9 @@ committed and is invisible (`list` skips it, `sweep` removes its leftovers). The
 checksum of every stored chunk's bytes, checked on `get`: a corrupted or truncated entry raises
 `CorruptSegmentError` and is never served.
 
+**Reads.** `read` hands a segment over layer by layer while later layers are still read (chunk files read
+straight into place, each checked right after its read); `get` waits for all of it.
+
 **Identity.** A store opened with another model's identity (weights, dtype, page layout) is refused with
 `StoreMismatchError`, never silently reused. Namespaces stay apart because they are part of the segment id
 (`jaxkv.cache.segments.segment_id`).
@@ -29,8 +32,9 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,47 @@ class StoredSegment:
     frozen: bool = False
     start: int = 0
     extra: dict = dataclasses.field(default_factory=dict)  # method metadata (JSON-serialisable)
+
+
+class SegmentRead:
+    """A store read under way (`SegmentStore.read`): `k`, `v` [L, Hkv, slots, D] and `pos` [L, Hkv, slots]
+    fill layer by layer; `wait(l0, l1)` returns once layers [l0, l1) are read and checked (raising
+    CorruptSegmentError when they are not whole), so those layers can move on while later ones are read."""
+
+    def __init__(self, store: SegmentStore, segment_id: str, meta: dict, heads: np.ndarray, out: dict):
+        self.store, self.segment_id, self.meta, self.heads = store, segment_id, meta, heads
+        self.k, self.v, self.pos = out["k"], out["v"], out["pos"]
+        self._futures: list[Future] = []
+        self.started = time.perf_counter()
+        self.finished: float | None = None  # perf_counter when its last layer was read and checked
+
+    def wait(self, l0: int = 0, l1: int | None = None) -> None:
+        for f in self._futures[l0:l1]:
+            try:
+                f.result()
+            except CancelledError:
+                raise CorruptSegmentError(f"the read of segment {self.segment_id} was cancelled") from None
+
+    def _layer_done(self, _f: Future) -> None:
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def failed(self) -> bool:
+        """Finished with an error (a read still running is not known to have failed)."""
+        return any(f.done() and (f.cancelled() or f.exception() is not None) for f in self._futures)
+
+    def cancel(self) -> None:
+        """Drops the layers not started yet (the read is then never waited on)."""
+        for f in self._futures:
+            f.cancel()
+
+    def result(self) -> StoredSegment:
+        self.wait()
+        m = self.meta
+        return StoredSegment(self.segment_id, tuple(m["tokens"]), m["extra_key"], self.k, self.v, self.pos,
+                             self.heads, tuple(m["context"]), m["frozen"], m["start"], m.get("extra", {}))
 
 
 def _kvstore(url: str | Path) -> dict:
@@ -173,6 +218,17 @@ class SegmentStore:
         checksums (CorruptSegmentError on mismatch or unreadable data): each chunk read against its own,
         so a read of some heads reads only theirs (stores written before per-chunk checksums: every
         stored head is read and checked against the whole-segment checksum)."""
+        return self.read(segment_id, heads).result()
+
+    def read(self, segment_id: str, heads: np.ndarray | None = None) -> SegmentRead:
+        """Starts reading a committed segment (`get`'s heads and checks) and returns at once: the
+        `SegmentRead` fills layer by layer on reader threads, so a caller can move the first layers on while
+        later ones are still read. KeyError now when the segment is not committed.
+
+        Chunks stored as plain little-endian bytes (how `put` writes them) are read straight into the
+        returned arrays, one task per layer, each chunk hashed right after its read while its bytes are still
+        in the CPU's cache; other encodings and stores written before per-chunk checksums go through
+        tensorstore."""
         m = self.meta(segment_id)
         if m is None:
             raise KeyError(segment_id)
@@ -182,6 +238,72 @@ class SegmentStore:
         dtype = _np_dtype(m["dtype"])
         out = {"k": np.zeros((L, H, slots, D), dtype), "v": np.zeros((L, H, slots, D), dtype),
                "pos": np.full((L, H, slots), -1, np.int32)}
+        read = SegmentRead(self, segment_id, m, want, out)
+        chunks = m.get("chunk_checksums")
+        if chunks is None or not self._plain_chunks(segment_id, out):
+            read._futures = [_reader_pool().submit(self._read_with_tensorstore, segment_id, m, want, stored,
+                                                   out)] * L
+            read._futures[0].add_done_callback(read._layer_done)
+            return read
+        pool, local = _reader_pool(), self._local_root()
+        read._futures = [pool.submit(self._read_layer, segment_id, layer, want[layer], out, chunks, local)
+                         if want[layer].any() else _done(lambda: None) for layer in range(L)]
+        for f in read._futures:
+            f.add_done_callback(read._layer_done)
+        return read
+
+    def _plain_chunks(self, segment_id: str, out: dict) -> bool:
+        """Whether every array of the segment is stored as `put` writes it: one chunk per (layer, KV head),
+        raw little-endian bytes of the expected dtype and shape, default chunk keys (so a chunk's bytes can
+        be read into place without tensorstore decoding them)."""
+        if sys.byteorder != "little":
+            return False
+        for name, arr in out.items():
+            z = self._read_json(f"segments/{segment_id}/{name}/zarr.json")
+            if z is None:
+                return False
+            grid = z.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+            codecs = z.get("codecs")
+            if (z.get("shape") != list(arr.shape) or grid != [1, 1, *arr.shape[2:]]
+                    or z.get("data_type") != _zarr_dtype(arr.dtype)
+                    or z.get("chunk_key_encoding", {}).get("name") != "default"
+                    or z.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/") != "/"
+                    or not isinstance(codecs, list) or len(codecs) != 1 or codecs[0].get("name") != "bytes"
+                    or codecs[0].get("configuration", {}).get("endian", "little") != "little"):
+                return False
+        return True
+
+    def _read_layer(self, segment_id: str, layer: int, want: np.ndarray, out: dict, chunks: dict,
+                    local: Path | None) -> None:
+        """Reads and checks the wanted heads of one layer (k, v, pos chunks) into `out`: from the files of
+        a local store (`local`, its root; every file of the layer announced to the kernel first, so the disk
+        reads them all while the first ones are hashed), else through the kvstore."""
+        todo = [(name, int(head), f"segments/{segment_id}/{name}/c/{layer}/{head}/"
+                 + "/".join(["0"] * (out[name].ndim - 2)))
+                for name in ("k", "v", "pos") for head in np.nonzero(want)[0]]
+        ahead = {key: _open_ahead(local / key) for *_, key in todo} if local is not None else {}
+        try:
+            for name, head, key in todo:
+                block = out[name][layer, head]
+                try:
+                    if local is not None:
+                        _read_file(ahead.pop(key, None), local / key, _bytes(block))
+                    else:
+                        _read_value(self._kv, key, _bytes(block))
+                except (OSError, ValueError) as e:
+                    raise CorruptSegmentError(f"segment {segment_id} in {self.url} cannot be read: {key}: "
+                                              f"{e}") from e
+                if _chunk_digest(block) != chunks[name][layer][head]:
+                    raise CorruptSegmentError(f"segment {segment_id} in {self.url} failed its checksum: the "
+                                              "stored KV was changed or truncated after it was written")
+        finally:
+            for fd in ahead.values():
+                if fd is not None:
+                    os.close(fd)
+
+    def _read_with_tensorstore(self, segment_id: str, m: dict, want, stored, out: dict) -> None:
+        """`read` through tensorstore (any chunk encoding; stores written before per-chunk checksums)."""
+        L, H = want.shape
         chunks = m.get("chunk_checksums")
         read = want if chunks is not None else stored
         where = [(l_, h) for l_ in range(L) for h in range(H) if read[l_, h]]
@@ -189,15 +311,11 @@ class SegmentStore:
         try:
             for name in ("k", "v", "pos"):
                 arr = self._array(segment_id, name)
-                if len(where) == L * H:  # every head: one read, tensorstore fetches the chunks concurrently
-                    out[name] = data = np.asarray(arr.read().result()).astype(out[name].dtype, copy=False)
-                    blocks = [data[l_, h] for l_, h in where]
-                else:
-                    reads = [arr[l_, h].read() for l_, h in where]
-                    blocks = [np.asarray(f.result()) for f in reads]
-                    for (l_, h), block in zip(where, blocks):
-                        if want[l_, h]:
-                            out[name][l_, h] = block
+                reads = [arr[l_, h].read() for l_, h in where]
+                blocks = [np.asarray(f.result()) for f in reads]
+                for (l_, h), block in zip(where, blocks):
+                    if want[l_, h]:
+                        out[name][l_, h] = block
                 if chunks is not None:
                     bad += [(name, l_, h) for (l_, h), d in zip(where, _digests(blocks))
                             if d != chunks[name][l_][h]]
@@ -209,8 +327,6 @@ class SegmentStore:
         if bad or (chunks is None and digest.hexdigest() != m.get("checksum")):
             raise CorruptSegmentError(f"segment {segment_id} in {self.url} failed its checksum: the stored "
                                       "KV was changed or truncated after it was written")
-        return StoredSegment(segment_id, tuple(m["tokens"]), m["extra_key"], out["k"], out["v"], out["pos"],
-                             want, tuple(m["context"]), m["frozen"], m["start"], m.get("extra", {}))
 
     def delete(self, segment_id: str) -> None:
         """Removes a segment: its commit first (a crash mid-delete leaves it uncommitted), then its data."""
@@ -266,6 +382,66 @@ def _chunk_digest(block: np.ndarray) -> str:
 
 
 _hashers: ThreadPoolExecutor | None = None
+_readers: ThreadPoolExecutor | None = None
+READ_THREADS = 16  # layers read at once: queue depth for a disk, every core for hashing from the page cache
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    global _readers
+    if _readers is None:
+        _readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="jaxkv-segment-read")
+    return _readers
+
+
+def _done(fn, *args) -> Future:
+    """`fn(*args)` run now, as a finished future (its exception kept for `result`)."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as e:
+        f.set_exception(e)
+    return f
+
+
+def _open_ahead(path: Path) -> int | None:
+    """The chunk file opened and its reading from the disk started (POSIX_FADV_WILLNEED); None when it
+    cannot be opened now (`_read_file` opens it again and reports why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    return fd
+
+
+def _read_file(fd: int | None, path: Path, into: memoryview) -> None:
+    """A chunk file's bytes (from `fd`, which it closes, else opened from `path`) straight into `into`, which
+    they must fill exactly (else ValueError)."""
+    fd = os.open(path, os.O_RDONLY) if fd is None else fd
+    try:
+        size = os.fstat(fd).st_size
+        if size != len(into):
+            raise ValueError(f"{size} bytes, expected {len(into)}")
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [into[done:]], done)
+            if n <= 0:
+                raise ValueError(f"ended at {done} of {size} bytes")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _read_value(kv, key: str, into: memoryview) -> None:
+    """A chunk's bytes from any tensorstore kvstore into `into` (one copy)."""
+    r = kv.read(key).result()
+    if r.state != "value":
+        raise ValueError("missing")
+    value = memoryview(r.value).cast("B")
+    if len(value) != len(into):
+        raise ValueError(f"{len(value)} bytes, expected {len(into)}")
+    into[:] = value
 
 
 def _digests(blocks: list[np.ndarray]) -> list[str]:

@@ -44,7 +44,6 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -107,9 +106,9 @@ class SegmentTiers:
         self.drops = 0  # ordinary segments dropped because no tier had room (no store, host memory full)
         self._moves = 0  # tier changes so far: `totals` recomputes only after one (it runs every step)
         self._totals: tuple | None = None
-        self._reads: dict[str, tuple[np.ndarray, Future]] = {}  # store reads started ahead (`prefetch`)
-        self._reader: ThreadPoolExecutor | None = None
+        self._reads: dict[str, tuple[np.ndarray, object]] = {}  # store reads started ahead (`prefetch`)
         self.prefetch_hits = 0  # promotions served by a store read started when the request was queued
+        self.last_reads: list = []  # the store reads (`SegmentRead`) the last promotion moved
         self.first_write_at: float | None = None  # perf_counter when the last promotion wrote its first pages
 
     @property
@@ -327,6 +326,16 @@ class SegmentTiers:
             k, v, pos = np.asarray(k), np.asarray(v), np.asarray(pos)
         return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
 
+    def _unpromote(self, mv: _Move) -> None:
+        """A move whose store read failed its checks: its new pages go back, the entry names none of them
+        (the segment stays in the store, and a later request reads it again)."""
+        mv.entry.pages[mv.missing] = -1
+        self.engine.allocator.decref(mv.ids)
+        self._moves += 1
+        self.promotions -= 1
+        self.bytes_promoted -= mv.counted[0]
+        self.bytes_promoted_all_heads -= mv.counted[1]
+
     def _forget(self, e: SegmentEntry) -> None:
         """A segment left the store (deleted): its host copy, pin and any read ahead go with it."""
         self._drop_read(e.segment_id)
@@ -360,27 +369,34 @@ class SegmentTiers:
                 heads_of = np.nonzero(missing)[1].repeat(npg)  # each page's KV head (a TP pool places by it)
                 ids = self.reuser._allocate(len(heads_of), heads=heads_of).reshape(-1, npg)
                 try:
-                    k, v, pos = self._stage(e, missing)
+                    k, v, pos, read = self._stage(e, missing)
                 except Exception:
                     self.engine.allocator.decref(ids)
                     raise
-                moves.append(_Move(missing, ids, k, v, pos))
+                pinned = isinstance(k, list)  # pinned host copies move whole layers
+                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
+                counted = (moved * self.head_bytes(e), int(absent.sum()) * self.head_bytes(e))
+                moves.append(_Move(missing, ids, k, v, pos, e, read, counted))
                 e.pages[missing] = ids
                 if e.segment_id in self._host:
                     self._host.move_to_end(e.segment_id)
                 self.promotions += 1
                 self._moves += 1
-                pinned = isinstance(k, list)  # pinned host copies move whole layers
-                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
-                self.bytes_promoted += moved * self.head_bytes(e)
-                self.bytes_promoted_all_heads += int(absent.sum()) * self.head_bytes(e)
+                self.bytes_promoted += counted[0]
+                self.bytes_promoted_all_heads += counted[1]
         except BaseException:  # the segments planned so far are promoted, also when a later one failed
-            Promotion(self, moves).finish()
+            Promotion(self, moves).finish(report=False)
             raise
         promotion = Promotion(self, moves)
+        self.last_reads = [mv.read for mv in moves if mv.read is not None]
         if not defer:
-            promotion.finish()
+            promotion.finish()  # store reads move on layer piece by layer piece as they are checked
             return None
+        try:  # the caller's pass reads these pages: every store read is checked before it runs
+            promotion.check()
+        except SegmentError:
+            promotion.finish(report=False)
+            raise
         return promotion if moves else None
 
     def prefetch(self, entries, heads: np.ndarray) -> None:
@@ -395,48 +411,49 @@ class SegmentTiers:
             missing = heads & ~self.device_heads(e)
             if not missing.any() or sid in self._host or sid in self._reads or not self.stored(e):
                 continue
-            if self._reader is None:
-                self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxkv-segment-read")
-            self._reads[sid] = (missing, self._reader.submit(self.persist.disk.get, sid, missing))
+            try:
+                self._reads[sid] = (missing, self.persist.disk.read(sid, missing))
+            except Exception:  # e.g. deleted meanwhile: the promotion reads again and reports it
+                continue
 
     def _drop_read(self, sid: str) -> None:
         ahead = self._reads.pop(sid, None)
         if ahead is not None:
-            ahead[1].cancel()  # frees its arrays once done; a read not yet started never runs
+            ahead[1].cancel()  # layers not started yet are never read; its arrays go with it
 
     def _read_store(self, e: SegmentEntry, missing: np.ndarray):
         """The store's copy of the `missing` heads: from a read `prefetch` started when it covers them."""
         ahead = self._reads.pop(e.segment_id, None)
-        if ahead is not None and not (missing & ~ahead[0]).any():
-            try:
-                seg = ahead[1].result()
-                self.prefetch_hits += 1
-                return seg
-            except Exception:  # read again below, reporting the error of the read the request waits on
-                pass
-        return self.persist.disk.get(e.segment_id, heads=missing)
+        if ahead is not None and not (missing & ~ahead[0]).any() and not ahead[1].failed():
+            self.prefetch_hits += 1
+            return ahead[1]
+        if ahead is not None:
+            ahead[1].cancel()
+        # a failed read ahead is read again: the error reported is the one of the read the request waits on
+        return self.persist.disk.read(e.segment_id, heads=missing)
 
     def _stage(self, e: SegmentEntry, missing: np.ndarray):
-        """The `missing` heads' K/V on the host, ready to move: (k, v, pos). k, v: a list of L pinned host
-        arrays [H, slots, D] (a pinned copy, which moves whole layers) or numpy [L * H, slots, D] whose
-        missing rows hold the heads; pos: L pinned [H, slots] arrays with pinned K/V, else numpy
-        [L * H, slots]. A store read happens here."""
+        """The `missing` heads' K/V on the host: (k, v, pos, read). k, v: a list of L pinned host arrays
+        [H, slots, D] (a pinned copy, which moves whole layers) or numpy [L * H, slots, D] whose missing rows
+        hold the heads; pos: L pinned [H, slots] arrays with pinned K/V, else numpy [L * H, slots]. From the
+        store, `read` is the `SegmentRead` still filling k, v, pos (wait for a layer before moving it), else
+        None."""
         c = self._host.get(e.segment_id)
         if c is not None:
             self._drop_read(e.segment_id)
-            return c.k, c.v, c.pos
+            return c.k, c.v, c.pos, None
         if not self.stored(e):
             raise SegmentError(f"segment {e.segment_id!r} is in no tier that holds its heads")
         from jaxkv.cache.segment_store import CorruptSegmentError
 
         try:
-            seg = self._read_store(e, missing)
+            read = self._read_store(e, missing)
         except (CorruptSegmentError, KeyError) as err:
-            raise SegmentError(f"segment {e.segment_id!r} cannot be read from the segment store: {err}") \
-                from None
-        L, H, slots = seg.pos.shape
+            raise unreadable(e, err) from None
+        L, H, slots = read.pos.shape
         self.persist.bytes_read += int(missing.sum()) * slots * self.slot_bytes
-        return seg.k.reshape(L * H, slots, -1), seg.v.reshape(L * H, slots, -1), seg.pos.reshape(L * H, slots)
+        return (read.k.reshape(L * H, slots, -1), read.v.reshape(L * H, slots, -1),
+                read.pos.reshape(L * H, slots), read)
 
     # ---- reads for the store --------------------------------------------------------------------
     def arrays(self, e: SegmentEntry):
@@ -460,16 +477,41 @@ class SegmentTiers:
 
 
 
+STORE_PIECE_LAYERS = 4  # layers of a store read moved per transfer, as soon as they are read and checked
+
+
+def unreadable(e: SegmentEntry, err: Exception) -> SegmentError:
+    return SegmentError(f"segment {e.segment_id!r} cannot be read from the segment store: {err}")
+
+
 @dataclasses.dataclass
 class _Move:
     """One segment's heads on their way to the device: `missing` [L, H], their new pages `ids` [m, npg] (in
-    the flattened order of `missing`), K/V and positions on the host (`SegmentTiers._stage`)."""
+    the flattened order of `missing`), K/V and positions on the host (`SegmentTiers._stage`); `read`: the
+    store read filling them (None: already on the host)."""
 
     missing: np.ndarray
     ids: np.ndarray
     k: object
     v: object
     pos: np.ndarray
+    entry: SegmentEntry | None = None
+    read: object = None
+    counted: tuple[int, int] = (0, 0)  # bytes it adds to `bytes_promoted`, `bytes_promoted_all_heads`
+    failed: bool = False
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Layers [l0, l1) of a move's store read: rows `sel` of its host K, V, positions once `wait` returned."""
+
+    move: _Move
+    l0: int
+    l1: int
+    sel: object
+
+    def wait(self) -> None:
+        self.move.read.wait(self.l0, self.l1)
 
 
 class Promotion:
@@ -479,15 +521,41 @@ class Promotion:
     K/V; `send` the others' K/V and positions (one call per group, the first group's first); `write(g)`
     writes group g's pages (call it just before the program over those layers); `finish` sends and writes
     whatever is left (always call it: the entries already name these pages). One group of every layer is
-    the plain promotion."""
+    the plain promotion.
+
+    A segment still being read from the store moves in pieces of `STORE_PIECE_LAYERS` layers, each sent as
+    soon as its layers are read and checked, so the transfer of the first layers runs beside the read of the
+    later ones. A read that fails its checks undoes that segment's move (its pages freed, never written)
+    and is reported by `finish` (or `check`) as SegmentError once the other segments are written."""
 
     def __init__(self, tiers: SegmentTiers, moves: list[_Move]):
         self.tiers, self.moves = tiers, moves
         self.groups: list[tuple[int, int]] | None = None
-        self._plans: list[list] = []  # per group: `_part`s on the host, one per segment holding its layers
+        self._plans: list[list[_Part]] = []  # per group: one `_Part` per segment holding its layers
         self._meta: list[list] = []  # per group: (rows, page ids) on the device, per segment
-        self._parts: list[list] = []  # per group sent: (k, v, pos) on the device, per segment
+        self._parts: list[list] = []  # per group sent: (k, v, pos) on the device per segment (None: failed)
         self._written: set[int] = set()
+        self.error: SegmentError | None = None  # the first store read that failed its checks
+
+    def check(self) -> None:
+        """Waits for every store read of the promotion; raises SegmentError when one failed its checks (that
+        segment's move undone, the others still to be written by `finish`)."""
+        from jaxkv.cache.segment_store import CorruptSegmentError
+
+        for mv in self.moves:
+            if mv.read is not None and not mv.failed:
+                try:
+                    mv.read.wait()
+                except CorruptSegmentError as err:
+                    self._fail(mv, err)
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, mv: _Move, err: Exception) -> None:
+        mv.failed = True
+        self.tiers._unpromote(mv)
+        if self.error is None:
+            self.error = unreadable(mv.entry, err)
 
     def start(self, groups: list[tuple[int, int]] | None = None, send: int | None = None) -> None:
         """Plans layer groups `groups` ([l0, l1) ranges covering every layer; default one group), sends
@@ -497,16 +565,19 @@ class Promotion:
             self.groups = [(0, L)] if groups is None else [tuple(g) for g in groups]
             self._plans = [[p for p in (_part(mv, l0, l1, H) for mv in self.moves) if p is not None]
                            for l0, l1 in self.groups]
-            self._meta = jax.device_put([[(rows, ids) for *_, rows, ids in plan] for plan in self._plans])
+            self._meta = jax.device_put([[(p.rows, p.ids) for p in plan] for plan in self._plans])
         self.send(send)
 
     def send(self, upto: int | None = None) -> None:
         """Dispatches the K/V and positions of the groups before `upto` (None: every group) not sent yet:
-        one transfer call per group (pinned host arrays move asynchronously)."""
+        one transfer call per group for host copies (pinned host arrays move asynchronously), one per piece
+        of layers for store reads, each once its layers are read."""
         from jaxkv.cache.memory_kinds import device_sharding
+        from jaxkv.cache.segment_store import CorruptSegmentError
 
         for plan in self._plans[len(self._parts):upto]:
-            flat = [x for host_k, host_v, host_pos, *_ in plan for x in (*host_k, *host_v, *host_pos)]
+            ready = [p for p in plan if not p.pieces and not p.move.failed]
+            flat = [x for p in ready for x in (*p.k, *p.v, *p.pos)]
             moved = [None] * len(flat)
             pinned = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
             pageable = [i for i, x in enumerate(flat) if not isinstance(x, jax.Array)]
@@ -516,10 +587,14 @@ class Promotion:
                     for i, y in zip(where, jax.device_put([flat[i] for i in where], sharding)):
                         moved[i] = y
             moved = iter(moved)
-            parts = []
-            for host_k, host_v, host_pos, *_ in plan:
-                parts.append(tuple(tuple(next(moved) for _ in x) for x in (host_k, host_v, host_pos)))
-            self._parts.append(parts)
+            sent = {id(p): tuple(tuple(next(moved) for _ in x) for x in (p.k, p.v, p.pos)) for p in ready}
+            for p in plan:
+                if p.pieces and not p.move.failed:
+                    try:
+                        sent[id(p)] = _send_pieces(p)
+                    except CorruptSegmentError as err:
+                        self._fail(p.move, err)
+            self._parts.append([sent.get(id(p)) for p in plan])
 
     def write(self, group: int) -> None:
         """Writes layer group `group`'s promoted pages into the pool (once), its transfers sent if not yet."""
@@ -528,21 +603,53 @@ class Promotion:
         self.send(group + 1)
         self._written.add(group)
         runner = self.tiers.engine.runner
-        for (k, v, pos), (rows, ids) in zip(self._parts[group], self._meta[group]):
+        for p, parts, (rows, ids) in zip(self._plans[group], self._parts[group], self._meta[group]):
+            if parts is None or p.move.failed:  # its read failed: the pages were given back
+                continue
             if self.tiers.first_write_at is None:
                 self.tiers.first_write_at = time.perf_counter()
+            k, v, pos = parts
             runner.pool = _write_pages(runner.pool, k, v, rows, ids, pos)
 
-    def finish(self) -> None:
-        """Sends and writes every group not sent or written yet."""
+    def finish(self, report: bool = True) -> None:
+        """Sends and writes every group not sent or written yet; then (`report`) raises SegmentError when a
+        store read failed its checks."""
         self.start()
         for g in range(len(self.groups)):
             self.write(g)
+        if report and self.error is not None:
+            raise self.error
 
 
-def _part(mv: _Move, l0: int, l1: int, H: int):
-    """The heads of layers [l0, l1) of one move: (host K arrays, host V arrays, host position arrays, rows,
-    page ids [m * npg]) as `_write_pages` takes them once moved, or None when none of them is missing."""
+@dataclasses.dataclass
+class _Part:
+    """The heads of one move within one layer group: host K, V, position arrays (lists, concatenated in
+    order by `_write_pages`), or `pieces` of a store read still under way; rows, page ids [m * npg]."""
+
+    move: _Move
+    k: list
+    v: list
+    pos: list
+    rows: np.ndarray | None
+    ids: np.ndarray
+    pieces: list[_Piece] = dataclasses.field(default_factory=list)
+
+
+def _send_pieces(p: _Part) -> tuple:
+    """A store read's pieces to the device in layer order, each once read and checked (CorruptSegmentError
+    otherwise): the first pieces move while later ones are still read."""
+    k, v, pos = [], [], []
+    for piece in p.pieces:
+        piece.wait()
+        mv = piece.move
+        for out, host in zip((k, v, pos), (mv.k, mv.v, mv.pos)):
+            out.append(jax.device_put(host[piece.sel]))
+    return tuple(k), tuple(v), tuple(pos)
+
+
+def _part(mv: _Move, l0: int, l1: int, H: int) -> _Part | None:
+    """The heads of layers [l0, l1) of one move as `_write_pages` takes them once moved, or None when none
+    of them is missing."""
     flat = np.nonzero(mv.missing.reshape(-1))[0]
     mine = (flat >= l0 * H) & (flat < l1 * H)
     if not mine.any():
@@ -555,10 +662,23 @@ def _part(mv: _Move, l0: int, l1: int, H: int):
         rows = None if len(rows) == len(layers) * H else rows.astype(np.int32)
         pos = ([mv.pos[i] for i in layers] if isinstance(mv.pos, list)
                else [np.asarray(mv.pos[i * H:(i + 1) * H], np.int32) for i in layers])
-        return [mv.k[i] for i in layers], [mv.v[i] for i in layers], pos, rows, ids
-    a, b = int(flat[0]), int(flat[-1]) + 1  # a contiguous run of heads is a view (no copy)
-    take = (lambda x: x[a:b]) if b - a == len(flat) else (lambda x: x[flat])
-    return [take(mv.k)], [take(mv.v)], [np.asarray(take(mv.pos), np.int32)], None, ids
+        return _Part(mv, [mv.k[i] for i in layers], [mv.v[i] for i in layers], pos, rows, ids)
+    if mv.read is not None:  # a store read: pieces of layers, each taken once read
+        pieces = []
+        for a in range(l0, l1, STORE_PIECE_LAYERS):
+            b = min(a + STORE_PIECE_LAYERS, l1)
+            sub = flat[(flat >= a * H) & (flat < b * H)]
+            if len(sub):
+                pieces.append(_Piece(mv, a, b, _rows(sub)))
+        return _Part(mv, [], [], [], None, ids, pieces)
+    take = _rows(flat)
+    return _Part(mv, [mv.k[take]], [mv.v[take]], [np.asarray(mv.pos[take], np.int32)], None, ids)
+
+
+def _rows(flat: np.ndarray):
+    """Rows `flat` (sorted) as a slice when contiguous (a view, no copy), else the index array."""
+    a, b = int(flat[0]), int(flat[-1]) + 1
+    return slice(a, b) if b - a == len(flat) else flat
 
 
 @functools.partial(jax.jit, donate_argnums=0)
