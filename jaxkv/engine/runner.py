@@ -357,31 +357,36 @@ def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False,
         stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
         return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live, extras)
 
-    body = _skipping_idle(step) if jax.default_backend() != "gpu" else step
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     carry = (pool, d["tokens"], jnp.zeros((s,), bool))
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    (pool, last, _), (tokens, logprobs, ran, extras) = jax.lax.scan(body, carry, xs)
+    scan = _scan_while_live if jax.default_backend() != "gpu" else jax.lax.scan
+    (pool, last, _), (tokens, logprobs, ran, extras) = scan(step, carry, xs)
     return tokens, logprobs, ran, last, extras, pool
 
 
-def _skipping_idle(step):
-    """The scan body of `_decode_body` that runs `step` only while a row is live (reserved and not stopped).
-    A row reserves a prefix of the K steps, so once none runs none will: a request given fewer tokens than
-    K (max_tokens, a stop) would otherwise compute the call's remaining steps for nothing (CPU, SmolLM2,
-    7 tokens in a 16-step call: 16 steps' time). Off the GPU only: the GPU's decode program stays as
-    measured there (XLA:GPU may read a conditional's predicate on the host, a sync per step)."""
+def _scan_while_live(step, carry, xs):
+    """`lax.scan(step, carry, xs)` over the K decode steps of `_decode_body` that stops at the first step
+    no row runs (reserved and not stopped; a row reserves a prefix of the K steps, so none runs after);
+    the steps not run return zeros. A request given fewer tokens than K (max_tokens, a stop) would
+    otherwise compute the call's remaining steps for nothing (CPU, SmolLM2, 7 tokens in a 16-step call:
+    16 steps' time). A while loop, not a `lax.cond` per step: a conditional's branches copy the donated
+    pool. Off the GPU only: XLA:GPU reads a while loop's predicate on the host, a sync per step."""
+    n = xs[0].shape[0]
+    shapes = jax.eval_shape(step, carry, jax.tree.map(lambda x: x[0], xs))[1]
+    outs = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), shapes)
 
-    def body(carry, xs):
-        live = xs[4] & ~carry[2]
-        shapes = jax.eval_shape(step, carry, xs)[1]
+    def live(state):
+        k, (_, _, done), _ = state
+        return (k < n) & jnp.any(xs[4][jnp.minimum(k, n - 1)] & ~done)
 
-        def idle(carry, xs):
-            return carry, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    def body(state):
+        k, carry, outs = state
+        carry, out = step(carry, jax.tree.map(lambda x: x[k], xs))
+        return k + 1, carry, jax.tree.map(lambda o, x: o.at[k].set(x), outs, out)
 
-        return jax.lax.cond(jnp.any(live), step, idle, carry, xs)
-
-    return body
+    _, carry, outs = jax.lax.while_loop(live, body, (jnp.int32(0), carry, outs))
+    return carry, outs
 
 
 def num_compilations() -> int:
