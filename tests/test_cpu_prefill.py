@@ -19,6 +19,7 @@ def small_blocks(monkeypatch):
     traced afresh (module constants are read at trace time) and dropped afterwards."""
     monkeypatch.setattr(dense, "Q_BLOCK", 4)
     monkeypatch.setattr(dense, "TILE_SLOTS", 8)
+    monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 8)  # decode steps too
     jax.clear_caches()
     yield
     jax.clear_caches()

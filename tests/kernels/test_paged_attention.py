@@ -158,6 +158,7 @@ def test_dense_path_over_many_tiles_matches_the_oracle(case, q_block, monkeypatc
     from pallas_kernels.paged_attention import dense
 
     monkeypatch.setattr(dense, "TILE_SLOTS", 4)
+    monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 4)  # steps of few rows cross as many tiles
     monkeypatch.setattr(dense, "Q_BLOCK", q_block)
     q_lens, ring, _, _, _ = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
@@ -219,6 +220,7 @@ def test_dense_path_with_sequences_interleaved_across_query_blocks(monkeypatch):
     from pallas_kernels.paged_attention import dense
 
     monkeypatch.setattr(dense, "TILE_SLOTS", 8)
+    monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 8)
     monkeypatch.setattr(dense, "Q_BLOCK", 3)
     c = random_paged_case(np.random.default_rng(21), q_lens=(6, 4, 5), page_size=4, max_pages=8)
     order = np.random.default_rng(22).permutation(len(c["q_seq"]))
