@@ -19,6 +19,7 @@ def small_blocks(monkeypatch):
     traced afresh (module constants are read at trace time) and dropped afterwards."""
     monkeypatch.setattr(dense, "Q_BLOCK", 4)
     monkeypatch.setattr(dense, "TILE_SLOTS", 8)
+    monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 8)  # decode steps too
     jax.clear_caches()
     yield
     jax.clear_caches()
@@ -39,9 +40,10 @@ def test_chunked_prefill_over_query_blocks_equals_dense_argmax(family, small_blo
 @pytest.mark.slow
 def test_smollm2_long_prompt_greedy_tokens_match_transformers():
     """A 700-token prompt prefills in two chunks (512 + 188 tokens: query blocks of 256, future tiles
-    skipped); the greedy continuation equals transformers' on the same GGUF weights."""
+    skipped); the greedy continuation equals transformers' on the same GGUF weights (`generate`, and the
+    benchmark's cached loop)."""
     torch = pytest.importorskip("torch")
-    from benchmarks.cpu_real import prompt_ids
+    from benchmarks.cpu_real import prompt_ids, run_transformers
     from tests.test_gguf import hf_gguf, smollm2_path
 
     path = smollm2_path()
@@ -54,3 +56,5 @@ def test_smollm2_long_prompt_greedy_tokens_match_transformers():
         gen = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert out.token_ids == gen[0, len(ids):].tolist()
     assert len(np.unique(out.token_ids)) > 1  # a real continuation, not one repeated token
+    # benchmarks.cpu_real times transformers' decode as its own cached greedy loop: generate's tokens
+    assert run_transformers(hf, ids, 8)["tokens"] == out.token_ids

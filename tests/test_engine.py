@@ -62,6 +62,30 @@ def test_multistep_stops_on_device_at_a_stop_token(llama):
     assert many[0] == full[0][:first + 1]
 
 
+def test_decode_call_skips_the_steps_no_row_runs(llama):
+    """Off the GPU a 16-step call for a request with 3 tokens left runs 3 steps: the skipped steps return
+    zeros (a computed step has a log-probability < 0), and the tokens equal single-step decode's."""
+    prompts = prompts_for(llama, [7, 12], seed=4)
+    samplings = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    engine = Engine(llama, enable_prefix_caching=False, page_size=4, max_model_len=64, max_num_seqs=2,
+                    max_step_tokens=32, decode_steps=16)
+    calls = []
+    decode = engine.runner.decode
+    engine.runner.decode = lambda batch: calls.append(decode(batch)) or calls[-1]
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, samplings)]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    one, _, _ = run(llama, prompts, samplings, decode_steps=1)
+    assert [got[i] for i in ids] == one
+    assert len(calls) == 1  # both prompts in one prefill step, then one decode call of 16 steps
+    tokens, logprobs, ran = calls[0].result()
+    assert tokens.shape[0] == 16 and ran[:, :2].sum(axis=0).tolist() == [3, 5]
+    assert (logprobs[:5, 1] < 0).all() and not logprobs[5:].any() and not tokens[5:].any()
+
+
 def test_no_new_compilation_after_precompile(llama):
     engine = Engine(llama, page_size=8, max_model_len=48, max_num_seqs=2, max_step_tokens=16, decode_steps=4)
     n = engine.precompile(progress=False)

@@ -6,7 +6,8 @@ request objects. The KV pool is donated into every call. Two entry points:
 * `run(StepBatch)`: one ragged step (prefill chunks and/or single decode tokens), one token per row.
 * `decode(DecodeBatch)`: `K` decode steps in one `lax.scan` (one dispatch, one host sync for K tokens);
   the slots of all K steps were reserved by the host beforehand, and a row stops on the device when it
-  samples a stop token or uses up its reserved steps. It returns a `PendingDecode` without waiting: the
+  samples a stop token or uses up its reserved steps (off the GPU, steps after every row stopped are
+  skipped). It returns a `PendingDecode` without waiting: the
   engine may dispatch the next call (fed from `last` on the device) before it reads these results. With
   the Pallas kernel each step writes the pool once, after all layers (each layer merges its token's own
   K/V by the lse).
@@ -339,7 +340,7 @@ def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False,
     s = d["tokens"].shape[0]
     rows = jnp.arange(s, dtype=jnp.int32)
 
-    def body(carry, xs):
+    def step(carry, xs):
         pool, tok, done = carry
         k, slots, lengths, prev_lengths, active = xs
         live = active & ~done
@@ -359,8 +360,33 @@ def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False,
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     carry = (pool, d["tokens"], jnp.zeros((s,), bool))
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    (pool, last, _), (tokens, logprobs, ran, extras) = jax.lax.scan(body, carry, xs)
+    scan = _scan_while_live if jax.default_backend() != "gpu" else jax.lax.scan
+    (pool, last, _), (tokens, logprobs, ran, extras) = scan(step, carry, xs)
     return tokens, logprobs, ran, last, extras, pool
+
+
+def _scan_while_live(step, carry, xs):
+    """`lax.scan(step, carry, xs)` over the K decode steps of `_decode_body` that stops at the first step
+    no row runs (reserved and not stopped; a row reserves a prefix of the K steps, so none runs after);
+    the steps not run return zeros. A request given fewer tokens than K (max_tokens, a stop) would
+    otherwise compute the call's remaining steps for nothing (CPU, SmolLM2, 7 tokens in a 16-step call:
+    16 steps' time). A while loop, not a `lax.cond` per step: a conditional's branches copy the donated
+    pool. Off the GPU only: XLA:GPU reads a while loop's predicate on the host, a sync per step."""
+    n = xs[0].shape[0]
+    shapes = jax.eval_shape(step, carry, jax.tree.map(lambda x: x[0], xs))[1]
+    outs = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), shapes)
+
+    def live(state):
+        k, (_, _, done), _ = state
+        return (k < n) & jnp.any(xs[4][jnp.minimum(k, n - 1)] & ~done)
+
+    def body(state):
+        k, carry, outs = state
+        carry, out = step(carry, jax.tree.map(lambda x: x[k], xs))
+        return k + 1, carry, jax.tree.map(lambda o, x: o.at[k].set(x), outs, out)
+
+    _, carry, outs = jax.lax.while_loop(live, body, (jnp.int32(0), carry, outs))
+    return carry, outs
 
 
 def num_compilations() -> int:

@@ -2,13 +2,14 @@
 
 Same contract as `reference.paged_attention`. The twin handles queries one at a time (a matrix-vector
 product per query over its sequence's gathered pages); here a sequence's queries attend its pages in
-matrix products, a block of `Q_BLOCK` queries against a tile of `TILE_SLOTS` slots at a time, with an online
-softmax over the tiles. Work is skipped where it would be masked out: sequences with no query in the step,
-query blocks with none of the sequence's queries, tiles past the sequence's longest head (`lengths`) and
-tiles no query of the block sees (the future half of a prefill chunk's own slots, slots outside a local
-head's window), each by a `lax.cond`. The products run head-major ([Hkv, G * rows, D] against
-[Hkv, J, D]): XLA:CPU runs them as batched GEMMs without transposing a tile (2x faster than token-major
-operands on the CPU). Equal to the twin to fp32 rounding.
+matrix products, a block of `Q_BLOCK` queries against a tile of `TILE_SLOTS` slots (`DECODE_TILE_SLOTS` in
+a decode step) at a time, with an online softmax over the tiles. Work is skipped where it would be masked
+out: sequences with no query in the step, query blocks with none of the sequence's queries, tiles past the
+sequence's longest head (`lengths`) and tiles no query of the block sees (the future half of a prefill
+chunk's own slots, slots outside a local head's window), each by a branch; a tile every query of the block
+sees whole (most tiles of a long prefill) skips the mask as well. The products run head-major
+([Hkv, G * rows, D] against [Hkv, J, D]): XLA:CPU runs them as batched GEMMs without transposing a tile
+(2x faster than token-major operands on the CPU). Equal to the twin to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import visible_mask
-
 # Queries of one block (rows of a product are G * Q_BLOCK per KV head).
 Q_BLOCK = 256
 # Slots of one tile (rounded to whole pages): [Hkv, G, Q_BLOCK, TILE_SLOTS] scores per product.
 TILE_SLOTS = 128
+# Steps of at most DECODE_ROWS query rows (decode) take tiles of DECODE_TILE_SLOTS: their scores stay small,
+# and a tile's fixed cost (gathers, branch, fusions) dominates a few rows' products (SmolLM2, one decode
+# row over 1.5K slots, one thread: 0.47 to 0.67 ms a layer with 512-slot tiles against 0.76 to 0.94 ms
+# with 128; 2048 no better).
+DECODE_ROWS = 64
+DECODE_TILE_SLOTS = 512
 # Upper bound on T * Hq * TILE_SLOTS, the fp32 scores of one tile against every query row of a step (the
 # query blocks of a long step each hold a part); larger steps use the twin.
 MAX_SCORES = 1 << 28
@@ -30,7 +35,11 @@ MAX_SCORES = 1 << 28
 def fits(num_tokens: int, num_q_heads: int, max_pages: int, page_size: int) -> bool:
     """Whether a step takes this path. Its memory follows the step's query rows (the [T, Hq, D] output and
     one block's tile of scores), not the page-table width: `max_pages` only sets how many tiles run."""
-    return num_tokens * num_q_heads * min(max_pages * page_size, TILE_SLOTS) <= MAX_SCORES
+    return num_tokens * num_q_heads * min(max_pages * page_size, _tile_slots(num_tokens)) <= MAX_SCORES
+
+
+def _tile_slots(num_tokens: int) -> int:
+    return DECODE_TILE_SLOTS if num_tokens <= DECODE_ROWS else TILE_SLOTS
 
 
 def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_seq, q_pos, sink, window, *,
@@ -40,7 +49,7 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
     N, P, _ = k_pages.shape
     S, Hkv, MP = page_table.shape
     G = Hq // Hkv
-    tp = max(1, min(MP, TILE_SLOTS // P))  # pages per tile
+    tp = max(1, min(MP, _tile_slots(T) // P))  # pages per tile
     n_tiles = -(-MP // tp)
     J = tp * P
     bq = max(1, min(T, Q_BLOCK))
@@ -64,19 +73,26 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
         pos_b = jax.lax.dynamic_slice_in_dim(q_pos, start, bq)
         mine = jax.lax.dynamic_slice_in_dim(q_seq, start, bq) == s  # [bq]
 
+        lo = jnp.min(jnp.where(mine, pos_b, jnp.iinfo(jnp.int32).max))  # the block's query positions
+        hi = jnp.max(jnp.where(mine, pos_b, -1))
+
         def tile(i, acc):
             raw = jax.lax.dynamic_slice_in_dim(table[s], i * tp, tp, axis=1)  # [Hkv, tp]
             pt = jnp.maximum(raw, 0)
             pos = slot_pos[pt].reshape(Hkv, J)
             valid = (i * J + j[None, :] < length[:, None]) & jnp.repeat(raw >= 0, P, axis=-1)
-            vis = visible_mask(pos[None], valid[None], pos_b, sink, window) & mine[:, None, None]
-            vis = vis.transpose(1, 0, 2)[:, None]  # [Hkv, 1, bq, J]
 
-            def product(acc):
+            def masked(acc):
+                vis = _visible(pos, valid, pos_b, sink, window) & mine[None, :, None]  # [Hkv, bq, J]
                 kk, vv, bias = _gather_tile(k_pages, v_pages, slot_bias, pt, valid)
-                return _online_product(acc, qb, kk, vv, vis, bias, scale)
+                return _online_product(acc, qb, kk, vv, vis[:, None], bias, scale)
 
-            return jax.lax.cond(jnp.any(vis), product, lambda acc: acc, acc)
+            def unmasked(acc):  # rows of other sequences get values too: the block drops them at the end
+                kk, vv, bias = _gather_tile(k_pages, v_pages, slot_bias, pt, valid)
+                return _online_product(acc, qb, kk, vv, None, bias, scale)
+
+            kind = _tile_kind(pos, valid, lo, hi, sink, window)
+            return jax.lax.switch(kind, [lambda acc: acc, masked, unmasked], acc)
 
         init = (jnp.full((Hkv, G, bq), -jnp.inf, jnp.float32), jnp.zeros((Hkv, G, bq), jnp.float32),
                 jnp.zeros((Hkv, G, bq, D), jnp.float32))
@@ -108,6 +124,26 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
 
 
 
+def _tile_kind(pos, valid, lo, hi, sink, window):
+    """0: no query of the block (positions lo..hi) sees a slot of the tile (pos, valid [Hkv, J]); 2: every
+    query sees every slot (no mask to apply: most tiles of a long prefill); 1: the rest, masked."""
+    w = window[:, None]
+    local = w > 0
+    none = ~valid | (pos < 0) | (pos > hi) | (local & (pos <= lo - w) & (pos >= sink[:, None]))
+    every = valid & (pos >= 0) & (pos <= lo) & (~local | (pos > hi - w) | (pos < sink[:, None]))
+    return jnp.where(jnp.all(none), 0, jnp.where(jnp.all(every), 2, 1))
+
+
+def _visible(pos, valid, q_pos, sink, window):
+    """`visible_mask` in the products' [Hkv, rows, J] layout (no transposed copy): pos, valid [Hkv, J];
+    q_pos [rows]."""
+    p = q_pos[None, :, None]
+    k = pos[:, None, :]
+    w = window[:, None, None]
+    in_window = (w == 0) | (k > p - w) | (k < sink[:, None, None])
+    return valid[:, None, :] & (k >= 0) & (k <= p) & in_window
+
+
 def _gather_tile(k_pages, v_pages, slot_bias, pt, valid):
     """K, V [Hkv, J, D] float32 of a tile's pages `pt` [Hkv, tp] and its slot bias [Hkv, J] (or None)."""
     hkv = pt.shape[0]
@@ -122,12 +158,13 @@ def _gather_tile(k_pages, v_pages, slot_bias, pt, valid):
 def _online_product(acc, qb, kk, vv, vis, bias, scale):
     """One tile of the online softmax: acc = (max, denominator [Hkv, G, rows], output [Hkv, G, rows, D])
     updated with queries qb [Hkv, G, rows, D] against keys kk / values vv [Hkv, J, D] where vis
-    [Hkv, 1, rows, J] (bias [Hkv, J] or None: added to the scaled logits)."""
+    [Hkv, 1, rows, J] (None: every slot seen; bias [Hkv, J] or None: added to the scaled logits)."""
     m, den, o = acc
     logits = jnp.einsum("hgtd,hjd->hgtj", qb, kk, precision=jax.lax.Precision.HIGHEST) * scale
     if bias is not None:
         logits = logits + bias[:, None, None, :]
-    logits = jnp.where(vis, logits, -jnp.inf)
+    if vis is not None:
+        logits = jnp.where(vis, logits, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     e = jnp.exp(logits - m_safe[..., None])  # exp(-inf) = 0 where masked: m_safe is finite

@@ -3,6 +3,7 @@ the jnp twin against a float64 oracle."""
 
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,6 +158,7 @@ def test_dense_path_over_many_tiles_matches_the_oracle(case, q_block, monkeypatc
     from pallas_kernels.paged_attention import dense
 
     monkeypatch.setattr(dense, "TILE_SLOTS", 4)
+    monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 4)  # steps of few rows cross as many tiles
     monkeypatch.setattr(dense, "Q_BLOCK", q_block)
     q_lens, ring, _, _, _ = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
@@ -179,6 +181,38 @@ def test_dense_path_over_many_tiles_matches_the_oracle(case, q_block, monkeypatc
     np.testing.assert_allclose(out, ref_out, atol=1e-4, rtol=2e-5)
 
 
+def test_dense_tile_kind_agrees_with_the_visibility_mask():
+    """The dense path's per-tile branch: 0 only where no query of the block sees a slot of the tile, 2 only
+    where every query sees every slot (the product then skips the mask), over random positions, lengths,
+    sinks and windows; all three kinds occur."""
+    from pallas_kernels.paged_attention import dense
+    from pallas_kernels.paged_attention.reference import visible_mask
+
+    rng = np.random.default_rng(7)
+    kind_of = jax.jit(dense._tile_kind)
+    seen = set()
+    for _ in range(300):
+        hkv, j = 2, 8
+        start = int(rng.integers(0, 40))
+        pos = start + np.arange(j)[None, :] + rng.integers(-3, 4, size=(hkv, 1))
+        empty = 0.1 if rng.random() < 0.2 else 0.0
+        pos = np.where(rng.random((hkv, j)) < empty, -1, pos).astype(np.int32)
+        valid = rng.random((hkv, j)) < (0.5 if rng.random() < 0.2 else 1.0)
+        lo = start + int(rng.integers(-4, 16))  # the block's queries around the tile's positions
+        q_pos = np.arange(max(lo, 0), max(lo, 0) + int(rng.integers(1, 12)), dtype=np.int32)
+        sink = rng.integers(0, 3, size=hkv).astype(np.int32)
+        window = np.where(rng.random(hkv) < 0.5, 0, rng.integers(1, 20, size=hkv)).astype(np.int32)
+        vis = np.asarray(visible_mask(jnp.asarray(pos)[None], jnp.asarray(valid)[None], jnp.asarray(q_pos),
+                                      jnp.asarray(sink), jnp.asarray(window)))
+        kind = int(kind_of(jnp.asarray(pos), jnp.asarray(valid), q_pos.min(), q_pos.max(), jnp.asarray(sink),
+                           jnp.asarray(window)))
+        seen.add(kind)
+        assert kind != 0 or not vis.any()
+        assert kind != 2 or vis.all()
+        assert kind != 1 or (vis.any() and not vis.all()) or not (window > 0).any()
+    assert seen == {0, 1, 2}
+
+
 def test_dense_path_with_sequences_interleaved_across_query_blocks(monkeypatch):
     """Queries of several sequences interleaved in one step (the contract does not ask a sequence's tokens
     to be contiguous), split into 3-query blocks: each block sets only its own sequence's rows per pass, so
@@ -186,6 +220,7 @@ def test_dense_path_with_sequences_interleaved_across_query_blocks(monkeypatch):
     from pallas_kernels.paged_attention import dense
 
     monkeypatch.setattr(dense, "TILE_SLOTS", 8)
+    monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 8)
     monkeypatch.setattr(dense, "Q_BLOCK", 3)
     c = random_paged_case(np.random.default_rng(21), q_lens=(6, 4, 5), page_size=4, max_pages=8)
     order = np.random.default_rng(22).permutation(len(c["q_seq"]))
