@@ -161,3 +161,32 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--precompile-reuse" in r.stderr and "unknown reuse method 'nope'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
+    """`--precompile --precompile-reuse naive`: the steps and naive's passes compile in one pool run (one
+    ready line counting both apart); /info reports each apart, and a reuse request then compiles nothing."""
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
+    s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16",
+                       "--num-pages", "64", "--max-num-seqs", "1", "--max-step-tokens", "8",
+                       "--head-classes", "global", "--precompile", "--precompile-reuse", "naive"],
+                      env={"JAX_LOG_COMPILES": "1"})
+    try:
+        startup = "".join(s.log)
+        m = re.search(r"jaxkv: precompiled (\d+) step variants and 2 reuse passes in \d+\.\d+s", startup)
+        assert m, startup
+        assert "naive reuse passes" not in startup  # no second, per-method run
+        info = httpx.get(s.base + "/info").json()
+        assert info["precompiled_reuse_passes"] == {"naive": 2}
+        assert info["precompiled_variants"] == int(m.group(1))
+        seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
+        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+        seen, xla_before = len(s.log), s.metric("jaxkv_xla_compilations_total")
+        r = c.completions.create(model=s.name, prompt=PROMPT[16:19], max_tokens=1, temperature=0,
+                                 extra_body={"reuse": {"segments": [seg], "method": "naive", "prefix": []}})
+        assert r.usage.completion_tokens == 1
+        traced = [line for line in s.log[seen:] if _TRACED_REUSE.search(line)]
+        assert traced == [], f"a reuse pass compiled while serving: {traced}"
+        assert s.metric("jaxkv_xla_compilations_total") == xla_before
+    finally:
+        s.stop()

@@ -318,7 +318,7 @@ class Engine:
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def precompile(self, progress: bool = True, workers: int | None = None, logprobs: bool = False,
-                   presses=None, step_cache=None, background: bool = False, retrieval=()) -> int:
+                   presses=None, step_cache=None, background: bool = False, retrieval=(), reuse=()) -> int:
         """Compiles every step variant this engine can hit (progress bar + one log line); returns how many.
         Call before serving so no request waits on a compile (docs/engine.md). `workers`: compile threads.
         `logprobs`: also the variants of requests that ask for logprobs (about twice as many). `presses`:
@@ -328,8 +328,15 @@ class Engine:
         `background`: programs found there load on a background thread after this returns (`program_loader`);
         a step that needs one before loads it itself (a load, never a compile). `retrieval`: retrieval
         policies (or names) that requests may ask for, whose variants compile too (the engine-wide one does
-        anyway)."""
+        anyway). `reuse`: segment-reuse methods (or names) whose passes compile in the same pool run
+        (`precompile_reuse`), so the pool never drains between the steps and the passes."""
         from jaxkv.engine.warmup import precompile
+        from jaxkv.policies.reuse import resolve_reuse
+
+        reuse = list(dict.fromkeys(resolve_reuse(m) for m in reuse))  # every name checked first
+        if reuse and self.tables.local.any():
+            raise ValueError("segment reuse needs an engine whose heads all keep full history "
+                             "(head_classes='all_global', server: --head-classes global)")
 
         wanted = [self.kv_policy] if _retrieves(self.kv_policy) else []
         wanted += [_resolve_policy(p, None, self.model) for p in retrieval]
@@ -337,10 +344,13 @@ class Engine:
         # Under tensor parallelism the retrieval programs compile serially, each run once on its padding
         # inputs (the sharded programs are not lowered ahead of time); elsewhere on the warm-up pool.
         serial = wanted if self.runner.mesh is not None else []
+        tp = self.runner.mesh is not None
         n = precompile(self, progress, workers, logprobs, presses, step_cache, background,
-                       retrieval=[] if serial else wanted)
+                       retrieval=[] if serial else wanted, reuse=[] if tp else reuse)
         for policy in serial:
             n += self.retriever.precompile(policy, progress)
+        if tp and reuse:
+            n += self.reuser.precompile(reuse, progress)
         return n
 
     def precompile_reuse(self, reuse="redknot", progress: bool = True) -> int:

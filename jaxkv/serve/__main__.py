@@ -322,17 +322,22 @@ def main(argv=None) -> int:
     if args.precompile or (args.precompile is None and (backend != "cpu" or args.precompile_retrieval)):
         try:
             n, took = precompile(engine, logprobs=args.precompile_logprobs,
-                                 retrieval=args.precompile_retrieval)
+                                 retrieval=args.precompile_retrieval, reuse=reuse_names)
         except (MemoryError, ValueError, KeyError) as e:  # a variant that cannot fit beside the pool
             # (jaxkv.engine.warmup); a --precompile-retrieval name that is no retrieval method
             print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
             return 2
+        # the reuse passes compiled in the same pool run: counted per method, apart from the step variants
+        reuse_passes = {name: len(engine.reuser.calls(resolve_reuse(name))) for name in reuse_names}
+        n -= sum(reuse_passes.values())
         state.info["precompiled_variants"] = n
         phases["precompile"] = took
-        print(f"jaxkv: precompiled {n} step variants in {took:.1f}s", flush=True)
+        passes = f" and {sum(reuse_passes.values())} reuse passes" if reuse_passes else ""
+        print(f"jaxkv: precompiled {n} step variants{passes} in {took:.1f}s", flush=True)
+        reuse_names = []
     else:
         state.info["precompiled_variants"] = 0
-    reuse_passes = {}
+        reuse_passes = {}
     for name in reuse_names:
         t0 = time.perf_counter()
         try:

@@ -134,15 +134,17 @@ def warm_up(engine, prompt_len: int = 8) -> None:
     engine.abort(rid)
 
 
-def precompile(engine, progress: bool = True, logprobs: bool = False, retrieval=()) -> tuple[int, float]:
+def precompile(engine, progress: bool = True, logprobs: bool = False, retrieval=(),
+               reuse=()) -> tuple[int, float]:
     """`Engine.precompile()`: every step variant compiled (or found in the step cache) before the server
     accepts requests, so no request waits on a compile (`logprobs`: the logprob variants too; `retrieval`:
-    names of the retrieval methods requests may ask for, whose variants compile too). Programs
+    names of the retrieval methods requests may ask for, whose variants compile too; `reuse`: names of the
+    segment-reuse methods whose passes compile in the same pool run). Programs
     found in the step cache load in the background while the server serves (a request that needs one first
     waits for its load, never a compile). Returns (variants, seconds)."""
     t0 = time.perf_counter()
     n = engine.precompile(progress=progress, logprobs=logprobs, background=True,
-                          retrieval=[retrieval_policy(spec) for spec in retrieval])
+                          retrieval=[retrieval_policy(spec) for spec in retrieval], reuse=reuse)
     loader = engine.program_loader
     if loader is not None:
         print(f"jaxkv: {engine.step_cache_hits} programs from the step cache load in the background",
