@@ -124,6 +124,23 @@ def test_precompile_retrieval_refuses_a_compression_press(tmp_path):
 _TRACED_REUSE = re.compile(r"Finished tracing reuse_prefill ")
 
 
+def _reuse_requests_compile_nothing(s, methods, questions):
+    """Registers PROMPT[:16] as a segment, asks one token of every (method, question) reusing it, and checks
+    that no reuse pass was traced and nothing compiled while serving."""
+    seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
+    c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+    seen, xla_before = len(s.log), s.metric("jaxkv_xla_compilations_total")
+    for method in methods:
+        for question in questions:
+            reuse = {"segments": [seg], "method": method, "prefix": []}
+            r = c.completions.create(model=s.name, prompt=question, max_tokens=1, temperature=0,
+                                     extra_body={"reuse": reuse})
+            assert r.usage.completion_tokens == 1
+    traced = [line for line in s.log[seen:] if _TRACED_REUSE.search(line)]
+    assert traced == [], f"a reuse pass compiled while serving: {traced}"
+    assert s.metric("jaxkv_xla_compilations_total") == xla_before
+
+
 def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
     """`--precompile-reuse naive,sparsex`: both methods' passes (a 64-token context: one token bucket x the
     64- and 128-row buckets each) compile before the ready line; reuse requests of either, with short and
@@ -142,18 +159,8 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
         assert re.search(r"jaxkv: precompiled 2 sparsex reuse passes", startup), startup
         assert _TRACED_REUSE.search(startup)   # the compile log is on: precompile traced the passes
         assert httpx.get(s.base + "/info").json()["precompiled_reuse_passes"] == {"naive": 2, "sparsex": 2}
-        seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
-        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
-        seen, xla_before = len(s.log), s.metric("jaxkv_xla_compilations_total")
-        for method in ("naive", "sparsex"):
-            for question in (PROMPT[16:19], PROMPT[16:46]):   # 4 and ~32 rows: both in the 64-row floor
-                r = c.completions.create(model=s.name, prompt=question, max_tokens=1, temperature=0,
-                                         extra_body={"reuse": {"segments": [seg], "method": method,
-                                                               "prefix": []}})
-                assert r.usage.completion_tokens == 1
-        traced = [line for line in s.log[seen:] if _TRACED_REUSE.search(line)]
-        assert traced == [], f"a reuse pass compiled while serving: {traced}"
-        assert s.metric("jaxkv_xla_compilations_total") == xla_before
+        # 4 and ~32 rows: both in the 64-row floor
+        _reuse_requests_compile_nothing(s, ("naive", "sparsex"), (PROMPT[16:19], PROMPT[16:46]))
     finally:
         s.stop()
     r = subprocess.run([sys.executable, "-m", "jaxkv.serve", "--port", "0", *base,
@@ -179,14 +186,6 @@ def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
         info = httpx.get(s.base + "/info").json()
         assert info["precompiled_reuse_passes"] == {"naive": 2}
         assert info["precompiled_variants"] == int(m.group(1))
-        seg = httpx.post(s.url + "/segments", json={"tokens": PROMPT[:16]}, timeout=120).json()["id"]
-        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
-        seen, xla_before = len(s.log), s.metric("jaxkv_xla_compilations_total")
-        r = c.completions.create(model=s.name, prompt=PROMPT[16:19], max_tokens=1, temperature=0,
-                                 extra_body={"reuse": {"segments": [seg], "method": "naive", "prefix": []}})
-        assert r.usage.completion_tokens == 1
-        traced = [line for line in s.log[seen:] if _TRACED_REUSE.search(line)]
-        assert traced == [], f"a reuse pass compiled while serving: {traced}"
-        assert s.metric("jaxkv_xla_compilations_total") == xla_before
+        _reuse_requests_compile_nothing(s, ("naive",), (PROMPT[16:19],))
     finally:
         s.stop()
