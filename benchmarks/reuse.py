@@ -441,14 +441,20 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     eng = make_engine(model, w, args.max_step_tokens, log, store=store)
     if args.pinned_host:
         eng.reuser.tiers.memory_kinds = True
+    from jaxkv.engine import segment_tiers
+
     if args.layer_groups is not None:
         eng.reuser.layer_groups = args.layer_groups
+    eng.reuser.promote_ahead = args.promote_ahead
+    if args.host_block_layers is not None:
+        segment_tiers.HOST_BLOCK_LAYERS = args.host_block_layers
     t0 = time.perf_counter()
     prompt = register_segments(eng, w, np.random.default_rng(args.seed), log, frozen=tiers == ["device"],
                                prefill=not args.unprefilled_segments)
     result = {"shape": shape, "model": str(path), "dtype": dtype, "workload": dataclasses.asdict(w),
               "prompt_tokens": w.prompt_tokens, "layers": cfg.num_layers, "tiers": tiers,
-              "layer_groups": eng.reuser.layer_groups,
+              "layer_groups": eng.reuser.layer_groups, "promote_ahead": eng.reuser.promote_ahead,
+              "host_block_layers": segment_tiers.HOST_BLOCK_LAYERS,
               "register_s": time.perf_counter() - t0,
               "reuse_heads": describe_heads(eng.reuser.heads, shape), "rows": []}
     last_cost = 0.0
@@ -583,6 +589,13 @@ def parse_args(argv):
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")
+    ap.add_argument("--promote-ahead", type=int, default=None,
+                    help="with --layer-groups: transfers of this many groups go out before the first "
+                         "program, each later group's just before the program that many groups ahead of "
+                         "it (default: every group's transfer before the first program)")
+    ap.add_argument("--host-block-layers", type=int, default=None,
+                    help="layers per pinned host array of a host copy (default: the engine's, "
+                         "jaxkv.engine.segment_tiers.HOST_BLOCK_LAYERS)")
     ap.add_argument("--pinned-host", action="store_true",
                     help="host copies of segments as pinned host arrays (JAX's pinned_host memory kind) also "
                          "on the CPU: the host-side path a GPU's promotion takes")
@@ -602,6 +615,10 @@ def parse_args(argv):
         ap.error("--repeats must be >= 1")
     if args.layer_groups is not None and args.layer_groups < 1:
         ap.error("--layer-groups must be >= 1")
+    if args.host_block_layers is not None and args.host_block_layers < 1:
+        ap.error("--host-block-layers must be >= 1")
+    if args.promote_ahead is not None and args.promote_ahead < 1:
+        ap.error("--promote-ahead must be >= 1")
     args.tier_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if args.unprefilled_segments and ("store" in args.tier_list or args.restart):
         ap.error("--unprefilled-segments: unprefilled segments are not written to a store (no store tier, "

@@ -165,6 +165,36 @@ def _seconds(compilations) -> dict:
             "slowest_s": {k: round(v, 1) for k, v in top}}
 
 
+def speed(engine, vocab: int, max_model_len: int) -> dict:
+    """Time to first token of one prompt of max_model_len / 4 tokens (median of 3 after one untimed) and the
+    wall time of 32 greedy streams of 1,000 prompt tokens + 256 decoded, all on the precompiled programs."""
+    import statistics
+
+    from jaxkv.sampling import SamplingParams
+
+    rng = np.random.default_rng(1)
+    n = max_model_len // 4
+    ttft = []
+    for _ in range(4):
+        ids = rng.integers(3, vocab, n).tolist()
+        t0 = time.perf_counter()
+        rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            if any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+                ttft.append(time.perf_counter() - t0)
+    streams, prompt = [], min(1000, max_model_len // 2)
+    for _ in range(2):
+        for _ in range(32):
+            engine.add_request(rng.integers(3, vocab, prompt).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=min(256, max_model_len // 4),
+                                              ignore_eos=True))
+        t0 = time.perf_counter()
+        _run(engine)
+        streams.append(time.perf_counter() - t0)
+    return {"ttft_prompt_tokens": n, "ttft_s": round(statistics.median(ttft[1:]), 4),
+            "streams_32x1000x256_s": round(streams[-1], 3)}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
@@ -184,6 +214,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "passes and 76 for each of the others, 345 in all); '' = none (default: redknot)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
+    ap.add_argument("--autotune-max-rows", type=int, default=None, metavar="ROWS",
+                    help="XLA GEMM autotuning only for precompiled programs of at most ROWS rows "
+                         "(EngineConfig.autotune_max_rows; default: every program)")
+    ap.add_argument("--speed", action="store_true",
+                    help="after startup: time to first token of a max-model-len/4 prompt (median of 3) and "
+                         "the wall time of 32 streams of 1,000 prompt tokens + 256 decoded, on the "
+                         "precompiled programs (what --autotune-max-rows costs in speed)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -214,7 +251,7 @@ def main(argv=None) -> None:
     def make_engine():
         return Engine(model, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                       max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows)
 
     if args.first_request:
         from jaxkv.sampling import SamplingParams
@@ -258,6 +295,8 @@ def main(argv=None) -> None:
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
+    if args.speed:
+        row.update(speed(engine, model.config.vocab_size, args.max_model_len))
     if not args.no_mix:
         t0 = time.perf_counter()
         mix = request_mix(engine, model.config.vocab_size, retrieval=retrieval, compilations=compilations)

@@ -73,3 +73,40 @@ def test_server_autotunes_unless_told_not_to():
     assert xla_flags("--xla_dump_to=/tmp/d", autotune=False) == f"--xla_dump_to=/tmp/d {NO_AUTOTUNE}"
     assert xla_flags("--xla_gpu_autotune_level=4", autotune=False) == "--xla_gpu_autotune_level=4"
     assert xla_flags("--xla_dump_to=/tmp/d", autotune=True) == "--xla_dump_to=/tmp/d"
+
+
+def test_autotuning_only_for_programs_of_few_rows(tmp_path, monkeypatch):
+    """`autotune_max_rows`: on a GPU a precompiled program above the limit (a step's tokens, a decode's
+    sequences, a reuse pass's rows) compiles with autotuning off, the others with XLA's own flags; the step
+    cache keys the two apart. The server's --autotune-max-rows sets it."""
+    import jax
+    import numpy as np
+
+    from jaxkv.engine import warmup
+    from jaxkv.engine.config import EngineConfig
+    from jaxkv.engine.step_cache import StepCache
+    from jaxkv.serve.__main__ import parse_args
+
+    class Eng:
+        config = EngineConfig(autotune_max_rows=256)
+
+    eng = Eng()
+    step, decode = ("step", 8, 512, 64, True, False, 0, False), ("decode", 512, 0, 64, True, False, 0, False)
+    small, reuse = ("step", 4, 128, 64, True, False, 0, False), ("reuse naive", 1024, 4096, 256)
+    assert [warmup.program_rows(v) for v in (step, decode, small, reuse)] == [512, 512, 128, 1024]
+    assert warmup.program_rows(("compress", 8, 0, 64, "snapkv")) is None
+    assert warmup.compile_options(eng, step) is None  # the CPU: nothing to autotune
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    off = {"xla_gpu_autotune_level": 0}
+    assert [warmup.compile_options(eng, v) for v in (step, decode, small, reuse)] == [off, off, None, off]
+    assert warmup.compile_options(eng, ("compress", 8, 0, 64, "snapkv")) is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")  # off everywhere already
+    assert warmup.compile_options(eng, step) is None
+    eng.config = EngineConfig()
+    monkeypatch.delenv("XLA_FLAGS")
+    assert warmup.compile_options(eng, step) is None  # no limit: XLA's flags for every program
+    cache = StepCache(tmp_path, "fp")
+    args = (None, None, np.zeros(3, np.int32))
+    assert cache.key(len, args, {}) != cache.key(len, args, {}, off) == cache.key(len, args, {}, off)
+    assert parse_args(["--autotune-max-rows", "256"]).autotune_max_rows == 256
+    assert parse_args([]).autotune_max_rows is None

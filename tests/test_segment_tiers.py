@@ -474,6 +474,47 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("block", [1, 2, 4])
+def test_pinned_blocks_moved_ahead_of_each_group_give_the_single_programs_tokens_and_pool(model5, monkeypatch,
+                                                                                           block):
+    """Host copies in pinned blocks of `block` layers (blocks of 2 and 4 straddle one-layer groups: each moves
+    once, with its first group), each group's transfer dispatched one program ahead: tokens and every pool
+    page equal the single program's with every transfer first."""
+    from jaxkv.engine import segment_tiers
+
+    monkeypatch.setattr(segment_tiers, "HOST_BLOCK_LAYERS", block)
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
+    L = model5.config.num_layers
+    got = []
+    for groups, ahead in ((1, None), (5, 1)):
+        eng = engine(model5, 600)
+        eng.reuser.layer_groups, eng.reuser.promote_ahead = groups, ahead
+        eng.reuser.tiers.memory_kinds = True
+        ids = [eng.register_segment(d) for d in docs]
+        eng.reuser.tiers.evict(eng.allocator.num_pages)
+        copy = eng.reuser.tiers._host[ids[0]]
+        assert len(copy.k) == -(-L // block) and copy.k[0].shape[0] == block * model5.config.num_kv_heads
+        poison_free_pages(eng)
+        puts, put = [], jax.device_put
+
+        def spy(x, *a, put=put, puts=puts, **kw):
+            puts.append(x)
+            return put(x, *a, **kw)
+
+        monkeypatch.setattr(jax, "device_put", spy)
+        tokens = ask(eng, ids)
+        monkeypatch.setattr(jax, "device_put", put)
+        pinned = [y for x in puts for y in jax.tree_util.tree_leaves(x)
+                  if isinstance(y, jax.Array) and y.sharding.memory_kind == "pinned_host"]
+        assert len(pinned) == len({id(y) for y in pinned}) == 2 * 3 * len(copy.k)  # each block moved once
+        assert list(eng.reuser.stats.values())[-1].layer_groups == groups
+        pool = eng.runner.pool
+        got.append((tokens, np.asarray(pool.k), np.asarray(pool.v), np.asarray(pool.pos)))
+    for a, b in zip(got[0], got[1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_layer_groups_cover_every_layer_and_the_first_holds_the_selection_layer():
     from jaxkv.policies.reuse.apply import layer_groups
 

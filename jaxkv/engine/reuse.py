@@ -186,6 +186,9 @@ class Reuser:
                                          bucket=lambda n: row_bucket(n, floor=128))
         # layer-group programs of a pass whose segments are promoted for it (1: always one program)
         self.layer_groups = LAYER_GROUPS
+        # groups whose transfers go out before the first program (None: every group's); each later group's
+        # goes out just before the program `promote_ahead` groups ahead of it
+        self.promote_ahead: int | None = None
         # Passes compiled ahead of time on the warm-up pool (`precompile`), looked up by every pass.
         self.compiled = Programs("reuser", owned=("cfg", "impl", "head_windows", "mesh"))
 
@@ -617,10 +620,13 @@ class Reuser:
         common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
         # middle groups of one size share a compiled program: their layer offset is data
         by_offset = offset_group_ok(static["policy"], params, b)
-        promotion.send()
+        ahead = self.promote_ahead
+        promotion.send(ahead)
         carry = None
         for g, (l0, l1) in enumerate(groups):
             promotion.write(g)
+            if ahead is not None:  # the next group's transfer, dispatched before this group's program
+                promotion.send(g + 1 + ahead)
             if g == 0:
                 self._pass_at = time.perf_counter()
             bg = {**common, **per_group[g]}

@@ -67,10 +67,9 @@ DEFAULT_HOST_BYTES = SegmentConfig.host_bytes  # host memory for demoted segment
 @dataclasses.dataclass
 class HostCopy:
     """Every (layer, KV head) of one segment in host memory: k, v [L * H, slots, D] (numpy) or a list of
-    L pinned host arrays [H, slots, D] (one per layer: a transfer of a few MB reaches the link's speed, one
-    of a head's ~1 MB half of it; H100: 23 GB/s for 1 MB arrays, 48-53 GB/s from 8 MB); pos [L * H, slots]
-    int32 (numpy), or L pinned [H, slots] arrays beside pinned K/V (a transfer of pageable numpy is
-    synchronous: it would hold the host until the device has taken it)."""
+    pinned host arrays [B * H, slots, D], one per block of B = `HOST_BLOCK_LAYERS` layers (the last block
+    may hold fewer); pos [L * H, slots] int32 (numpy), or pinned [B * H, slots] blocks beside pinned K/V (a
+    transfer of pageable numpy is synchronous: it would hold the host until the device has taken it)."""
 
     k: object
     v: object
@@ -320,8 +319,8 @@ class SegmentTiers:
         if self.memory_kinds:
             from jaxkv.cache.memory_kinds import host_sharding
 
-            k, v, pos = (jax.device_put(list(x.reshape(L, H, npg * ps, *x.shape[2:])), host_sharding())
-                         for x in (k, v, pos))
+            rows = [slice(a * H, b * H) for a, b in host_blocks(L)]
+            k, v, pos = (jax.device_put([x[r] for r in rows], host_sharding()) for x in (k, v, pos))
         else:
             k, v, pos = np.asarray(k), np.asarray(v), np.asarray(pos)
         return HostCopy(k, v, pos, L * H * npg * ps * self.slot_bytes)
@@ -373,8 +372,10 @@ class SegmentTiers:
                 except Exception:
                     self.engine.allocator.decref(ids)
                     raise
-                pinned = isinstance(k, list)  # pinned host copies move whole layers
-                moved = int(missing.any(axis=1).sum()) * self.H if pinned else int(missing.sum())
+                if isinstance(k, list):  # pinned host copies move whole blocks of layers
+                    moved = sum(b - a for a, b in host_blocks(self.L) if missing[a:b].any()) * self.H
+                else:
+                    moved = int(missing.sum())
                 counted = (moved * self.head_bytes(e), int(absent.sum()) * self.head_bytes(e))
                 moves.append(_Move(missing, ids, k, v, pos, e, read, counted))
                 e.pages[missing] = ids
@@ -471,13 +472,18 @@ class SegmentTiers:
         if c is None:
             seg = self.persist.disk.get(e.segment_id)
             return seg.k, seg.v, seg.pos
-        k, v, pos = (np.stack([np.asarray(a) for a in x]) if isinstance(x, list) else x
+        k, v, pos = (np.concatenate([np.asarray(a) for a in x]) if isinstance(x, list) else x
                      for x in (c.k, c.v, c.pos))
         return k.reshape(L, H, slots, -1), v.reshape(L, H, slots, -1), pos.reshape(L, H, slots)
 
 
 
 STORE_PIECE_LAYERS = 4  # layers of a store read moved per transfer, as soon as they are read and checked
+# Layers per pinned host array of a host copy. Every array is one transfer, and the host pays a fixed cost to
+# issue each (a promotion of 8 segments at the 8B shape issued ~700 per-layer arrays in ~130 ms, longer than
+# the ~82 ms the link needed); per head (~1 MB) the link itself reached half its speed (H100: 23 GB/s for
+# 1 MB arrays, 48-53 GB/s from 8 MB). A promotion moves whole blocks holding a head it needs.
+HOST_BLOCK_LAYERS = 4
 
 
 def unreadable(e: SegmentEntry, err: Exception) -> SegmentError:
@@ -535,6 +541,7 @@ class Promotion:
         self._meta: list[list] = []  # per group: (rows, page ids) on the device, per segment
         self._parts: list[list] = []  # per group sent: (k, v, pos) on the device per segment (None: failed)
         self._written: set[int] = set()
+        self._moved: dict[int, jax.Array] = {}  # id of a pinned host block -> its copy on the device
         self.error: SegmentError | None = None  # the first store read that failed its checks
 
     def check(self) -> None:
@@ -578,14 +585,18 @@ class Promotion:
         for plan in self._plans[len(self._parts):upto]:
             ready = [p for p in plan if not p.pieces and not p.move.failed]
             flat = [x for p in ready for x in (*p.k, *p.v, *p.pos)]
-            moved = [None] * len(flat)
-            pinned = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
+            # a pinned block holding layers of two groups moves once, with the first
+            pinned = list({id(x): x for x in flat if isinstance(x, jax.Array) and id(x) not in self._moved}
+                          .values())
             pageable = [i for i, x in enumerate(flat) if not isinstance(x, jax.Array)]
             # pinned host arrays to the device's memory; numpy uncommitted, as a sharded pool's writes take it
-            for where, sharding in ((pinned, device_sharding()), (pageable, None)):
-                if where:
-                    for i, y in zip(where, jax.device_put([flat[i] for i in where], sharding)):
-                        moved[i] = y
+            if pinned:
+                for x, y in zip(pinned, jax.device_put(pinned, device_sharding())):
+                    self._moved[id(x)] = y
+            moved = [self._moved.get(id(x)) for x in flat]
+            if pageable:
+                for i, y in zip(pageable, jax.device_put([flat[i] for i in pageable])):
+                    moved[i] = y
             moved = iter(moved)
             sent = {id(p): tuple(tuple(next(moved) for _ in x) for x in (p.k, p.v, p.pos)) for p in ready}
             for p in plan:
@@ -656,13 +667,18 @@ def _part(mv: _Move, l0: int, l1: int, H: int) -> _Part | None:
         return None
     flat = flat[mine]
     ids = np.ascontiguousarray(mv.ids[mine].reshape(-1), np.int32)
-    if isinstance(mv.k, list):  # pinned, per layer: the layers holding a missing head move whole
-        layers = np.unique(flat // H)
-        rows = np.nonzero(mv.missing[layers].reshape(-1))[0]
-        rows = None if len(rows) == len(layers) * H else rows.astype(np.int32)
-        pos = ([mv.pos[i] for i in layers] if isinstance(mv.pos, list)
-               else [np.asarray(mv.pos[i * H:(i + 1) * H], np.int32) for i in layers])
-        return _Part(mv, [mv.k[i] for i in layers], [mv.v[i] for i in layers], pos, rows, ids)
+    if isinstance(mv.k, list):  # pinned, per block of layers: the blocks holding a missing head move whole
+        L = len(mv.missing)
+        B = mv.k[0].shape[0] // H
+        blocks = np.unique(flat // (B * H))
+        starts = np.cumsum([0] + [(min((b + 1) * B, L) - b * B) * H for b in blocks[:-1]])
+        base = dict(zip(blocks.tolist(), (starts - blocks * B * H).tolist()))
+        rows = flat + np.array([base[b] for b in (flat // (B * H)).tolist()], np.int64)
+        total = int(starts[-1]) + (min((int(blocks[-1]) + 1) * B, L) - int(blocks[-1]) * B) * H
+        rows = None if len(rows) == total else rows.astype(np.int32)
+        pos = ([mv.pos[b] for b in blocks] if isinstance(mv.pos, list)
+               else [np.asarray(mv.pos[b * B * H:min((b + 1) * B, L) * H], np.int32) for b in blocks])
+        return _Part(mv, [mv.k[b] for b in blocks], [mv.v[b] for b in blocks], pos, rows, ids)
     if mv.read is not None:  # a store read: pieces of layers, each taken once read
         pieces = []
         for a in range(l0, l1, STORE_PIECE_LAYERS):
@@ -673,6 +689,12 @@ def _part(mv: _Move, l0: int, l1: int, H: int) -> _Part | None:
         return _Part(mv, [], [], [], None, ids, pieces)
     take = _rows(flat)
     return _Part(mv, [mv.k[take]], [mv.v[take]], [np.asarray(mv.pos[take], np.int32)], None, ids)
+
+
+def host_blocks(num_layers: int) -> list[tuple[int, int]]:
+    """The layer ranges [a, b) of a pinned host copy's arrays (`HOST_BLOCK_LAYERS` layers each)."""
+    B = max(1, HOST_BLOCK_LAYERS)
+    return [(a, min(a + B, num_layers)) for a in range(0, num_layers, B)]
 
 
 def _rows(flat: np.ndarray):

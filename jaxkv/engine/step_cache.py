@@ -104,14 +104,18 @@ class StepCache:
                        repr(sorted(runner._kw(True).items(), key=lambda kv: kv[0]))])
         return cls(directory, fp)
 
-    def key(self, fn, args, static) -> str:
+    def key(self, fn, args, static, options: dict | None = None) -> str:
         """A program's key: the function, its static arguments and its per-call arguments' layout (the
-        parameters and the pool, args[0:2], are in the fingerprint). Two jitted forms of one function (other
-        compiler options) tell themselves apart by a `step_cache_name` attribute."""
+        parameters and the pool, args[0:2], are in the fingerprint), and the compiler `options` it was
+        compiled with. Two jitted forms of one function (other compiler options) tell themselves apart by a
+        `step_cache_name` attribute."""
         name = getattr(fn, "step_cache_name", None) or (
             f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', fn))}")
-        text = "|".join([self.fingerprint, name, repr(sorted(static.items(), key=lambda kv: kv[0])),
-                         describe(args[2:])])
+        parts = [self.fingerprint, name, repr(sorted(static.items(), key=lambda kv: kv[0])),
+                 describe(args[2:])]
+        if options:
+            parts.append(repr(sorted(options.items())))
+        text = "|".join(parts)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def load(self, key: str):

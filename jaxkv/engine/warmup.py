@@ -157,7 +157,7 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
             if stop_near_map_cap(len(calls), len(jobs)):
                 break
             signature, fn, args, static = call()
-            key = cache.key(fn, args, static) if cache is not None else None
+            key = cache.key(fn, args, static, compile_options(engine, variant)) if cache is not None else None
             calls.append((variant, programs, signature, fn, args, static, key))
         done = len(calls)
         # programs kept by an earlier start load here (or later, `background`), one at a time (loads on
@@ -182,7 +182,7 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
                 bar.update()
                 continue
             lowered = fn.lower(*args, **static)
-            fut = pool.submit(lowered.compile)
+            fut = pool.submit(lowered.compile, compile_options(engine, variant))
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
             futures.append((variant, programs, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {len(futures)}", refresh=False)
@@ -192,7 +192,7 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
             except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
                 log.warning("jaxkv: compiling step variant %s failed on a compile thread (%s); compiling it "
                             "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
-                compiled = lowered.compile()
+                compiled = lowered.compile(compile_options(engine, variant))
             programs.install(signature, compiled)
             built.append((key, compiled))
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
@@ -222,6 +222,31 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
         log.info("jaxkv: %d kept programs load in the background", pending)
     hits = 0 if cache is None else cache.hits + sum(k is True for k in kept)
     return done, hits, largest, time.perf_counter() - t0, workers, cache is not None
+
+
+def program_rows(variant: tuple) -> int | None:
+    """The rows a program's GEMMs see: a step's tokens, a decode's sequences, a reuse pass's rows (None:
+    programs without large GEMMs, the compression and retrieval programs)."""
+    kind = variant[0]
+    if kind == "step":
+        return int(variant[2])
+    if kind == "decode" or kind.startswith("reuse"):
+        return int(variant[1])
+    return None
+
+
+def compile_options(engine, variant: tuple) -> dict | None:
+    """XLA options of one precompiled program: GEMM autotuning off above the engine's `autotune_max_rows`
+    (only on a GPU; an autotune level in XLA_FLAGS that turns it off anyway leaves nothing to do)."""
+    import jax
+
+    limit = getattr(getattr(engine, "config", None), "autotune_max_rows", None)
+    rows = program_rows(variant)
+    if limit is None or rows is None or rows <= limit or jax.default_backend() != "gpu":
+        return None
+    if "xla_gpu_autotune_level=0" in os.environ.get("XLA_FLAGS", "").replace(" ", ""):
+        return None
+    return {"xla_gpu_autotune_level": 0}
 
 
 def scratch_bytes(compiled) -> int:
