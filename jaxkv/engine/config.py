@@ -49,7 +49,11 @@ class SegmentConfig:
     host_bytes: host memory for segments moved off the device when the pool runs short
     (jaxkv/engine/segment_tiers.py). head_classes: RedKnot's global / local heads for reuse (a HeadClassMap
     or a head_classes.json path, e.g. from tools.profile_heads); None: the file beside the model, else the
-    engine's own classes.
+    engine's own classes. max_segments: a reuse request of up to this many segments fits whenever its
+    tokens fit max_model_len: each reused segment starts on a page boundary (up to page_size - 1 empty slots
+    before it) and the completion on a fresh page, so the engine's pages per head get `max_segments + 1`
+    pages of slack beyond the context's (`Engine.max_pages_per_head`); positions stay within max_model_len.
+    0 (the default): no slack, no cost for engines that never reuse; the holes then take context.
     """
 
     anchor: Any = "bos"
@@ -59,6 +63,12 @@ class SegmentConfig:
     host_bytes: int = 4 << 30
     # the reuse methods' head-class map (HeadClassMap | path); None: the file beside the model
     head_classes: Any = None
+    max_segments: int = 0
+
+    def __post_init__(self):
+        m = self.max_segments
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"Engine: segment_max_segments must be a non-negative integer (got {m!r})")
 
 
 LAYER_LOOPS = ("unrolled", "shared", "scan")  # jaxkv/models/llama.py, "Three layouts of layers"

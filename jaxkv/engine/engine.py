@@ -44,9 +44,9 @@ from jaxkv.sampling import MAX_LOGPROBS, SamplingParams
 OFFLOAD_HEADROOM_DIV = 64
 FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_class_prefill
 # Page-table widths come in a few classes: the narrowest holds PAGE_CLASS_MIN pages, each next one
-# PAGE_CLASS_FACTOR times more, the widest every page of max_model_len (32K tokens at page 16: 32, 256 and
-# 2048 pages). A wider table costs the kernels only empty split programs (each unit's split size follows its
-# own length); each class is a set of step variants.
+# PAGE_CLASS_FACTOR times more, the widest every page of max_model_len and the reuse slack (32K tokens at
+# page 16: 32, 256 and 2048 pages). A wider table costs the kernels only empty split programs (each unit's
+# split size follows its own length); each class is a set of step variants.
 PAGE_CLASS_MIN = 32
 PAGE_CLASS_FACTOR = 8
 
@@ -137,7 +137,11 @@ class Engine:
             self.head_classes, tp = setup_engine(model, self.head_classes)
         sink, window = self.head_classes.sink_window_arrays(cfg.layer_windows)
         self._kinds = self.head_classes.kinds()
-        self.max_pages_per_head = math.ceil(self.max_model_len / page_size)
+        # Pages per head: the token context's, plus slack for the page-alignment holes of reuse layouts
+        # (SegmentConfig.max_segments); positions stay within max_model_len.
+        self.context_pages = math.ceil(self.max_model_len / page_size)
+        self.slack_pages = c.segments.max_segments + 1 if c.segments.max_segments else 0
+        self.max_pages_per_head = self.context_pages + self.slack_pages
         self.kv_policy = _resolve_policy(kv_policy, kv_budget, model)
         # `kv_merge`: the pool holds a logit bias per slot, which compression policies with merge=True need
         # (docs/policies.md, "LSE-preserving merge"); default: on iff the engine-wide policy merges.
@@ -206,9 +210,9 @@ class Engine:
         # ragged step's row count follows its token bucket (a step of T tokens has at most T rows), so its
         # shapes depend on tokens and page-table width only (a few width classes, PAGE_CLASS_MIN).
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
-        self._page_buckets = powers_of_two(self.max_pages_per_head,
-                                           start=min(PAGE_CLASS_MIN, self.max_pages_per_head),
-                                           factor=PAGE_CLASS_FACTOR)
+        # The slack widens the widest class instead of adding one: no step variants for it.
+        self._page_buckets = powers_of_two(self.context_pages, start=min(PAGE_CLASS_MIN, self.context_pages),
+                                           factor=PAGE_CLASS_FACTOR)[:-1] + (self.max_pages_per_head,)
         top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()

@@ -514,11 +514,17 @@ class Reuser:
         tokens, storage = np.concatenate(tokens), np.concatenate(storage)
         n = start
         npg = -(-slot // ps)
+        # Positions were checked against max_model_len (`Engine.add_request`); slots against pages per head
+        # here: generation ends at max_tokens or at the context's last position, whichever comes first.
         room = generation_room(npg, ps, eng.max_pages_per_head)
-        if req.sampling.max_tokens > room:
-            raise SegmentError(f"max_tokens={req.sampling.max_tokens} does not fit: the prompt laid out with "
-                               f"page-aligned segments takes {npg} of the context's {eng.max_pages_per_head} "
-                               f"pages per head, which leaves room for {max(room, 0)} generated tokens")
+        if min(req.sampling.max_tokens, eng.max_model_len - n) > room:
+            raise SegmentError(
+                f"max_tokens={req.sampling.max_tokens} does not fit: the prompt laid out with page-aligned "
+                f"segments takes {npg} of the engine's {eng.max_pages_per_head} pages per head "
+                f"({eng.context_pages} for the {eng.max_model_len}-token context + {eng.slack_pages} of "
+                f"slack, segment_max_segments={eng.config.segments.max_segments}), which leaves room for "
+                f"{max(room, 0)} generated tokens (with segment_max_segments >= {len(bounds)}, its "
+                f"{len(bounds)} reused segments fit whenever its tokens do)")
         lay = Layout(n, np.concatenate(is_new), np.concatenate(seg_index), np.concatenate(seg_offset),
                      tuple(bounds), ps)
         forced = pol.forced(lay)
@@ -741,8 +747,8 @@ def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool, limit: i
 
 def pass_shapes(policy: ReusePolicy, limit: int) -> list[tuple[int, int, int]]:
     """Every (T, R, select_cap) a request of `policy` can hit on a context of `limit` slots (the engine's
-    pages per head x page size: max_model_len rounded up to a page): what `Reuser.precompile` compiles, and
-    what counts its passes without compiling."""
+    pages per head x page size: max_model_len rounded up to a page, plus the reuse slack): what
+    `Reuser.precompile` compiles, and what counts its passes without compiling."""
     if forces_every_token(policy):
         return [pass_shape(n, n, False, True, limit) for n in sorted({row_bucket(n, floor=8)
                                                                       for n in range(1, limit + 1)})]

@@ -54,24 +54,29 @@ class EngineReuse(Method):
         self._engine_cls = Engine
         self.engine = None
 
-    def _engine_for(self, num_tokens: int):
+    def _engine_for(self, num_tokens: int, num_segments: int = 0):
         """One engine sized for the longest prompt so far: a pool of ~4 prompts (the request, its segments,
-        slack) keeps every whole-pool op cheap on CPU."""
+        slack) keeps every whole-pool op cheap on CPU. Its pages per head have slack for the page-alignment
+        holes of `num_segments` segments (at least `MIN_SEGMENTS`), so a prompt whose tokens fit the
+        model's context fits however many segments it has."""
         cfg, ps = self.model.config, 16
-        need = 4 * cfg.num_layers * cfg.num_kv_heads * (num_tokens // ps + 16)
-        if self.engine is None or self.engine.allocator.num_pages < need:
+        need = 4 * cfg.num_layers * cfg.num_kv_heads * (num_tokens // ps + 16 + num_segments)
+        eng = self.engine
+        if (eng is None or eng.allocator.num_pages < need
+                or eng.config.segments.max_segments < num_segments):
             self.engine = self._engine_cls(
                 self.model, page_size=ps, num_pages=need, max_num_seqs=1, max_step_tokens=512,
                 max_model_len=min(cfg.max_position_embeddings, 2 * num_tokens + 1024),
                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
                 segment_anchor=self.anchor, segment_start=self.segment_start,
-                segment_head_classes=self.head_classes)
+                segment_head_classes=self.head_classes,
+                segment_max_segments=max(num_segments, MIN_SEGMENTS))
             self.engine.reuser.keep_logits = True
         return self.engine
 
     def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
         cfg = self.model.config
-        eng = self._engine_for(len(pieces.ids) + max_new_tokens)
+        eng = self._engine_for(len(pieces.ids) + max_new_tokens, len(pieces.segments))
         sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
                             ignore_eos=True)
         segments = self._cached_segments(eng, pieces)
@@ -118,6 +123,7 @@ class EngineReuse(Method):
 
 
 CONTEXTS = ("none", "shuffled", "prompt")
+MIN_SEGMENTS = 16  # reuse slack of every eval engine: the RAG tasks' 16 documents (docs/eval.md)
 
 
 def flops(cfg, st) -> dict[str, float]:

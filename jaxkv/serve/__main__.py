@@ -152,6 +152,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "short (e.g. 4G, 512M; least recently used move first, copied back on use); beyond "
                         "it they spill to --segment-store, and without a store registrations that would not "
                         "fit are refused (docs/segments.md); default: 4G")
+    p.add_argument("--segment-max-segments", type=int, default=0, metavar="N",
+                   help="reuse prompts of up to N segments fit whenever their tokens fit --max-model-len: "
+                        "N + 1 pages per KV head of slack for the empty slots before page-aligned segments "
+                        "(docs/segments.md); default 0: the holes take context")
     p.add_argument("--precompile-reuse", default="", metavar="METHODS",
                    help="comma-separated segment-reuse methods (any of naive, epic, cacheblend, sparsex, "
                         "redknot, full) whose pass is compiled for every token and row bucket before the "
@@ -309,6 +313,7 @@ def main(argv=None) -> int:
                         retrieval_host_pages=args.retrieval_host_pages,
                         retrieval_host_overlap=args.retrieval_host_overlap,
                         segment_anchor=args.segment_anchor, segment_store=args.segment_store,
+                        segment_max_segments=args.segment_max_segments,
                         **({} if args.segment_host_bytes is None
                            else {"segment_host_bytes": args.segment_host_bytes}),
                         segment_ffn_cache_bytes=None if args.segment_ffn_cache_mb is None

@@ -584,12 +584,14 @@ def _fit_reuse_layout(state: ServerState, layout, max_tokens: int, explicit: boo
     from jaxkv.engine.reuse import generation_room, prompt_pages
 
     ps = state.info["page_size"]
+    pages = state.info.get("pages_per_head", -(-state.max_model_len // ps))  # context + reuse slack
     npg = prompt_pages(layout, ps)
-    room = generation_room(npg, ps, -(-state.max_model_len // ps))
+    room = generation_room(npg, ps, pages)
     if max_tokens <= room:
         return max_tokens
     why = (f"The prompt with its segments starting on page boundaries (page size {ps}) takes {npg * ps} of "
-           f"the {state.max_model_len}-token context")
+           f"the {pages * ps} slots per head (the {state.max_model_len}-token context and its reuse slack, "
+           "--segment-max-segments)")
     if room < 1:
         raise P.RequestError(f"{why}, which leaves no room for a completion. Please reduce the prompt or the "
                              "segments.", prompt_param, code="context_length_exceeded")

@@ -91,7 +91,8 @@ def build_state(model, engine, served_model_name: str, use_generation_config: bo
         kv_policy=engine.kv_policy,
         reuse_enabled=not bool(engine.tables.local.any()),
         kv_merge=bool(getattr(engine, "kv_merge", False)),
-        info={"page_size": engine.page_size, "max_num_seqs": engine.scheduler.max_num_seqs,
+        info={"page_size": engine.page_size, "pages_per_head": engine.max_pages_per_head,
+              "max_num_seqs": engine.scheduler.max_num_seqs,
               "prefix_caching": engine.prefix is not None,
               "head_classes": {k: n for k, n in engine.head_classes.counts().items() if n}},
     )
