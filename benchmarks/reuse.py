@@ -445,7 +445,8 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
 
     if args.layer_groups is not None:
         eng.reuser.layer_groups = args.layer_groups
-    eng.reuser.promote_ahead = args.promote_ahead
+    if args.promote_ahead is not None:
+        eng.reuser.promote_ahead = args.promote_ahead
     if args.host_block_layers is not None:
         segment_tiers.HOST_BLOCK_LAYERS = args.host_block_layers
     t0 = time.perf_counter()
@@ -590,9 +591,9 @@ def parse_args(argv):
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")
     ap.add_argument("--promote-ahead", type=int, default=None,
-                    help="with --layer-groups: transfers of this many groups go out before the first "
-                         "program, each later group's just before the program that many groups ahead of "
-                         "it (default: every group's transfer before the first program)")
+                    help="transfers of this many layer groups go out before the first program, each later "
+                         "group's just before the program that many groups ahead of it (0: every group's "
+                         "before the first program; default: the engine's, jaxkv.engine.reuse.PROMOTE_AHEAD)")
     ap.add_argument("--host-block-layers", type=int, default=None,
                     help="layers per pinned host array of a host copy (default: the engine's, "
                          "jaxkv.engine.segment_tiers.HOST_BLOCK_LAYERS)")
@@ -617,8 +618,8 @@ def parse_args(argv):
         ap.error("--layer-groups must be >= 1")
     if args.host_block_layers is not None and args.host_block_layers < 1:
         ap.error("--host-block-layers must be >= 1")
-    if args.promote_ahead is not None and args.promote_ahead < 1:
-        ap.error("--promote-ahead must be >= 1")
+    if args.promote_ahead is not None and args.promote_ahead < 0:
+        ap.error("--promote-ahead must be >= 0")
     args.tier_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if args.unprefilled_segments and ("store" in args.tier_list or args.restart):
         ap.error("--unprefilled-segments: unprefilled segments are not written to a store (no store tier, "

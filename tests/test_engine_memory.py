@@ -97,7 +97,7 @@ def test_autotuning_only_for_programs_of_few_rows(tmp_path, monkeypatch):
     assert warmup.program_rows(("compress", 8, 0, 64, "snapkv")) is None
     assert warmup.compile_options(eng, step) is None  # the CPU: nothing to autotune
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    off = {"xla_gpu_autotune_level": 0}
+    off = warmup.LARGE_ROW_OPTIONS
     assert [warmup.compile_options(eng, v) for v in (step, decode, small, reuse)] == [off, off, None, off]
     assert warmup.compile_options(eng, ("compress", 8, 0, 64, "snapkv")) is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")  # off everywhere already

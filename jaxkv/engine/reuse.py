@@ -55,13 +55,14 @@ MIN_ROWS = 64
 # The smallest token bucket of a method that recomputes a subset: below 512 slots the pass's per-token work
 # (its dense layers, page copies and table) is small, and the 128- and 256-token buckets' ladders go.
 TOKEN_FLOOR = 512
-# Layer-group programs of a reuse pass whose segments come up from host memory or the store (each group
-# dispatched after its own layers' transfers, so group g+1's transfer could run while group g computes).
-# Off by default: measured on an H100 (8B shape, naive from host memory) 8 groups took 0.217 s against 0.201 s
-# for one program. In a traced run the first group's program went out ~130 ms into the step, after the ~700
-# per-layer, per-segment host-to-device copies were issued (the device needed ~82 ms for them), so the groups
-# find their K/V already moved; fewer, larger copies per group are the next thing to try (docs/segments.md).
-LAYER_GROUPS = 1
+# Layer-group programs of a reuse pass whose segments come up from host memory or the store, each dispatched
+# after its own layers' transfers, so group g+1's transfer runs while group g computes; and the groups whose
+# transfers go out before the first program (each later group's goes out just before the program
+# PROMOTE_AHEAD groups ahead of it). Measured on an H100 (8B shape, 8 segments, 4.33 GB from host memory):
+# naive 0.176 s in 8 groups one ahead against 0.213 s in one program, SparseX 0.369 s against 0.431 s
+# (docs/segments.md, "Layer groups").
+LAYER_GROUPS = 8
+PROMOTE_AHEAD = 1
 
 
 @dataclasses.dataclass
@@ -186,9 +187,9 @@ class Reuser:
                                          bucket=lambda n: row_bucket(n, floor=128))
         # layer-group programs of a pass whose segments are promoted for it (1: always one program)
         self.layer_groups = LAYER_GROUPS
-        # groups whose transfers go out before the first program (None: every group's); each later group's
-        # goes out just before the program `promote_ahead` groups ahead of it
-        self.promote_ahead: int | None = None
+        # groups whose transfers go out before the first program (None or 0: every group's); each later
+        # group's goes out just before the program `promote_ahead` groups ahead of it
+        self.promote_ahead: int | None = PROMOTE_AHEAD
         # Passes compiled ahead of time on the warm-up pool (`precompile`), looked up by every pass.
         self.compiled = Programs("reuser", owned=("cfg", "impl", "head_windows", "mesh"))
 
@@ -626,7 +627,7 @@ class Reuser:
         common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
         # middle groups of one size share a compiled program: their layer offset is data
         by_offset = offset_group_ok(static["policy"], params, b)
-        ahead = self.promote_ahead
+        ahead = self.promote_ahead or None  # None / 0: every group's transfer first
         promotion.send(ahead)
         carry = None
         for g, (l0, l1) in enumerate(groups):
