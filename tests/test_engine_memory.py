@@ -109,4 +109,6 @@ def test_autotuning_only_for_programs_of_few_rows(tmp_path, monkeypatch):
     args = (None, None, np.zeros(3, np.int32))
     assert cache.key(len, args, {}) != cache.key(len, args, {}, off) == cache.key(len, args, {}, off)
     assert parse_args(["--autotune-max-rows", "256"]).autotune_max_rows == 256
-    assert parse_args([]).autotune_max_rows is None
+    assert parse_args([]).autotune_max_rows == 512  # 0: autotune every program
+    with pytest.raises(SystemExit):
+        parse_args(["--autotune-max-rows", "-1"])
