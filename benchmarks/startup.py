@@ -11,7 +11,8 @@ configured as a GPU server would be. A row per engine configuration:
 
 `--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
 cold and the warm startup. `--precompile-reuse` names the segment-reuse methods precompiled (default
-`redknot`: 41 passes at the GPU configuration; `all`: every method of the mix, 345), compiled together on the
+`redknot`: 41 passes at the GPU configuration; `all`: every method of the mix, 269 programs for 345 pass
+shapes, naive and EPIC sharing theirs), compiled together on the
 warm-up pool after the step variants.
 """
 
@@ -211,7 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--precompile-reuse", default="redknot", type=reuse_methods, metavar="METHODS",
                     help="segment-reuse methods whose passes precompile, comma-separated, or 'all' (every "
                          f"method of the mix: {','.join(REUSE_METHODS)}; at the GPU configuration 41 RedKnot "
-                         "passes and 76 for each of the others, 345 in all); '' = none (default: redknot)")
+                         "passes and 76 for each of the others, 345 in all, 269 programs); '' = none "
+                         "(default: redknot)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
     ap.add_argument("--autotune-max-rows", type=int, default=None, metavar="ROWS",

@@ -456,6 +456,20 @@ def test_probe_sum_reads_every_probe_in_chunks():
     assert not np.asarray(none.probe_sum(lambda p, _: jnp.sum(p, axis=(1, 2)))).any()
 
 
+def test_methods_that_differ_on_the_host_only_share_their_device_pass():
+    """naive, EPIC (any `first`) and full change host hooks only: one plain pass of their `full_layers`; a
+    method with its own device hooks or flags (CacheBlend, SparseX, RedKnot) keeps its own."""
+    from jaxkv.policies.reuse.base import PlainPass
+
+    plain = PlainPass(full_layers=0)
+    assert get_reuse_policy("naive").device_form() == get_reuse_policy("epic", first=5).device_form() == plain
+    assert get_reuse_policy("full").device_form() == plain
+    assert get_reuse_policy("epic", full_layers=2).device_form() == PlainPass(full_layers=2)
+    for name in ("cacheblend", "sparsex", "redknot"):
+        pol = get_reuse_policy(name)
+        assert pol.device_form() is pol
+
+
 def test_every_method_precompiles_and_then_serves_without_a_compile(model, pieces):
     """`Engine.precompile_reuse([...])` compiles every method's passes (`pass_shapes`: the token buckets x
     their row buckets, or the token buckets alone for RedKnot) on all-padding batches: the pool is
@@ -473,7 +487,8 @@ def test_every_method_precompiles_and_then_serves_without_a_compile(model, piece
     compiled = num_compilations()
     n = eng.precompile_reuse(pols, progress=False)
     limit = eng.max_pages_per_head * eng.page_size
-    assert n == sum(len(pass_shapes(p, limit)) for p in pols) == 4 * 2 + 5   # T 128; rows 64, 128; 8 .. 128
+    assert sum(len(pass_shapes(p, limit)) for p in pols) == 4 * 2 + 5   # T 128; rows 64, 128; 8 .. 128
+    assert n == 3 * 2 + 5  # naive and EPIC run one device pass (`ReusePolicy.device_form`): compiled once
     assert num_compilations() - compiled == n == len(eng.reuser.compiled)  # compiled on the pool, installed
     compiled = num_compilations()
     for before, now in zip(pool0, (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)):

@@ -374,9 +374,9 @@ class Reuser:
         b = self._blank_batch(T, 1)
         if policy.uses_segment_ffn:
             b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
-        static = dict(cfg=self.cfg, policy=policy, num_rows=R, select_cap=select_cap, impl=self.impl,
-                      rows_are_tokens=forces_every_token(policy), head_windows=self.head_windows,
-                      mesh=eng.runner.mesh)
+        static = dict(cfg=self.cfg, policy=policy.device_form(), num_rows=R, select_cap=select_cap,
+                      impl=self.impl, rows_are_tokens=forces_every_token(policy),
+                      head_windows=self.head_windows, mesh=eng.runner.mesh)
         return reuse_prefill, (eng.runner.params, eng.runner.pool, b, self.heads), static
 
     def _run_each(self, policies, progress: bool) -> int:
@@ -569,7 +569,7 @@ class Reuser:
         b["temperature"][0], b["top_k"][0], b["top_p"][0], b["seeds"][0] = (sp.temperature, sp.top_k,
                                                                             sp.top_p, req.seed)
 
-        static = dict(cfg=cfg, policy=pol, num_rows=R, select_cap=select_cap, impl=self.impl,
+        static = dict(cfg=cfg, policy=pol.device_form(), num_rows=R, select_cap=select_cap, impl=self.impl,
                       rows_are_tokens=rows_are_tokens, head_windows=self.head_windows, mesh=eng.runner.mesh)
         t0 = self._pass_at = time.perf_counter()  # `_grouped` sets it at its first program
         if promotion is None:

@@ -152,11 +152,14 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
     bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
     largest = (0, None)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxkv-compile") as pool:
-        calls = []
+        calls, seen = [], set()
         for variant, call, programs in jobs:
             if stop_near_map_cap(len(calls), len(jobs)):
                 break
             signature, fn, args, static = call()
+            if (id(programs), signature) in seen:  # e.g. two reuse methods of one device pass (naive, EPIC)
+                continue
+            seen.add((id(programs), signature))
             key = cache.key(fn, args, static, compile_options(engine, variant)) if cache is not None else None
             calls.append((variant, programs, signature, fn, args, static, key))
         done = len(calls)

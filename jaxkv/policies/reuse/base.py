@@ -222,11 +222,35 @@ class ReusePolicy:
         pass splits its layer loop there, one shared layer body per range between them."""
         return ()
 
+    def device_form(self) -> ReusePolicy:
+        """The policy as its compiled pass sees it. A method that changes host hooks only (`forced`,
+        `num_selected`: naive, EPIC, full) keeps the base class's device hooks, so its pass is the plain
+        pass of its `full_layers`, and such methods share one program per shape."""
+        cls = type(self)
+        base = ReusePolicy
+        if (cls is PlainPass or (cls.selects, cls.local_windows) != (base.selects, base.local_windows)
+                or any(getattr(cls, h) is not getattr(base, h) for h in DEVICE_HOOKS)):
+            return self
+        return PlainPass(full_layers=self.full_layers)
+
     def segment_heads(self, is_global: np.ndarray) -> np.ndarray:
         """[L, Hkv] bool: the (layer, KV head) pairs whose cached segment K/V this method reads; the others
         need not be on the device (segment tiers copy only these up). `is_global` [L, Hkv] is the reuse
         head-class map. Default: every head (a method that keeps any reused K/V of a head reads it)."""
         return np.ones(np.shape(is_global), bool) if self.reuses else np.zeros(np.shape(is_global), bool)
+
+
+# What the compiled pass reads of a method besides `full_layers`, `selects` and `local_windows`.
+DEVICE_HOOKS = ("score", "head_writes", "ffn_rows", "ffn_capacity_rows", "head_promote", "layer_breaks",
+                "uses_segment_ffn", "selects_per_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainPass(ReusePolicy):
+    """The compiled pass of every method with the base class's device hooks (`ReusePolicy.device_form`);
+    not a method of its own (never registered)."""
+
+    name = "plain pass"
 
 
 REUSE_POLICIES: dict[str, type] = {}
