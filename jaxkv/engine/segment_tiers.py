@@ -373,7 +373,8 @@ class SegmentTiers:
                     self.engine.allocator.decref(ids)
                     raise
                 if isinstance(k, list):  # pinned host copies move whole blocks of layers
-                    moved = sum(b - a for a, b in host_blocks(self.L) if missing[a:b].any()) * self.H
+                    B = k[0].shape[0] // self.H
+                    moved = sum(b - a for a, b in host_blocks(self.L, B) if missing[a:b].any()) * self.H
                 else:
                     moved = int(missing.sum())
                 counted = (moved * self.head_bytes(e), int(absent.sum()) * self.head_bytes(e))
@@ -691,9 +692,10 @@ def _part(mv: _Move, l0: int, l1: int, H: int) -> _Part | None:
     return _Part(mv, [mv.k[take]], [mv.v[take]], [np.asarray(mv.pos[take], np.int32)], None, ids)
 
 
-def host_blocks(num_layers: int) -> list[tuple[int, int]]:
-    """The layer ranges [a, b) of a pinned host copy's arrays (`HOST_BLOCK_LAYERS` layers each)."""
-    B = max(1, HOST_BLOCK_LAYERS)
+def host_blocks(num_layers: int, block: int | None = None) -> list[tuple[int, int]]:
+    """The layer ranges [a, b) of a pinned host copy's arrays (`block` layers each; default
+    `HOST_BLOCK_LAYERS`)."""
+    B = max(1, HOST_BLOCK_LAYERS if block is None else block)
     return [(a, min(a + B, num_layers)) for a in range(0, num_layers, B)]
 
 
