@@ -99,3 +99,17 @@ def test_slack_of_segments_plus_one_pages_holds_every_layout_whose_tokens_fit():
         assert gen <= generation_room(npg, ps, context // ps + S + 1)
         worst = max(worst, npg + -(-gen // ps) - context // ps - S)
     assert worst == 1
+
+
+def test_prompts_of_one_power_of_two_bucket_share_one_eval_engine(model):
+    """The reuse eval keeps one engine (and its compiled programs) for every prompt within the first one's
+    power-of-two bucket (at least 1,024 tokens), instead of a new engine each time a prompt is longer."""
+    from jaxkv.eval.registry import PromptPieces, get_method
+
+    method = get_method("naive", model)
+    method.run(PromptPieces(PREFIX, SEGMENTS[:2], SUFFIX[:20]), max_new_tokens=4, stop_ids=())
+    first = method.engine
+    method.run(PromptPieces(PREFIX, SEGMENTS[:5], SUFFIX), max_new_tokens=4, stop_ids=())
+    assert method.engine is first  # 56 and 177 tokens: one bucket
+    # sized for the bucket, not the first prompt
+    assert first.allocator.num_pages >= 4 * model.config.num_layers * model.config.num_kv_heads * (1024 // 16)

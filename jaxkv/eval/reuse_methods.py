@@ -55,11 +55,15 @@ class EngineReuse(Method):
         self.engine = None
 
     def _engine_for(self, num_tokens: int, num_segments: int = 0):
-        """One engine sized for the longest prompt so far: a pool of ~4 prompts (the request, its segments,
-        slack) keeps every whole-pool op cheap on CPU. Its pages per head have slack for the page-alignment
-        holes of `num_segments` segments (at least `MIN_SEGMENTS`), so a prompt whose tokens fit the
-        model's context fits however many segments it has."""
+        """One engine sized for the longest prompt so far, rounded up to a power of two (at least 1,024
+        tokens), so the prompts of one task and context share one engine and its compiled programs (a new
+        engine compiles everything again): a pool of ~4 such prompts (the request, its segments, slack)
+        keeps every whole-pool op cheap on CPU. Its pages per head have slack for the page-alignment holes
+        of `num_segments` segments (at least `MIN_SEGMENTS`), so a prompt whose tokens fit the model's
+        context fits however many segments it has."""
         cfg, ps = self.model.config, 16
+        num_tokens = 1 << max(10, (num_tokens - 1).bit_length())
+        num_segments = max(num_segments, MIN_SEGMENTS)
         need = 4 * cfg.num_layers * cfg.num_kv_heads * (num_tokens // ps + 16 + num_segments)
         eng = self.engine
         if (eng is None or eng.allocator.num_pages < need
@@ -70,7 +74,7 @@ class EngineReuse(Method):
                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
                 segment_anchor=self.anchor, segment_start=self.segment_start,
                 segment_head_classes=self.head_classes,
-                segment_max_segments=max(num_segments, MIN_SEGMENTS))
+                segment_max_segments=num_segments)
             self.engine.reuser.keep_logits = True
         return self.engine
 
