@@ -130,14 +130,15 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host_link", description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="bytes moved per measurement (MiB)")
     ap.add_argument("--overlap", action="store_true",
-                    help="transfers beside programs by dispatch order (8 groups, ~12 ms programs)")
+                    help="transfers beside programs by dispatch order (8 groups, one short program each)")
     ap.add_argument("--arrays", type=int, nargs="+", default=[96, 24],
                     help="pinned arrays per group with --overlap (96: 8 segments x 4 layers x K, V, "
                          "positions as one array per layer; 24: one per block of 4 layers)")
     args = ap.parse_args(argv)
     if args.overlap:
         rows = []
-        print(f"{args.mib} MiB in 8 groups of pinned arrays, one ~12 ms program per group\n"
+        print(f"{args.mib} MiB in 8 groups of pinned arrays, one program per group (their time alone: "
+              "'programs only')\n"
               "| arrays per group | dispatch order | host ms to the last dispatch | wall ms |\n"
               "|---|---|---|---|")
         for n in args.arrays:

@@ -98,10 +98,10 @@ class EngineConfig:
     # step, a fraction of the tracing), "scan" (stacked weights under lax.scan). None: $JAXKV_LAYER_LOOP,
     # else "shared" on the CPU and the model's own form elsewhere (docs/engine.md, "Layer loops").
     layer_loop: str | None = None
-    # XLA's GEMM autotuning (on a GPU, where XLA_FLAGS leave it on) only for precompiled programs of at most
-    # this many rows: a step's tokens, a decode's sequences, a reuse pass's rows (None: every program).
-    # Large-row GEMMs run near their best with XLA's default tiling, and autotuning them is most of a cold
-    # start's compile time (docs/serving.md, "Startup").
+    # Precompiled programs of more than this many rows (a step's tokens, a decode's sequences, a reuse pass's
+    # rows) take cuBLAS GEMMs instead of autotuned Triton ones (`warmup.LARGE_ROW_OPTIONS`; None: every
+    # program as XLA_FLAGS say). Few-row GEMMs need the autotuning; large-row ones run as fast on cuBLAS and
+    # compile sooner (docs/benchmarks.md, "Autotuning only where it pays").
     autotune_max_rows: int | None = None
     retrieval: RetrievalConfig = RetrievalConfig()
     segments: SegmentConfig = SegmentConfig()

@@ -228,7 +228,7 @@ class ReusePolicy:
         pass of its `full_layers`, and such methods share one program per shape."""
         cls = type(self)
         base = ReusePolicy
-        if (cls is PlainPass or (cls.selects, cls.local_windows) != (base.selects, base.local_windows)
+        if ((cls.selects, cls.local_windows) != (base.selects, base.local_windows)
                 or any(getattr(cls, h) is not getattr(base, h) for h in DEVICE_HOOKS)):
             return self
         return PlainPass(full_layers=self.full_layers)
