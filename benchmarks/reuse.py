@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -392,7 +393,8 @@ def restart_row(model, w: Workload, args, store: str, prompt: Prompt, spec: str,
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def profile_method(eng, spec: str, prompt: Prompt, log, tier: str | None = None) -> None:
+def profile_method(eng, spec: str, prompt: Prompt, log, tier: str | None = None,
+                   trace_dir: str | None = None) -> None:
     """One more TTFT of ``spec`` (compiled by then) under jax.profiler, the segments starting in `tier`: the
     device's idle gaps and the host events in time order, then the kernels by time
     (`benchmarks.profile_decode`'s tables)."""
@@ -406,7 +408,7 @@ def profile_method(eng, spec: str, prompt: Prompt, log, tier: str | None = None)
     place_segments(eng, prompt, tier)
     ttft_once(eng, policy, prompt)
     place_segments(eng, prompt, tier)
-    trace_dir = Path(tf.mkdtemp(prefix="jaxkv-reuse-trace-"))
+    trace_dir = Path(trace_dir or tf.mkdtemp(prefix="jaxkv-reuse-trace-")) / f"{spec}-{tier or 'device'}"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         s, _ = ttft_once(eng, policy, prompt)
     log(f"  profile of {spec}: TTFT {s * 1e3:.2f} ms (traced)")
@@ -475,7 +477,13 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
             last_cost = time.perf_counter() - t0
             emit(result)
     for spec in [m for m in (args.profile or "").split(",") if m]:
-        profile_method(eng, spec, prompt, log, None if tiers == ["device"] else tiers[-1])
+        profile_method(eng, spec, prompt, log, None if tiers == ["device"] else tiers[-1], args.trace_dir)
+    if args.read_floor:
+        from benchmarks.segment_tiers import read_floor
+
+        floor = read_floor(eng.reuser.persist.disk, store, 1)
+        log(f"  store read floor: {json.dumps(floor)}")
+        result["read_floor"] = floor
     if tiers == ["device"] and eng.reuser.tiers.demotions:  # timings would include copies to the device
         raise RuntimeError(f"{eng.reuser.tiers.demotions} segments left the device: the pool is too small")
     del eng
@@ -611,7 +619,14 @@ def parse_args(argv):
     ap.add_argument("--profile", default=None, help="comma list of methods to trace once more after timing "
                                                       "(segments in the last of --tiers; device idle gaps, "
                                                       "host events, kernels; GPU)")
+    ap.add_argument("--trace-dir", default=None, help="keep --profile's traces here (one folder per method "
+                                                        "and tier; default a temporary folder)")
+    ap.add_argument("--read-floor", action="store_true",
+                    help="after timing, what bounds a store read on this machine: the store's chunk files "
+                         "read raw (16 threads), their checksums, SegmentStore.get; page cache and disk")
     args = ap.parse_args(argv)
+    if args.read_floor and "store" not in args.tiers:
+        ap.error("--read-floor needs the store tier (--tiers ...,store)")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.layer_groups is not None and args.layer_groups < 1:

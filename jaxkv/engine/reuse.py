@@ -303,7 +303,7 @@ class Reuser:
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             raise ValueError(f"{what} token ids must lie in [0, {vocab})")
 
-    def _blank_batch(self, T: int, npg: int) -> dict:
+    def _blank_batch(self, T: int, npg: int, copies: bool = True) -> dict:
         """A reuse pass's inputs for a prompt bucket of T tokens and `npg` pages per head, all padding (every
         position, slot, page and copy entry -1: a pass over it writes nothing). Every size but T follows
         T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"): pages
@@ -314,13 +314,15 @@ class Reuser:
         M = L * H * Pb  # segment pages <= the table's entries
         Np = -(-T // PROBE_CHUNK) * PROBE_CHUNK  # probes are prompt tokens: never more than T
         i32 = lambda shape, v=-1: np.full(shape, v, np.int32)  # noqa: E731
-        return {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
-                "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
-                "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": i32((), 0),
-                "num_selected": i32((), 0), "probe": i32(Np), "src": i32(M), "dst": i32(M),
-                "delta": i32(M, 0), "clear": i32(M), "temperature": np.zeros(1, np.float32),
-                "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
-                "counters": i32(1, 0)}
+        b = {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
+             "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
+             "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": i32((), 0),
+             "num_selected": i32((), 0), "probe": i32(Np), "temperature": np.zeros(1, np.float32),
+             "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
+             "counters": i32(1, 0)}
+        if copies:  # a grouped pass takes its copies per group instead (`_group_copies`)
+            b.update(src=i32(M), dst=i32(M), delta=i32(M, 0), clear=i32(M))
+        return b
 
     def _table_pages(self, T: int, npg: int) -> int:
         """Page-table width of a pass of token bucket T over a layout of `npg` pages per head."""
@@ -472,8 +474,8 @@ class Reuser:
             promotion = self.tiers.promote(entries, pol.segment_heads(self.heads["is_global"]),
                                            defer=len(groups) > 1)
             try:
-                if promotion is not None:  # page ids and rows now; K/V after the pass inputs (`_grouped`)
-                    promotion.start(groups, send=0)
+                if promotion is not None:  # page ids and rows now, then the first group's K/V (below)
+                    promotion.start(groups, send=self._send_at_admission(promotion, groups))
                 return self._prefill(p, entries, seg_tokens, promotion, groups)
             finally:
                 if promotion is not None:
@@ -482,6 +484,14 @@ class Reuser:
             for e in entries:
                 if e is not None:
                     self.store.release(e)
+
+    @staticmethod
+    def _send_at_admission(promotion, groups) -> int:
+        """Groups whose K/V leave at admission: the first one of a grouped pass from pinned host memory, so
+        its copy runs while the host lays the prompt out (the pass's pageable inputs, sent later, then wait
+        at most for what is left of it); none when a segment is still read from the store (sending would
+        wait for the read) or for a single program (its inputs go first, `_grouped`)."""
+        return int(len(groups) > 1 and not promotion.reads_pending())
 
     def _groups(self, pol: ReusePolicy) -> list[tuple[int, int]]:
         """Layer ranges of the pass's programs when its segments must be promoted: `layer_groups` of them
@@ -545,24 +555,18 @@ class Reuser:
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
             probe = np.nonzero(lay.is_new)[0]
-        b = self._blank_batch(T, npg)
+        grouped = promotion is not None and len(groups) > 1
+        b = self._blank_batch(T, npg, copies=not grouped)
         b["lengths"][:] = slot
         b["last"][...], b["num_selected"][...] = n - 1, k_sel
         b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
         b["forced"][:n], b["seg_offset"][:n], b["storage"][:n] = forced, lay.seg_offset, storage
         b["page_table"][0, :, :, :npg] = table
         b["probe"][:probe.size] = probe
-        at = 0
-        copy_layer = np.full(b["src"].shape, -1, np.int32)  # each copy's layer (for layer groups)
-        for e, page0, d in copies:  # heads the method does not read may be off the device (-1: no copy)
-            m, size = e.pages.shape[2], e.pages.size
-            src = e.pages.ravel()
-            b["src"][at:at + size] = src
-            b["dst"][at:at + size] = np.where(src >= 0, table[:, :, page0:page0 + m].ravel(), -1)
-            b["delta"][at:at + size] = d
-            copy_layer[at:at + size] = np.arange(size) // (size // L)
-            at += size
-        b["clear"][:table.size] = table.ravel()
+        per_group = _group_copies(copies, b["page_table"][0], groups if grouped else [(0, L)])
+        if not grouped:
+            for k, x in per_group[0].items():
+                b[k][:len(x)] = x
         if pol.uses_segment_ffn:
             b["ffn_cache"] = self.ffn_cache.for_prompt(pieces, T)
         sp = req.sampling
@@ -578,7 +582,7 @@ class Reuser:
             eng.runner.pool = pool
             programs = 1
         else:
-            tok, logprob, logits, st = self._grouped(b, copy_layer, groups, promotion, static)
+            tok, logprob, logits, st = self._grouped(b, per_group, groups, promotion, static)
             programs = len(groups)
         # One sync for the token, its logprob and the stats (a fetch each cost ~0.5-0.9 ms on an H200).
         alts = req.sampling.logprobs  # the first token's alternatives come from its logits, on the host
@@ -612,17 +616,16 @@ class Reuser:
             eng.scheduler.add_running(req)
         return out
 
-    def _grouped(self, b: dict, copy_layer: np.ndarray, groups, promotion, static: dict):
+    def _grouped(self, b: dict, per_group: list[dict], groups, promotion, static: dict):
         """The reuse pass as one program per layer group, each dispatched right after its layers' promoted
         pages are written, so it depends on no later group's transfer: a program waits for all its inputs,
         and XLA runs a transfer beside a program only when the transfer was dispatched first (docs/
-        segments.md, "Layer groups"). The pass's inputs go to the device first (pageable numpy: a synchronous
-        transfer, which queued behind the pinned K/V would hold the host until they had moved), then every
-        group's K/V (asynchronous), then the programs. Returns what `reuse_prefill` does, the pool aside
-        (set on the runner)."""
+        segments.md, "Layer groups"). The first group's K/V left at admission (`_send_at_admission`); the
+        pass's inputs go next (pageable numpy: a synchronous transfer, which waits for what is left of that
+        copy, little by now: the host has laid out the prompt meanwhile), then each later group's K/V one
+        program ahead. Returns what `reuse_prefill` does, the pool aside (set on the runner)."""
         eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
-        per_group = _group_copies(b, copy_layer, groups, self.cfg.num_kv_heads)
-        common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
+        common = b
         offsets = [np.int32(l0) for l0, _ in groups]
         common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
         # middle groups of one size share a compiled program: their layer offset is data
@@ -649,22 +652,29 @@ class Reuser:
         return out[1:]
 
 
-def _group_copies(b: dict, copy_layer: np.ndarray, groups, H: int) -> list[dict]:
-    """Per layer group, the pass's page copies (src / dst / delta; `copy_layer` [M]: each copy's layer) and
-    pages to blank (clear) of that group's layers only, each padded to the group's share of the table
-    ((l1 - l0) * H * P entries of L * H * P), so groups of one size share their shapes."""
-    table = b["page_table"][0]
-    P = table.shape[2]
+def _group_copies(copies, table: np.ndarray, groups) -> list[dict]:
+    """Per layer group, the pass's page copies (src / dst / delta) of that group's layers and the pages to
+    blank (clear), each padded to the group's share of the table ((l1 - l0) * H * P entries of the [L, H, P]
+    `table`), so groups of one size share their shapes. `copies`: (entry, first page, position shift) per
+    reused segment, segment by segment, each in [layer, head, page] order (heads the method does not read
+    may be off the device: source -1, no copy)."""
+    _, H, P = table.shape
     out = []
     for l0, l1 in groups:
         size = (l1 - l0) * H * P
-        mine = np.nonzero((copy_layer >= l0) & (copy_layer < l1))[0]
-        part = {k: np.full(size, 0 if k == "delta" else -1, np.int32)
-                for k in ("src", "dst", "delta", "clear")}
-        for k in ("src", "dst", "delta"):
-            part[k][:len(mine)] = b[k][mine]
+        part = {"src": np.full(size, -1, np.int32), "dst": np.full(size, -1, np.int32),
+                "delta": np.zeros(size, np.int32), "clear": np.full(size, -1, np.int32)}
+        at = 0
+        for e, page0, d in copies:
+            m = e.pages.shape[2]
+            src = e.pages[l0:l1].reshape(-1)
+            part["src"][at:at + src.size] = src
+            dst = table[l0:l1, :, page0:page0 + m].reshape(-1)
+            part["dst"][at:at + src.size] = np.where(src >= 0, dst, -1)
+            part["delta"][at:at + src.size] = d
+            at += src.size
         clear = table[l0:l1].reshape(-1)
-        part["clear"][:len(clear)] = clear
+        part["clear"][:clear.size] = clear
         out.append(part)
     return out
 

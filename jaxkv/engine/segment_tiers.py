@@ -545,6 +545,10 @@ class Promotion:
         self._moved: dict[int, jax.Array] = {}  # id of a pinned host block -> its copy on the device
         self.error: SegmentError | None = None  # the first store read that failed its checks
 
+    def reads_pending(self) -> bool:
+        """Whether a segment of this promotion still comes from a store read (its pieces not all read)."""
+        return any(mv.read is not None and not mv.failed and not mv.read.finished for mv in self.moves)
+
     def check(self) -> None:
         """Waits for every store read of the promotion; raises SegmentError when one failed its checks (that
         segment's move undone, the others still to be written by `finish`)."""
@@ -715,7 +719,10 @@ def _write_pages(pool: KVPool, k: tuple, v: tuple, rows, pages, pos: tuple) -> K
         x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         return x if rows is None else x[rows]
 
-    bias = None if pool.bias is None else pool.bias.at[pages].set(0.0)
+    # Each page is written once (the ids are distinct): XLA may then write pages in parallel without ordering
+    # colliding updates.
+    put = lambda a, x: a.at[pages].set(x, unique_indices=True)  # noqa: E731
+    bias = None if pool.bias is None else put(pool.bias, 0.0)
     k, v = (heads(x).reshape(-1, P, D).astype(pool.k.dtype) for x in (k, v))
-    return KVPool(k=pool.k.at[pages].set(k), v=pool.v.at[pages].set(v),
-                  pos=pool.pos.at[pages].set(heads(pos).reshape(-1, P)), page_size=pool.page_size, bias=bias)
+    return KVPool(k=put(pool.k, k), v=put(pool.v, v), pos=put(pool.pos, heads(pos).reshape(-1, P)),
+                  page_size=pool.page_size, bias=bias)
