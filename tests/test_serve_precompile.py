@@ -143,7 +143,8 @@ def _reuse_requests_compile_nothing(s, methods, questions):
 
 def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
     """`--precompile-reuse naive,sparsex`: both methods' passes (a 64-token context: one token bucket x the
-    64- and 128-row buckets each) compile before the ready line; reuse requests of either, with short and
+    64- and 128-row buckets each; naive's also as its two layer groups, which segments promoted from host
+    memory run in) compile before the ready line; reuse requests of either, with short and
     long questions, then trace no reuse pass and compile nothing. A name that is no reuse
     method is refused before the model loads."""
     import subprocess
@@ -155,10 +156,10 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
     s = ServerProcess(base + ["--precompile-reuse", "naive,sparsex"], env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        assert re.search(r"jaxkv: precompiled 2 naive reuse passes", startup), startup
-        assert re.search(r"jaxkv: precompiled 2 sparsex reuse passes", startup), startup
+        assert re.search(r"jaxkv: precompiled 6 naive reuse programs", startup), startup
+        assert re.search(r"jaxkv: precompiled 2 sparsex reuse programs", startup), startup
         assert _TRACED_REUSE.search(startup)   # the compile log is on: precompile traced the passes
-        assert httpx.get(s.base + "/info").json()["precompiled_reuse_passes"] == {"naive": 2, "sparsex": 2}
+        assert httpx.get(s.base + "/info").json()["precompiled_reuse_passes"] == {"naive": 6, "sparsex": 2}
         # 4 and ~32 rows: both in the 64-row floor
         _reuse_requests_compile_nothing(s, ("naive", "sparsex"), (PROMPT[16:19], PROMPT[16:46]))
     finally:
@@ -180,11 +181,11 @@ def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
                       env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        m = re.search(r"jaxkv: precompiled (\d+) step variants and 2 reuse passes in \d+\.\d+s", startup)
+        m = re.search(r"jaxkv: precompiled (\d+) step variants and 6 reuse programs in \d+\.\d+s", startup)
         assert m, startup
-        assert "naive reuse passes" not in startup  # no second, per-method run
+        assert "naive reuse programs" not in startup  # no second, per-method run
         info = httpx.get(s.base + "/info").json()
-        assert info["precompiled_reuse_passes"] == {"naive": 2}
+        assert info["precompiled_reuse_passes"] == {"naive": 6}  # 2 passes, 2 x 2 layer groups
         assert info["precompiled_variants"] == int(m.group(1))
         _reuse_requests_compile_nothing(s, ("naive",), (PROMPT[16:19],))
     finally:

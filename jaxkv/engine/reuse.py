@@ -332,13 +332,14 @@ class Reuser:
     # ---- precompile ---------------------------------------------------------------------------
     def precompile(self, reuse, progress: bool = True, background: bool = True, step_cache=None) -> int:
         """Compiles the pass of `reuse` (a method, its name, or a list of them) for every shape a request
-        can hit up to the engine's context (`pass_shapes`), so no request of it waits on a compile; returns
-        how many. The passes are ordinary ahead-of-time programs (`warmup.precompile_reuse`): lowered one
-        after another, compiled on the warm-up pool, installed in `compiled`, and kept in the step cache,
-        from which a later start loads them (`background`: on a background thread, a pass needed before
-        loading itself; `step_cache`: its directory, False: off, None: the default). Under tensor
-        parallelism each pass runs once instead, in turn, on its all-padding batch (every position, slot,
-        page and copy entry -1: nothing in the pool is written)."""
+        can hit up to the engine's context (`pass_shapes`) and, where its segments may come up from a
+        lower tier (`promotes`), the layer-group programs that pass then runs in (`calls`), so no request
+        of it waits on a compile; returns how many programs. They are ordinary ahead-of-time programs
+        (`warmup.precompile_reuse`): lowered one after another, compiled on the warm-up pool, installed in
+        `compiled`, and kept in the step cache, from which a later start loads them (`background`: on a
+        background thread, a program needed before loading itself; `step_cache`: its directory, False: off,
+        None: the default). Under tensor parallelism each pass runs once instead, in turn, on its
+        all-padding batch (every position, slot, page and copy entry -1: nothing in the pool is written)."""
         from jaxkv.engine import warmup
 
         methods = [reuse] if isinstance(reuse, str | ReusePolicy) else list(reuse)
@@ -355,31 +356,93 @@ class Reuser:
                 raise ValueError(str(e)) from None
         return self._run_each(policies, progress)
 
+    def promotes(self, policy: ReusePolicy) -> bool:
+        """Whether a request of `policy` may have to bring segment heads up from a lower tier, so that its
+        pass runs in layer groups (`_groups`): the method reads some segment heads
+        (`ReusePolicy.segment_heads`), and host memory has a budget or a segment store is attached."""
+        return (bool(policy.segment_heads(self.heads["is_global"]).any())
+                and (self.tiers.host_bytes > 0 or self.persist is not None))
+
     def calls(self, policy: ReusePolicy) -> list[tuple]:
-        """(variant, call) of every pass of `policy` (`pass_shapes`); a call returns (signature, function,
-        arguments, static arguments) on an all-padding batch of that shape, nothing traced, as a request's
-        pass looks it up (`_prefill`). The variant is ("reuse <method>", rows, tokens, pages per head)."""
+        """(variant, call) of every program of `policy`: its pass for each shape (`pass_shapes`), then the
+        layer-group programs of each shape (`_group_calls`); a call returns (signature, function, arguments,
+        static arguments) on an all-padding batch of that shape, nothing traced, as a request's pass looks
+        it up (`_prefill`, `_grouped`). The variant is ("reuse <method>", rows, tokens, pages per head), a
+        group program's with its layers (l0, l1) after."""
         def call(T, R, select_cap):
             fn, args, static = self._pass_call(policy, T, R, select_cap)
             return self.compiled.signature(fn, args, static), fn, args, static
 
-        out = []
-        for T, R, select_cap in pass_shapes(policy, self.engine.max_pages_per_head * self.page_size):
-            variant = (f"reuse {policy.name}", R, T, self._table_pages(T, 1))
-            out.append((variant, functools.partial(call, T, R, select_cap)))
-        return out
+        shapes = pass_shapes(policy, self.engine.max_pages_per_head * self.page_size)
+        out = [((f"reuse {policy.name}", R, T, self._table_pages(T, 1)), functools.partial(call, T, R, cap))
+               for T, R, cap in shapes]
+        return out + self._group_calls(policy, shapes)
+
+    def _group_calls(self, policy: ReusePolicy, shapes) -> list[tuple]:
+        """(variant, call) of the layer-group programs of `policy`'s pass at each of `shapes`, one per
+        distinct program (the first group, the last, and the middle ones: one per size where their layer
+        offset is data, else each); none where no pass runs in groups (nothing the method reads can come
+        from a lower tier, one group, tensor parallelism). A token bucket's inputs go to the device once,
+        as `_grouped` sends them, and serve each of its row buckets; the carry between groups is abstract,
+        its shapes those of the first group's output (`jax.eval_shape`, once) with each shape's rows."""
+        groups = self._groups(policy)
+        if len(groups) < 2 or not self.promotes(policy):
+            return []
+        L, runner = self.cfg.num_layers, self.engine.runner
+        # a request's batch holds an FFN cache for such a method (`_prefill`), which no group slices by data
+        by_offset = offset_group_ok(policy.device_form(), runner.params,
+                                    {"ffn_cache": None} if policy.uses_segment_ffn else {})
+        distinct = {}  # program -> the first group that runs it
+        for g, (l0, l1) in enumerate(groups):
+            distinct.setdefault(("middle", l1 - l0) if shares_program((l0, l1), L, by_offset) else g, g)
+        inputs, first_out = {}, []
+
+        def call(T, R, select_cap, g):
+            if T not in inputs:
+                b = self._pass_batch(policy, T)
+                inputs[T] = self._group_inputs(b, _group_copies([], b["page_table"][0], groups), groups)
+            common, per_group, heads, offsets = inputs[T]
+            static = self._pass_static(policy, R, select_cap)
+            carry = None
+            if g > 0:
+                if not first_out:  # the carry's structure and dtypes: the first group's output, once
+                    fn, args, st = group_call(runner.params, runner.pool, {**common, **per_group[0]}, heads,
+                                              None, offsets[0], groups[0], L, by_offset, static)
+                    first_out.append(jax.eval_shape(functools.partial(fn, **st), *args)[1])
+                carry = _carry_rows(first_out[0], R)
+            fn, args, static = group_call(runner.params, runner.pool, {**common, **per_group[g]}, heads,
+                                          carry, offsets[g], groups[g], L, by_offset, static)
+            return self.compiled.signature(fn, args, static), fn, args, static
+
+        return [((f"reuse {policy.name}", R, T, self._table_pages(T, 1), groups[g]),
+                 functools.partial(call, T, R, cap, g)) for T, R, cap in shapes for g in distinct.values()]
 
     def _pass_call(self, policy: ReusePolicy, T: int, R: int, select_cap: int):
         """(function, arguments, static arguments) of the pass of shape (T, R, select_cap) on an all-padding
         batch whose pages per head follow T alone, as a request of this bucket has."""
         eng = self.engine
+        return (reuse_prefill, (eng.runner.params, eng.runner.pool, self._pass_batch(policy, T), self.heads),
+                self._pass_static(policy, R, select_cap))
+
+    def _pass_batch(self, policy: ReusePolicy, T: int) -> dict:
+        """The all-padding batch of token bucket T, with the FFN cache a method that reads one gets."""
         b = self._blank_batch(T, 1)
         if policy.uses_segment_ffn:
             b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
-        static = dict(cfg=self.cfg, policy=policy.device_form(), num_rows=R, select_cap=select_cap,
-                      impl=self.impl, rows_are_tokens=forces_every_token(policy),
-                      head_windows=self.head_windows, mesh=eng.runner.mesh)
-        return reuse_prefill, (eng.runner.params, eng.runner.pool, b, self.heads), static
+        return b
+
+    def _pass_static(self, policy: ReusePolicy, R: int, select_cap: int) -> dict:
+        """The static arguments of a pass of R rows, as `_prefill` gives them."""
+        return dict(cfg=self.cfg, policy=policy.device_form(), num_rows=R, select_cap=select_cap,
+                    impl=self.impl, rows_are_tokens=forces_every_token(policy),
+                    head_windows=self.head_windows, mesh=self.engine.runner.mesh)
+
+    def _group_inputs(self, b: dict, per_group: list[dict], groups) -> tuple:
+        """A grouped pass's inputs on the device: (the batch but its page lists, each group's page lists
+        (`_group_copies`), the reuse heads, each group's first layer as int32 [])."""
+        common = {k: v for k, v in b.items() if k not in ("src", "dst", "delta", "clear")}
+        offsets = [np.int32(l0) for l0, _ in groups]
+        return jax.device_put((common, per_group, self.heads, offsets))
 
     def _run_each(self, policies, progress: bool) -> int:
         """Runs every pass of `policies` once, in turn, on its all-padding batch (traced, compiled by jit);
@@ -625,9 +688,7 @@ class Reuser:
         copy, little by now: the host has laid out the prompt meanwhile), then each later group's K/V one
         program ahead. Returns what `reuse_prefill` does, the pool aside (set on the runner)."""
         eng, params, L = self.engine, self.engine.runner.params, self.cfg.num_layers
-        common = b
-        offsets = [np.int32(l0) for l0, _ in groups]
-        common, per_group, heads, offsets = jax.device_put((common, per_group, self.heads, offsets))
+        common, per_group, heads, offsets = self._group_inputs(b, per_group, groups)
         # middle groups of one size share a compiled program: their layer offset is data
         by_offset = offset_group_ok(static["policy"], params, b)
         ahead = self.promote_ahead or None  # None / 0: every group's transfer first
@@ -639,17 +700,40 @@ class Reuser:
                 promotion.send(g + 1 + ahead)
             if g == 0:
                 self._pass_at = time.perf_counter()
-            bg = {**common, **per_group[g]}
-            if by_offset and 0 < l0 and l1 < L:
-                part = {**params, "layers": llama.SharedLayers(params["layers"][l0:l1])}
-                out = reuse_prefill(part, eng.runner.pool, bg, heads, carry, offsets[g], layers=(0, l1 - l0),
-                                    **static)
-            else:
-                out = reuse_prefill(params, eng.runner.pool, bg, heads, carry, layers=(l0, l1), **static)
+            # the program precompile installed for this group (`calls`), else jit's
+            out = self.compiled.call(*group_call(params, eng.runner.pool, {**common, **per_group[g]}, heads,
+                                                 carry, offsets[g], (l0, l1), L, by_offset, static))
             if l1 < L:
                 eng.runner.pool, carry = out
         eng.runner.pool = out[0]
         return out[1:]
+
+
+def shares_program(group: tuple[int, int], num_layers: int, by_offset: bool) -> bool:
+    """Whether layer group `group` = (l0, l1) runs as a middle group whose layer offset is data
+    (`by_offset`: `offset_group_ok`), so that every such group of its size shares one program."""
+    return by_offset and 0 < group[0] and group[1] < num_layers
+
+
+def group_call(params, pool, b: dict, heads, carry, offset, group: tuple[int, int], num_layers: int,
+               by_offset: bool, static: dict):
+    """(function, arguments, static arguments) of layer group `group` = (l0, l1) of a reuse pass over batch
+    `b` (`carry`: what the group before returned, None for the first; `offset`: l0 as int32 [] data): a
+    group that `shares_program` runs its own layers as a whole model's, any other the model's layers
+    [l0, l1). `_grouped` runs it, `Reuser.calls` precompiles it."""
+    l0, l1 = group
+    if shares_program(group, num_layers, by_offset):
+        part = {**params, "layers": llama.SharedLayers(params["layers"][l0:l1])}
+        return reuse_prefill, (part, pool, b, heads, carry, offset), {**static, "layers": (0, l1 - l0)}
+    return reuse_prefill, (params, pool, b, heads, carry), {**static, "layers": (l0, l1)}
+
+
+def _carry_rows(carry, R: int) -> tuple:
+    """The abstract carry between layer groups (rows' hidden states [R, hidden], row indices [R], their
+    selection [R, H'], per-layer stats) of a pass of R rows, from one of another row count."""
+    rows = lambda x: jax.ShapeDtypeStruct((R, *x.shape[1:]), x.dtype, weak_type=x.weak_type)  # noqa: E731
+    xr, idx, sel, stats = carry
+    return rows(xr), rows(idx), rows(sel), stats
 
 
 def _group_copies(copies, table: np.ndarray, groups) -> list[dict]:

@@ -115,10 +115,12 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
 
 def precompile_reuse(engine, reuse, progress: bool = True, workers: int | None = None, step_cache=None,
                      background: bool = False) -> int:
-    """Every pass of the `reuse` methods (policies) as `precompile` does the step variants: lowered here,
-    compiled on the warm-up pool, installed in the reuser's `compiled`, kept in (or loaded from) the step
-    cache; returns how many. The largest pass's scratch is checked against the free device memory
-    (`check_fits`), and counted in the engine's `largest_step_scratch` and `step_cache_hits`."""
+    """Every program of the `reuse` methods (policies; `Reuser.calls`: each pass shape, and its layer-group
+    programs where segments may come up from a lower tier) as `precompile` does the step variants: lowered
+    here, compiled on the warm-up pool, installed in the reuser's `compiled`, kept in (or loaded from) the
+    step cache; returns how many (each distinct program once). The largest program's scratch is checked
+    against the free device memory (`check_fits`), and counted in the engine's `largest_step_scratch` and
+    `step_cache_hits`."""
     jobs = _reuse_jobs(engine, reuse)
     names = ", ".join(dict.fromkeys(pol.name for pol in reuse))
     done, hits, largest, took, workers, cached = compile_programs(
@@ -126,8 +128,9 @@ def precompile_reuse(engine, reuse, progress: bool = True, workers: int | None =
     engine.largest_step_scratch = max(engine.largest_step_scratch, largest, key=lambda x: x[0])
     engine.step_cache_hits += hits
     note = f", {hits} from the step cache" if cached else ""
-    log.info("jaxkv: %d reuse passes (%s) ready in %.1f s (%d compile threads%s); the largest needs %.2f GiB "
-             "of scratch", done, names, took, workers, note, largest[0] / 2**30)
+    what = "passes and their layer groups" if any(len(v) > 4 for v, _, _ in jobs) else "passes"  # (l0, l1)
+    log.info("jaxkv: %d reuse programs (%s: %s) ready in %.1f s (%d compile threads%s); the largest needs "
+             "%.2f GiB of scratch", done, names, what, took, workers, note, largest[0] / 2**30)
     check_fits(largest[0], largest[1])
     return done
 

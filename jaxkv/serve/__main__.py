@@ -344,7 +344,8 @@ def main(argv=None) -> int:
         n -= sum(reuse_passes.values())
         state.info["precompiled_variants"] = n
         phases["precompile"] = took
-        passes = f" and {sum(reuse_passes.values())} reuse passes" if reuse_passes else ""
+        # reuse programs: the passes and, where segments can come from a lower tier, their layer groups
+        passes = f" and {sum(reuse_passes.values())} reuse programs" if reuse_passes else ""
         print(f"jaxkv: precompiled {n} step variants{passes} in {took:.1f}s", flush=True)
         reuse_names = []
     else:
@@ -357,7 +358,7 @@ def main(argv=None) -> int:
         except ValueError as e:  # an engine whose heads do not all keep full history
             print(f"python -m jaxkv.serve: error: {e}", file=sys.stderr)
             return 2
-        print(f"jaxkv: precompiled {reuse_passes[name]} {name} reuse passes in "
+        print(f"jaxkv: precompiled {reuse_passes[name]} {name} reuse programs in "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
     state.info["precompiled_reuse_passes"] = reuse_passes
     if args.warmup:
