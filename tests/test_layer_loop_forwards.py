@@ -99,9 +99,9 @@ def _reuse_run(model, loop, method):
     get_reuse_policy("sparsex"),
 ])
 def test_reuse_requests_give_the_same_tokens_shared_and_unrolled(reuse_model, method):
-    """A RedKnot (sparse FFN from layer 1, FFN reuse, edge promotion) and a SparseX reuse request: the same
-    tokens and per-layer statistics with the shared layer body as unrolled, first-token logits equal to
-    float rounding."""
+    """A RedKnot (sparse FFN from layer 1, FFN reuse, edge promotion; its shared layers run rolled) and a
+    SparseX reuse request: the same tokens and per-layer statistics with the shared layer body as unrolled,
+    first-token logits equal to float rounding."""
     (tok_u, st_u), (tok_s, st_s) = (_reuse_run(reuse_model, loop, method) for loop in ("unrolled", "shared"))
     assert tok_s == tok_u and len(tok_s) == 8
     assert (st_s.kv_writes, st_s.ffn_rows, st_s.ffn_dropped, st_s.promoted_heads) == (
@@ -143,3 +143,34 @@ def test_lowered_retrieval_decode_holds_one_layer_function_per_attention(toy, in
     assert len(calls) == L and len(bodies) == 2 and set(calls) == set(bodies)
     assert calls.count(calls[-1]) == L - 1  # layers 1 and 2 (split at the key tap) share one body
     assert "@layer" not in texts["unrolled"]
+
+
+def _redknot_pass_hlo(num_layers: int, policy) -> str:
+    """The compiled RedKnot reuse pass (all-padding batch, 32 tokens) of a random model of `num_layers`
+    layers whose reuse map mixes global and windowed heads (two windowed configurations)."""
+    from jaxkv.config import ModelConfig
+    from jaxkv.loading import Model
+
+    cfg = ModelConfig("llama", 256, 64, 128, num_layers, 4, 2, 16, tie_word_embeddings=True,
+                      max_position_embeddings=256)
+    model = Model(cfg, llama.init_params(cfg, jax.random.key(0)), None, {}, "random", None)
+    ring = (HeadClass.global_(), HeadClass.local(2, 8))
+    rows = [(HeadClass.global_(),) * 2] + [ring, ring[::-1]] * num_layers
+    eng = Engine(model, page_size=4, max_model_len=64, head_classes=all_global(num_layers, 2),
+                 segment_head_classes=HeadClassMap(num_layers, 2, tuple(rows[:num_layers])))
+    fn, args, static = eng.reuser._pass_call(policy, 32, 32, 0)
+    return fn.lower(*args, **static).compile().as_text()
+
+
+def test_redknot_pass_compiles_one_layer_body_whatever_the_layer_count():
+    """RedKnot's reuse pass runs its layer loop rolled (`rolled_layers`): the compiled program holds one
+    sparse layer body, so 3 and 6 layers compile to the same matmuls, fusions and loops (inlined, every
+    layer added its own copy: the pass compiled for minutes at 8K on an H100)."""
+    pol = get_reuse_policy("redknot", dense_until=1, ffn_reuse=True)
+    assert pol.rolled_layers and pol.device_form() is pol
+    ops = {}
+    for n in (3, 6):
+        hlo = _redknot_pass_hlo(n, pol)
+        ops[n] = {op: len(re.findall(rf" {op}\(", hlo)) for op in ("dot", "fusion", "while")}
+    assert ops[3]["dot"] > 0 and ops[3]["while"] > 0
+    assert ops[3] == ops[6]

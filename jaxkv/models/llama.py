@@ -70,6 +70,9 @@ def _qkv(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, freqs):
 #   no faster (3.9 s against 3.5 s unrolled) and the decode step took 4.2 against 2.1 ms at batch 32 (XLA's
 #   dynamic-slice fusion flag did not change it): slices of stacked weights feeding GEMMs are copied every
 #   step.
+# A forward whose layer body is too large to compile L times runs `SharedLayers` rolled instead
+# (`run_layers(rolled=True)`: one `lax.fori_loop`, each layer's weights picked by a switch; the RedKnot
+# reuse pass).
 
 
 @jax.tree_util.register_pytree_node_class
@@ -104,9 +107,14 @@ def forward(
 
 def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, freqs, attend: AttendFn,
                state: State, reduce=None, layer_xs: Any = None, *, start: int = 0, stop: int | None = None,
-               per_layer: Sequence | None = None, layer: Callable = None) -> tuple[jax.Array, State]:
+               per_layer: Sequence | None = None, layer: Callable = None,
+               rolled: bool = False) -> tuple[jax.Array, State]:
     """Layers [start, stop) (default: every layer) over the residual stream x: unrolled for a list of layers,
     one shared layer body for `SharedLayers`, one `lax.scan` for stacked layers.
+
+    `rolled` (`SharedLayers` only): the range runs as one `lax.fori_loop` whose iteration takes its layer's
+    weights through a switch over the range's layers (`_rolled_layers`), so XLA compiles the layer body
+    once instead of inlining it per layer; for a body too large to compile L times.
 
     A forward that runs plain code between layers (a tap: "before layer k") calls this once per range; with
     `SharedLayers` every range run with the same `attend` (and `layer`) in one trace calls the same jitted
@@ -124,6 +132,9 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
         raise ValueError(f"per_layer has {len(items)} items for layers [{start}, {stop})")
     if start >= stop:
         return x, (state if items is None else (state, ()))
+    if isinstance(layers, SharedLayers) and rolled and items is None:
+        return _rolled_layers(layers, cfg, x, positions, freqs, attend, state, reduce, layer_xs, start, stop,
+                              layer)
     if isinstance(layers, SharedLayers):
         call = _shared_layer(cfg, attend, reduce, layer_xs is not None, layer)
         for i in range(start, stop):
@@ -159,6 +170,30 @@ def run_layers(layers, cfg: ModelConfig, x: jax.Array, positions: jax.Array, fre
     if items is None:
         return x, state
     return x, (state, tuple(jax.tree.map(functools.partial(_take, j), out) for j in range(stop - start)))
+
+
+def _rolled_layers(layers, cfg, x, positions, freqs, attend, state, reduce, layer_xs, start: int, stop: int,
+                   layer: Callable):
+    """Layers [start, stop) of `SharedLayers` as one `lax.fori_loop`: the compiled program holds one layer
+    body whatever the layer count, where inlined shared bodies hold L (SmolLM2-135M's RedKnot reuse pass at
+    8K on an H100: compile 78.8 -> 10.9 s; docs/benchmarks.md, "Reuse pass compile"). Each iteration takes
+    its layer's weights through a switch over the range's layers (as `rolled_forward` of the compression
+    programs), a copy of one layer's weights, never a stacked copy of the model: one extra pass over the
+    weights per forward, which a small-row forward would feel and an 8K prefill did not (that pass: 168 ->
+    143 ms)."""
+    part = tuple(layers[start:stop])
+    if len({jax.tree.structure(p) for p in part}) > 1:
+        raise ValueError("a rolled layer loop needs every layer of the range to have the same parameters")
+    pick = [functools.partial(_take, j) for j in range(len(part))]
+
+    def body(i, carry):
+        x, state = carry
+        p = jax.lax.switch(i - start, pick, part)
+        fn = attend if layer_xs is None else functools.partial(
+            _with_xs, attend, jax.tree.map(functools.partial(_take, i), layer_xs))
+        return layer(p, cfg, i, x, positions, freqs, fn, state, reduce)
+
+    return jax.lax.fori_loop(start, stop, body, (x, state))
 
 
 def _no_attend(*args):

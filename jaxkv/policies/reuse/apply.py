@@ -21,7 +21,10 @@ Phases (3) and (5) run through the model's layer loop (`llama.run_layers`): with
 layer body per phase, the sparse phase split where the method's static choices change
 (`ReusePolicy.layer_breaks`); per-layer statistics are `[L]` arrays each layer writes at its index.
 SmolLM2-135M (30 layers), a RedKnot request on the CPU: trace 2.8-3.3 -> 0.3-0.5 s, lowering 1.5-1.6 ->
-0.25-0.35 s (best of 3), a 9x smaller lowered program.
+0.25-0.35 s (best of 3), a 9x smaller lowered program. XLA still inlines a shared body once per layer, so a
+method with a large layer body (`ReusePolicy.rolled_layers`: RedKnot's windowed attention per head-class
+configuration, probe-mass loops, sorts) runs each range as one rolled loop (`llama.run_layers(rolled=True)`):
+one compiled layer body whatever the layer count (SmolLM2 at 8K on an H100: compile 78.8 -> 10.9 s).
 """
 
 from __future__ import annotations
@@ -359,7 +362,8 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
     def run_phase(x, pool, stats, rows, start, stop, writes_mask, **kw):
         span = (start, stop) if offset is None else None  # a data offset: no static span to give hooks
         return llama.run_layers(params["layers"], cfg, x, rows["positions"], freqs, None, (pool, stats),
-                                start=start, stop=stop, layer=phase(rows, writes_mask, span, **kw))
+                                start=start, stop=stop, layer=phase(rows, writes_mask, span, **kw),
+                                rolled=policy.rolled_layers)
 
     T = b["tokens"].shape[0]
     valid = b["positions"] >= 0

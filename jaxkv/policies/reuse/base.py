@@ -166,6 +166,10 @@ class ReusePolicy:
     # Unpromoted local heads attend to their sinks + window only in the sparse phase (RedKnot's local
     # recovery); else every head sees the whole history.
     local_windows: ClassVar[bool] = False
+    # The pass's layer loop is one `lax.fori_loop` (`llama.run_layers(rolled=True)`): one compiled layer
+    # body instead of one per layer, for a method whose layer body is large (RedKnot: per-layer windowed
+    # attention variants, probe-mass loops, sorts); it costs a copy of each layer's weights per pass.
+    rolled_layers: ClassVar[bool] = False
     full_layers: int = 0
 
     def __post_init__(self):
@@ -228,7 +232,8 @@ class ReusePolicy:
         pass of its `full_layers`, and such methods share one program per shape."""
         cls = type(self)
         base = ReusePolicy
-        if ((cls.selects, cls.local_windows) != (base.selects, base.local_windows)
+        if ((cls.selects, cls.local_windows, cls.rolled_layers) != (base.selects, base.local_windows,
+                                                                    base.rolled_layers)
                 or any(getattr(cls, h) is not getattr(base, h) for h in DEVICE_HOOKS)):
             return self
         return PlainPass(full_layers=self.full_layers)
@@ -240,7 +245,8 @@ class ReusePolicy:
         return np.ones(np.shape(is_global), bool) if self.reuses else np.zeros(np.shape(is_global), bool)
 
 
-# What the compiled pass reads of a method besides `full_layers`, `selects` and `local_windows`.
+# What the compiled pass reads of a method besides `full_layers`, `selects`, `local_windows` and
+# `rolled_layers`.
 DEVICE_HOOKS = ("score", "head_writes", "ffn_rows", "ffn_capacity_rows", "head_promote", "layer_breaks",
                 "uses_segment_ffn", "selects_per_head")
 

@@ -54,6 +54,10 @@ from jaxkv.policies.reuse.base import (
 @dataclasses.dataclass(frozen=True)
 class RedKnot(ReusePolicy):
     name = "redknot"
+    # Its layer body (a flash branch per windowed head-class configuration of the map, probe-mass loops,
+    # sorts) compiled once per layer: 79 s to over 100 s per 8K pass shape on an H100 (SmolLM2); rolled,
+    # once per pass: 11-37 s (docs/benchmarks.md, "Reuse pass compile").
+    rolled_layers = True
     dense_until: int = 2  # layers with a dense FFN (the paper's 20 of 32-80; 2 of 8 here)
     mass_thresh: float = 0.8  # the paper's 0.5 selects fewer sources than the dilation can use (docs/eval.md)
     recent_n: int = 128
