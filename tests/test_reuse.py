@@ -281,6 +281,9 @@ def test_spread_forward_takes_the_max_of_the_rows_just_before():
     # Row 0's 5 reaches positions 1, 2; row 1's 1 (head 1) reaches 2, 3; position 7 is 4 after 3; padding
     # keeps its own value and gives none.
     np.testing.assert_array_equal(got, [[5, 0], [5, 1], [5, 1], [0, 1], [0, 0], [2, 0], [9, 9]])
+    # a width beyond the rows (RedKnot's default dilation 16 over an 8-row pass): every earlier row reaches
+    wide = np.asarray(spread_forward(score[:4], positions[:4], 16))
+    np.testing.assert_array_equal(wide, [[5, 0], [5, 1], [5, 1], [5, 1]])
 
 
 def test_redknot_ffn_dilation_runs_the_ffn_on_more_rows(model, pieces):

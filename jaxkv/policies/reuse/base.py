@@ -134,7 +134,7 @@ def spread_forward(values: jax.Array, positions: jax.Array, width: int) -> jax.A
     valid = positions >= 0
     fill = jnp.zeros((), values.dtype) if values.dtype == bool else jnp.asarray(NEG, values.dtype)
     out = values
-    for k in range(1, width + 1):
+    for k in range(1, min(width, values.shape[0] - 1) + 1):  # no row lies R or more rows before another
         src = jnp.concatenate([jnp.full((k,) + values.shape[1:], fill), values[:-k]])
         src_pos = jnp.concatenate([jnp.full((k,), -1, positions.dtype), positions[:-k]])
         reach = valid & (src_pos >= 0) & (positions - src_pos <= width)
