@@ -4,7 +4,8 @@ reference shared): python -m benchmarks.eval_reuse --tasks qa,mq_niah,vt --conte
 Methods run through the serving engine (`jaxkv.eval.reuse_methods`); `full` is the dense oracle, run once per
 instance and used for every method's first-token agreement. A method spec is ``name`` or
 ``name:field=value;field=value`` (reuse-policy fields, for ablations). Prints one markdown table (mean over
-instances) and writes all rows to --out.
+instances) and writes all rows to --out. The progress line of each instance says how many programs it compiled
+(`jaxkv.engine.compilations`): after the first instance of a context, close to none.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ DEFAULT_METHODS = ("reuse_full,naive,epic,cacheblend,sparsex,sparsex:per_head=tr
 
 def main(argv=None) -> int:
     import jaxkv
+    from jaxkv.engine import compilations
     from jaxkv.eval import metrics, tasks
     from jaxkv.eval.__main__ import DEFAULT_MODEL, _parse_opts
     from jaxkv.eval.methods import PromptPieces, get_method
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     record = {"command": command_line("benchmarks.eval_reuse", argv), "device": describe_device(),
               "args": vars(args)}
 
+    compilations.install()
     model = jaxkv.load(args.model, dtype=args.dtype)
     tok = model.tokenizer
     stop = tuple(model.config.eos_token_ids) or tuple(tok.eos_token_ids)
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
     for spec in specs:
         name, _, opts = spec.partition(":")
         methods[spec] = get_method(name, model, **_parse_opts(opts.replace(";", ",")))
-    rows = []
+    rows, compiled = [], []
     t_start = time.time()
     for task in args.tasks.split(","):
         instances = tasks.make_instances(task, args.context, args.num, seed=args.seed, tokenizer=tok)
@@ -59,6 +62,7 @@ def main(argv=None) -> int:
             enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
             pieces = PromptPieces(enc(inst.prefix), [enc(s) for s in inst.segments], enc(inst.suffix))
             max_new = len(enc(inst.target)) + 8
+            before = compilations.xla_programs()["compiled"]
             ref = full.run(pieces, max_new, stop)
             for spec, meth in [("full", full)] + list(methods.items()):
                 out = ref if spec == "full" else meth.run(pieces, max_new, stop)
@@ -72,10 +76,13 @@ def main(argv=None) -> int:
                        "recompute": out.prefill_flops.get("recompute_fraction", 1.0), "prediction": pred}
                 row |= metrics.logit_agreement(out.first_logits, ref.first_logits)
                 rows.append(row)
-            print(f"[{time.time() - t_start:7.1f}s] {task} #{i} done", file=sys.stderr, flush=True)
-        write_json(args.out, record | {"rows": rows})  # partial
+            compiled.append({"task": task, "index": i,
+                             "programs": compilations.xla_programs()["compiled"] - before})
+            print(f"[{time.time() - t_start:7.1f}s] {task} #{i} done, compiled {compiled[-1]['programs']} "
+                  "programs", file=sys.stderr, flush=True)
+        write_json(args.out, record | {"rows": rows, "compiled": compiled})  # partial
         print(table(rows, args), flush=True)
-    write_json(args.out, record | {"rows": rows})
+    write_json(args.out, record | {"rows": rows, "compiled": compiled})
     print(table(rows, args))
     return 0
 

@@ -25,7 +25,7 @@ import numpy as np
 from jaxkv.cache.allocator import OutOfPages
 from jaxkv.cache.head_classes import HeadClassMap, load_or_default
 from jaxkv.cache.segments import SegmentEntry, SegmentError, SegmentStore
-from jaxkv.engine.buckets import bucket_for, powers_of_two
+from jaxkv.engine.buckets import bucket_for
 from jaxkv.engine.programs import Programs
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.runner import StepBatch
@@ -257,7 +257,12 @@ class Reuser:
         sp = 0 if scratch is None else scratch.shape[2]
         allp = pages if not sp else np.concatenate([scratch, pages], axis=2)
         step = eng.scheduler.max_step_tokens
-        P = bucket_for(allp.shape[2], powers_of_two(max(allp.shape[2], 1), start=4))
+        # the engine's page-width classes (what precompile compiled), not the page count itself: segments of
+        # every length share a few step variants instead of compiling one per length in pages; a power of
+        # two past the widest class (anchor + context + segment beyond the context's pages)
+        n_pages = allp.shape[2]
+        P = (bucket_for(n_pages, eng._page_buckets) if n_pages <= eng._page_buckets[-1]
+             else 1 << (n_pages - 1).bit_length())
         table = np.full((1, L, H, P), -1, np.int32)
         table[0, :, :, :allp.shape[2]] = allp
         seq = list(self.anchor) + list(context) + list(tokens)

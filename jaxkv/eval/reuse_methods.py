@@ -55,28 +55,39 @@ class EngineReuse(Method):
         self.engine = None
 
     def _engine_for(self, num_tokens: int, num_segments: int = 0):
-        """One engine sized for the longest prompt so far, rounded up to a power of two (at least 1,024
-        tokens), so the prompts of one task and context share one engine and its compiled programs (a new
-        engine compiles everything again): a pool of ~4 such prompts (the request, its segments, slack)
-        keeps every whole-pool op cheap on CPU. Its pages per head have slack for the page-alignment holes
-        of `num_segments` segments (at least `MIN_SEGMENTS`), so a prompt whose tokens fit the model's
-        context fits however many segments it has."""
-        cfg, ps = self.model.config, 16
-        num_tokens = 1 << max(10, (num_tokens - 1).bit_length())
+        """One engine for the prompts of one task and context, so they share its compiled programs (a new
+        engine compiles everything again). It is built for the prompt's power-of-two bucket (at least 1,024
+        tokens) with a pool of ~4 such prompts (the request, its segments, slack), which keeps every
+        whole-pool op cheap on CPU, and its pages per head have slack for the page-alignment holes of
+        `num_segments` segments (at least `MIN_SEGMENTS`), so a prompt whose tokens fit the model's context
+        fits however many segments it has. A later prompt keeps it while it fits (`_fits`): prompts of
+        one context with their answers straddle a power of two by a few tokens, and a rebuild there would
+        compile every program of the eval again. Segments of earlier prompts are dropped when the pool runs
+        short, not copied to host memory (`segment_host_bytes=0`): the eval never reads them from there,
+        and each copy compiled gathers for its segment's size."""
         num_segments = max(num_segments, MIN_SEGMENTS)
-        need = 4 * cfg.num_layers * cfg.num_kv_heads * (num_tokens // ps + 16 + num_segments)
         eng = self.engine
-        if (eng is None or eng.allocator.num_pages < need
-                or eng.config.segments.max_segments < num_segments):
+        if eng is None or not self._fits(eng, num_tokens, num_segments):
+            cfg = self.model.config
+            bucket = 1 << max(10, (num_tokens - 1).bit_length())
+            self.engine = None  # release the old pool before allocating the new one
             self.engine = self._engine_cls(
-                self.model, page_size=ps, num_pages=need, max_num_seqs=1, max_step_tokens=512,
-                max_model_len=min(cfg.max_position_embeddings, 2 * num_tokens + 1024),
+                self.model, page_size=PAGE_SIZE, num_pages=_pages(cfg, bucket, num_segments, POOL_PROMPTS),
+                max_num_seqs=1, max_step_tokens=512,
+                max_model_len=min(cfg.max_position_embeddings, 2 * bucket + 1024),
                 head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
                 segment_anchor=self.anchor, segment_start=self.segment_start,
                 segment_head_classes=self.head_classes,
-                segment_max_segments=num_segments)
+                segment_max_segments=num_segments, segment_host_bytes=0)
             self.engine.reuser.keep_logits = True
         return self.engine
+
+    def _fits(self, eng, num_tokens: int, num_segments: int) -> bool:
+        """Whether `eng` serves a prompt (with its answer) of `num_tokens` tokens and `num_segments` segments:
+        its context holds the tokens, its slack the segments' holes, and its pool three such prompts (the
+        request, its segments and room to spare; segments of earlier prompts are dropped for them)."""
+        return (eng.max_model_len >= num_tokens and eng.config.segments.max_segments >= num_segments
+                and eng.allocator.num_pages >= _pages(self.model.config, num_tokens, num_segments, 3))
 
     def run(self, pieces: PromptPieces, max_new_tokens: int, stop_ids: tuple[int, ...]) -> MethodOutput:
         cfg = self.model.config
@@ -128,6 +139,13 @@ class EngineReuse(Method):
 
 CONTEXTS = ("none", "shuffled", "prompt")
 MIN_SEGMENTS = 16  # reuse slack of every eval engine: the RAG tasks' 16 documents (docs/eval.md)
+PAGE_SIZE = 16
+POOL_PROMPTS = 4  # prompts of its bucket an eval engine's pool holds
+
+
+def _pages(cfg, num_tokens: int, num_segments: int, prompts: int) -> int:
+    """Pool pages for `prompts` prompts of `num_tokens` tokens, each with a page of slack per segment."""
+    return prompts * cfg.num_layers * cfg.num_kv_heads * (-(-num_tokens // PAGE_SIZE) + 16 + num_segments)
 
 
 def flops(cfg, st) -> dict[str, float]:
