@@ -308,26 +308,23 @@ class Reuser:
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             raise ValueError(f"{what} token ids must lie in [0, {vocab})")
 
-    def _blank_batch(self, T: int, npg: int, copies: bool = True) -> dict:
+    def _blank_batch(self, T: int, npg: int) -> dict:
         """A reuse pass's inputs for a prompt bucket of T tokens and `npg` pages per head, all padding (every
-        position, slot, page and copy entry -1: a pass over it writes nothing). Every size but T follows
-        T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"): pages
-        per head are the bucket of max(npg, T / page size) (T holds the layout's slots, so T's own), the
-        copy and clear lists the whole table, the probes T (read `PROBE_CHUNK` at a time, up to the last)."""
+        position, slot and page -1: a pass over it writes nothing), its page copies aside (`_group_copies`:
+        the whole table's worth for one program, each group's share for a grouped pass). Every size but T
+        follows T where it can, so layouts of one bucket share a compiled pass (docs/policies.md, "Buckets"):
+        pages per head are the bucket of max(npg, T / page size) (T holds the layout's slots, so T's own),
+        the probes T (read `PROBE_CHUNK` at a time, up to the last)."""
         L, H = self.cfg.num_layers, self.cfg.num_kv_heads
         Pb = self._table_pages(T, npg)
-        M = L * H * Pb  # segment pages <= the table's entries
         Np = -(-T // PROBE_CHUNK) * PROBE_CHUNK  # probes are prompt tokens: never more than T
         i32 = lambda shape, v=-1: np.full(shape, v, np.int32)  # noqa: E731
-        b = {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
-             "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
-             "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": i32((), 0),
-             "num_selected": i32((), 0), "probe": i32(Np), "temperature": np.zeros(1, np.float32),
-             "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
-             "counters": i32(1, 0)}
-        if copies:  # a grouped pass takes its copies per group instead (`_group_copies`)
-            b.update(src=i32(M), dst=i32(M), delta=i32(M, 0), clear=i32(M))
-        return b
+        return {"tokens": i32(T, 0), "positions": i32(T), "is_new": np.zeros(T, bool),
+                "forced": np.zeros(T, bool), "seg_offset": i32(T), "storage": i32(T),
+                "page_table": i32((1, L, H, Pb)), "lengths": i32((1, L, H), 0), "last": i32((), 0),
+                "num_selected": i32((), 0), "probe": i32(Np), "temperature": np.zeros(1, np.float32),
+                "top_k": i32(1, 0), "top_p": np.ones(1, np.float32), "seeds": np.zeros(1, np.uint32),
+                "counters": i32(1, 0)}
 
     def _table_pages(self, T: int, npg: int) -> int:
         """Page-table width of a pass of token bucket T over a layout of `npg` pages per head."""
@@ -432,6 +429,7 @@ class Reuser:
     def _pass_batch(self, policy: ReusePolicy, T: int) -> dict:
         """The all-padding batch of token bucket T, with the FFN cache a method that reads one gets."""
         b = self._blank_batch(T, 1)
+        b.update(_group_copies([], b["page_table"][0], [(0, self.cfg.num_layers)])[0])
         if policy.uses_segment_ffn:
             b["ffn_cache"] = self.ffn_cache.for_prompt([], T)
         return b
@@ -624,7 +622,7 @@ class Reuser:
         if probe.size == 0:
             probe = np.nonzero(lay.is_new)[0]
         grouped = promotion is not None and len(groups) > 1
-        b = self._blank_batch(T, npg, copies=not grouped)
+        b = self._blank_batch(T, npg)
         b["lengths"][:] = slot
         b["last"][...], b["num_selected"][...] = n - 1, k_sel
         b["tokens"][:n], b["positions"][:n], b["is_new"][:n] = tokens, np.arange(n), lay.is_new
@@ -633,8 +631,7 @@ class Reuser:
         b["probe"][:probe.size] = probe
         per_group = _group_copies(copies, b["page_table"][0], groups if grouped else [(0, L)])
         if not grouped:
-            for k, x in per_group[0].items():
-                b[k][:len(x)] = x
+            b.update(per_group[0])
         if pol.uses_segment_ffn:
             b["ffn_cache"] = self.ffn_cache.for_prompt(pieces, T)
         sp = req.sampling
