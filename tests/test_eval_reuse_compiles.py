@@ -1,14 +1,16 @@
 """The reuse eval compiles its programs on the first instance of a context: later instances, whose segments
 have other lengths in pages, whose prompts with their answers straddle the engine's power-of-two bucket and
 whose segments push earlier ones out of the pool, compile nothing (but the second request's one-off clearing
-of the first one's table row) and give the tokens and first-token logits of a fresh engine per instance."""
+of the first one's table row) and give the tokens and first-token logits of a fresh engine per instance; with
+RedKnot's FFN reuse, segments of new lengths also keep and place their FFN outputs without a new program."""
 
 import numpy as np
 import pytest
 
 from tests.hf_tiny import make_tiny_checkpoint
 
-METHODS = ("naive", "cacheblend", "redknot")
+# name -> reuse-policy fields; RedKnot's FFN reuse also places each segment's kept FFN outputs per prompt
+METHODS = {"naive": {}, "cacheblend": {}, "redknot": {}, "redknot-ffn": {"ffn_reuse": True, "ffn_select": "deviation"}}
 PREFIX = [1] + [5 + j % 50 for j in range(19)]
 SUFFIX = [60 + j % 30 for j in range(20)]
 
@@ -55,11 +57,12 @@ def compiled_names(run) -> set[str]:
     return {k for k, v in compilations.seconds()[1].items() if v != before.get(k)}
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_instances_after_the_first_compile_nothing_and_match_a_fresh_engine(model, name):
+@pytest.mark.parametrize("label", METHODS)
+def test_instances_after_the_first_compile_nothing_and_match_a_fresh_engine(model, label):
     from jaxkv.eval.registry import get_method
 
-    method = get_method(name, model)
+    name, opts = label.split("-")[0], METHODS[label]
+    method = get_method(name, model, **opts)
     prompts = [pieces_of(i, split) for i, split in enumerate(SPLITS)]
     outs = [method.run(prompts[0], 8, ())]
     # the second request compiles the clearing of the first one's device-table row, once per engine
@@ -70,7 +73,7 @@ def test_instances_after_the_first_compile_nothing_and_match_a_fresh_engine(mode
     outs += [method.run(p, 8, ()) for p in prompts[2:]]
     assert compiled() == before, f"{name}: later instances compiled {compiled() - before} programs"
     for p, out in zip(prompts, outs, strict=True):
-        ref = get_method(name, model).run(p, 8, ())  # a new engine for this prompt alone
+        ref = get_method(name, model, **opts).run(p, 8, ())  # a new engine for this prompt alone
         assert out.token_ids == ref.token_ids and len(out.token_ids) == 8
         assert np.array_equal(out.first_logits, ref.first_logits)
 

@@ -596,7 +596,7 @@ def test_redknot_ffn_reuse_is_exact_where_the_segment_context_is_unchanged(model
     assert max(st.ffn_rows) <= st.prompt_tokens - 8 and max(st.ffn_dropped) == 0  # segment rows skipped
     np.testing.assert_allclose(st.first_logits, dense, atol=1e-4)
     e = eng.reuser.store.find(s1)
-    assert e.ffn.shape == (model.config.num_layers, len(s1), model.config.hidden_size)
+    assert e.ffn.rows().shape == (model.config.num_layers, len(s1), model.config.hidden_size)
     _, zero = run(make_engine(model, segment_anchor=anchor), anchor, [s1], suf,
                   get_reuse_policy("redknot", **sparse))
     assert np.abs(zero.first_logits - dense).max() > 1e-2
@@ -619,7 +619,8 @@ def test_segment_ffn_cache_stays_within_its_budget(model, pieces):
     pol = get_reuse_policy("redknot", ffn_reuse=True, dense_until=0, ffn_capacity=0.4, mass_thresh=0.05,
                            ffn_dilate=0, recent_n=1)
     cfg = model.config
-    one = cfg.num_layers * max(len(s1), len(s2)) * cfg.hidden_size * 4  # fp32 [L, n, hidden]
+    # fp32 [L, W, hidden]: an entry keeps its forward's padded output (BOS anchor + segment, bucketed)
+    one = cfg.num_layers * row_bucket(1 + max(len(s1), len(s2)), floor=128) * cfg.hidden_size * 4
     eng = make_engine(model, segment_ffn_cache_bytes=one)   # room for one segment's outputs
     first, st1 = run(eng, pre, [s1], suf, pol)
     e1 = eng.reuser.store.find(s1)
@@ -627,7 +628,7 @@ def test_segment_ffn_cache_stays_within_its_budget(model, pieces):
     run(eng, pre, [s2], suf, pol)
     e2 = eng.reuser.store.find(s2)
     assert e1.ffn is None and e2.ffn is not None            # s1 was least recently used
-    assert eng.reuser.ffn_cache.nbytes == e2.ffn.size * e2.ffn.dtype.itemsize <= one
+    assert eng.reuser.ffn_cache.nbytes == e2.ffn.nbytes <= one
     again, st2 = run(eng, pre, [s1], suf, pol)              # recomputed, same answer
     assert again == first
     np.testing.assert_allclose(st2.first_logits, st1.first_logits, atol=1e-6)
@@ -668,8 +669,8 @@ def test_segment_ffn_outputs_are_built_only_for_methods_that_declare_them(model,
     out2, _ = run(declared, pre, [s1], suf, NaiveReadingFFN())
     e = declared.reuser.store.find(s1)
     cfg = model.config
-    assert e.ffn.shape == (cfg.num_layers, len(s1), cfg.hidden_size) and len(declared.reuser.ffn_cache) == 1
-    assert declared.reuser.ffn_cache.nbytes == e.ffn.size * e.ffn.dtype.itemsize
+    assert e.ffn.rows().shape == (cfg.num_layers, len(s1), cfg.hidden_size) and len(declared.reuser.ffn_cache) == 1
+    assert declared.reuser.ffn_cache.nbytes == e.ffn.nbytes
     assert out2 == out  # naive runs every row's FFN, so the outputs it was given change nothing
 
 

@@ -211,8 +211,11 @@ def test_segment_register_reuse_delete(server, tok, ckpt):
     assert server.metric("jaxkv_reuse_requests_total", method="cacheblend") >= 2
     # RedKnot's ffn_reuse kept the segment's FFN outputs beside it: the card says how much memory that is.
     cfg = json.loads((ckpt / "config.json").read_text())  # served in float32 on a CPU (--dtype auto)
+    # It keeps its forward's padded output: the BOS anchor and the document, rows bucketed.
+    from jaxkv.engine.reuse import row_bucket
+
     assert http(server, "GET", f"segments/{seg}").json()["ffn_cache_bytes"] == (
-        cfg["num_hidden_layers"] * len(doc_ids) * cfg["hidden_size"] * 4)
+        cfg["num_hidden_layers"] * row_bucket(1 + len(doc_ids), floor=128) * cfg["hidden_size"] * 4)
 
     # Streaming with reuse, and the segment as a chat content part.
     chunks = list(client(server).completions.create(

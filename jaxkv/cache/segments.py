@@ -65,7 +65,7 @@ class SegmentEntry:
     hits: int = 0
     start: int = 0  # original position of the first token (anchor + context length; 0 without either)
     context: tuple[int, ...] = ()  # tokens the segment was prefilled after (its K/V dropped)
-    ffn: object = None  # device [L, n, hidden]: each layer's FFN output per token (RedKnot ffn_reuse; lazy)
+    ffn: object = None  # SegmentFFN: each layer's FFN outputs, on the device (RedKnot ffn_reuse; lazy)
 
     @property
     def length(self) -> int:

@@ -167,7 +167,7 @@ def segment_not_found(seg_id: str, param: str | None = None, status: int = 400) 
 def segment_card(tiers, e) -> dict:
     """A segment as /v1/segments shows it: its tiers (fastest first) and the bytes of K/V + positions it
     holds in each (docs/segments.md)."""
-    ffn = 0 if e.ffn is None else int(e.ffn.size * e.ffn.dtype.itemsize)
+    ffn = 0 if e.ffn is None else e.ffn.nbytes
     return {"id": e.segment_id, "object": "segment", "num_tokens": e.length, "frozen": e.frozen,
             "tier_pin": tiers.pins.get(e.segment_id), "tiers": tiers.tiers(e), "bytes": tiers.tier_bytes(e),
             "in_use": e.refcount, "hits": e.hits, "ffn_cache_bytes": ffn, "context_tokens": len(e.context)}

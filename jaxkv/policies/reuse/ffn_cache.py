@@ -3,13 +3,18 @@
 A method that declares `ReusePolicy.uses_segment_ffn` gets, per prompt, an [L, T, hidden] array: every
 reused token's FFN output from its segment's own prefill (after the anchor and context, at the segment's
 positions), zeros for new text and padding. The outputs are computed on a segment's first use by a dense
-forward and kept on its `SegmentEntry` (`ffn`) within a byte budget of their own (they live outside the
-page pool); the least recently used are dropped past it and recomputed on their next use, so dropping one
-never changes an answer.
+forward and kept on its `SegmentEntry` (`ffn`, a `SegmentFFN`) within a byte budget of their own (they live
+outside the page pool); the least recently used are dropped past it and recomputed on their next use, so
+dropping one never changes an answer.
+
+Shapes follow buckets, never a segment's length: a segment keeps its forward's whole padded output with the
+offset and count of its own rows, and a prompt's array is assembled by one placement program per segment
+(shapes: the pass's token bucket and the forward's bucket), so a new document length compiles nothing new.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,6 +24,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.segments import SegmentEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentFFN:
+    """A segment's kept FFN outputs: `out` [L, W, hidden] is its padded forward's output (anchor and
+    context rows first), rows [offset, offset + length) are the segment's own tokens."""
+
+    out: jax.Array
+    offset: int
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.out.size) * self.out.dtype.itemsize
+
+    def rows(self) -> jax.Array:
+        """[L, length, hidden]: the segment's own rows (a copy; for inspection, not the serving path)."""
+        return self.out[:, self.offset:self.offset + self.length]
 
 
 class SegmentFFNCache:
@@ -49,18 +72,18 @@ class SegmentFFNCache:
         """[L, T, hidden]: every reused token's FFN output (zeros for new text and padding). `pieces` are
         (tokens, SegmentEntry or None) in prompt order."""
         L, hd = self.cfg.num_layers, self.cfg.hidden_size
-        dtype = self._params()["embed"].dtype
-        parts, used = [], 0
+        out = jnp.zeros((L, T, hd), self._params()["embed"].dtype)
+        start = 0
         for toks, e in pieces:
-            m = len(toks)
-            parts.append(jnp.zeros((L, m, hd), dtype) if e is None else self.segment(e).astype(dtype))
-            used += m
-        parts.append(jnp.zeros((L, T - used, hd), dtype))
-        return jnp.concatenate(parts, axis=1)
+            if e is not None:
+                kept = self.segment(e)
+                out = _place(out, kept.out, np.int32(start), np.int32(kept.offset), np.int32(kept.length))
+            start += len(toks)
+        return out
 
-    def segment(self, e: SegmentEntry):
-        """[L, n, hidden] FFN outputs of the segment's own prefill, computed on first use and kept with the
-        entry while the budget allows."""
+    def segment(self, e: SegmentEntry) -> SegmentFFN:
+        """The FFN outputs of the segment's own prefill, computed on first use and kept with the entry while
+        the budget allows."""
         if e.ffn is not None:
             self._lru.move_to_end(e.segment_id)
             return e.ffn
@@ -72,7 +95,7 @@ class SegmentFFNCache:
         positions = np.full(T, -1, np.int32)
         tokens[:len(seq)] = seq
         positions[:len(seq)] = np.concatenate([np.arange(a - c), e.start - c + np.arange(c + n)])
-        ffn = _segment_ffn(self._params(), tokens, positions, cfg=self.cfg)[:, a:a + n]
+        ffn = SegmentFFN(_segment_ffn(self._params(), tokens, positions, cfg=self.cfg), a, n)
         self._keep(e, ffn)
         return ffn
 
@@ -95,8 +118,19 @@ class SegmentFFNCache:
         self._lru[e.segment_id] = e
 
 
-def _nbytes(a) -> int:
-    return 0 if a is None else int(a.size) * a.dtype.itemsize
+def _nbytes(kept) -> int:
+    return 0 if kept is None else kept.nbytes
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _place(out, ffn, start, offset, n):
+    """out [L, T, hidden] with rows [start, start + n) set to rows [offset, offset + n) of ffn [L, W,
+    hidden], the other rows unchanged: a gather over the pass's rows, so its shapes are (T, W) whatever
+    the segment's length and place."""
+    t = jnp.arange(out.shape[1])
+    src = jnp.clip(t - start + offset, 0, ffn.shape[1] - 1)
+    mine = (t >= start) & (t < start + n)
+    return jnp.where(mine[None, :, None], jnp.take(ffn, src, axis=1).astype(out.dtype), out)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
