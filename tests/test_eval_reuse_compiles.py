@@ -10,7 +10,8 @@ import pytest
 from tests.hf_tiny import make_tiny_checkpoint
 
 # name -> reuse-policy fields; RedKnot's FFN reuse also places each segment's kept FFN outputs per prompt
-METHODS = {"naive": {}, "cacheblend": {}, "redknot": {}, "redknot-ffn": {"ffn_reuse": True, "ffn_select": "deviation"}}
+METHODS = {"naive": {}, "cacheblend": {}, "redknot": {},
+           "redknot-ffn": {"ffn_reuse": True, "ffn_select": "deviation"}}
 PREFIX = [1] + [5 + j % 50 for j in range(19)]
 SUFFIX = [60 + j % 30 for j in range(20)]
 

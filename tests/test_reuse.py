@@ -669,7 +669,8 @@ def test_segment_ffn_outputs_are_built_only_for_methods_that_declare_them(model,
     out2, _ = run(declared, pre, [s1], suf, NaiveReadingFFN())
     e = declared.reuser.store.find(s1)
     cfg = model.config
-    assert e.ffn.rows().shape == (cfg.num_layers, len(s1), cfg.hidden_size) and len(declared.reuser.ffn_cache) == 1
+    assert e.ffn.rows().shape == (cfg.num_layers, len(s1), cfg.hidden_size)
+    assert len(declared.reuser.ffn_cache) == 1
     assert declared.reuser.ffn_cache.nbytes == e.ffn.nbytes
     assert out2 == out  # naive runs every row's FFN, so the outputs it was given change nothing
 
