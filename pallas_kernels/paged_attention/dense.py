@@ -27,6 +27,10 @@ TILE_SLOTS = 128
 # with 128; 2048 no better).
 DECODE_ROWS = 64
 DECODE_TILE_SLOTS = 512
+# Queries of one block in such a step. A sequence runs only the blocks that hold its rows, so a decode row
+# (one per sequence) computes a block of this many rows, not the step's whole batch; a small chunk of many
+# rows takes several blocks, each gathering its tiles again.
+DECODE_Q_BLOCK = 8
 # Upper bound on T * Hq * TILE_SLOTS, the fp32 scores of one tile against every query row of a step (the
 # query blocks of a long step each hold a part); larger steps use the twin.
 MAX_SCORES = 1 << 28
@@ -52,7 +56,7 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
     tp = max(1, min(MP, _tile_slots(T) // P))  # pages per tile
     n_tiles = -(-MP // tp)
     J = tp * P
-    bq = max(1, min(T, Q_BLOCK))
+    bq = max(1, min(T, DECODE_Q_BLOCK if T <= DECODE_ROWS else Q_BLOCK))
     n_blocks = -(-T // bq)
     pad = n_blocks * bq - T
     table = jnp.pad(page_table, ((0, 0), (0, 0), (0, n_tiles * tp - MP)), constant_values=-1)
@@ -65,10 +69,9 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
     qh = qh.reshape(-1, Hkv, G, D).transpose(1, 2, 0, 3)
     j = jnp.arange(J, dtype=jnp.int32)
 
-    def one_block(s, length, used, b, carry):
-        """Queries [b * bq, (b + 1) * bq) of sequence s over its tiles -> carry with their rows set."""
+    def one_block(s, length, used, start, carry):
+        """Queries [start, start + bq) of sequence s over its tiles -> carry with their rows set."""
         out, lse = carry  # [Hkv, G, T, D], [Hkv, G, T]
-        start = b * bq
         qb = jax.lax.dynamic_slice_in_dim(qh, start, bq, axis=2)  # [Hkv, G, bq, D]
         pos_b = jax.lax.dynamic_slice_in_dim(q_pos, start, bq)
         mine = jax.lax.dynamic_slice_in_dim(q_seq, start, bq) == s  # [bq]
@@ -108,11 +111,17 @@ def paged_attention_dense(q, k_pages, v_pages, slot_pos, page_table, lengths, q_
         length = lengths[s]  # [Hkv]
         used = jnp.minimum(-(-jnp.max(length) // J), n_tiles)  # tiles the longest head fills
 
-        def block(b, carry):
-            mine = jax.lax.dynamic_slice_in_dim(q_seq, b * bq, bq) == s
-            return jax.lax.cond(jnp.any(mine), lambda c: one_block(s, length, used, b, c), lambda c: c, carry)
+        # The blocks from the sequence's first row to its last (rows of other sequences between them are
+        # masked), the last one moved back to end within the padded rows.
+        mine = q_seq == s
+        first = jnp.argmax(mine)
+        last = n_blocks * bq - 1 - jnp.argmax(mine[::-1])
 
-        return jax.lax.cond(jnp.any(q_seq == s), lambda c: jax.lax.fori_loop(0, n_blocks, block, c),
+        def block(b, carry):
+            start = jnp.minimum(first + b * bq, n_blocks * bq - bq)
+            return one_block(s, length, used, start, carry)
+
+        return jax.lax.cond(jnp.any(mine), lambda c: jax.lax.fori_loop(0, (last - first) // bq + 1, block, c),
                             lambda c: c, carry)
 
     init = (jnp.zeros((Hkv, G, n_blocks * bq, D), jnp.float32),

@@ -147,19 +147,21 @@ def test_default_off_the_gpu_is_dense_when_it_fits():
     assert dense.fits(512, 32, 1 << 16, 16)  # a 1M-slot page list, 512 queries of 32 heads
 
 
-@pytest.mark.parametrize("q_block", [2, 256])
+@pytest.mark.parametrize("q_block", [2, 3, 256])
 @pytest.mark.parametrize("case", CASES[:4] + [((12, 1, 5), False, False, 1, None),   # long chunks
                                                 ((7, 9, 2), True, False, 1, None)])    # over rings
 def test_dense_path_over_many_tiles_matches_the_oracle(case, q_block, monkeypatch):
     """The dense path over several tiles (a 4-slot tile: one page; online softmax across tiles) and, with
-    `q_block` 2, several query blocks (each skipping the tiles none of its queries sees: the future half of
-    a chunk's own slots, a local head's slots outside its window) equals the oracle, with every page past a
+    `q_block` 2 or 3, several query blocks (each skipping the tiles none of its queries sees: the future half
+    of a chunk's own slots, a local head's slots outside its window; a sequence runs only the blocks from its
+    first row, the last moved back within the rows) equals the oracle, with every page past a
     sequence's longest head poisoned with NaN: nothing of them reaches the output."""
     from pallas_kernels.paged_attention import dense
 
     monkeypatch.setattr(dense, "TILE_SLOTS", 4)
     monkeypatch.setattr(dense, "DECODE_TILE_SLOTS", 4)  # steps of few rows cross as many tiles
     monkeypatch.setattr(dense, "Q_BLOCK", q_block)
+    monkeypatch.setattr(dense, "DECODE_Q_BLOCK", q_block)  # these steps are decode-sized: their blocks
     q_lens, ring, _, _, _ = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     c = random_paged_case(rng, q_lens=q_lens, ring=ring, page_size=4, max_pages=8)
