@@ -100,7 +100,9 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
                  max_step_tokens=w.max_step_tokens, enable_prefix_caching=False,
                  head_classes=head_class_map(w.head_classes, cfg.num_layers, cfg.num_kv_heads),
                  kv_cache_bytes=kv_cache_bytes, **(engine_kwargs or {}))
-    sp = SamplingParams(temperature=0.0, max_tokens=w.new, ignore_eos=True)
+    # tokens only, as the server asks for them: the random checkpoint's word-level tokenizer would
+    # otherwise turn every token into text on the host between steps
+    sp = SamplingParams(temperature=0.0, max_tokens=w.new, ignore_eos=True, detokenize=False)
     calls = []  # (start, end) of each ragged step call: splits the first token's time into host and call
     run = eng.runner.run
 

@@ -62,7 +62,9 @@ def run(model, policy, *, batch, prompt, new, page_size, kv_cache_bytes, decode_
                  kv_policy=pol, **(engine_kwargs or {}))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, prompt).tolist() for _ in range(batch)]
-    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    # tokens only, as the server asks for them: the random checkpoint's word-level tokenizer would
+    # otherwise turn every token into text on the host between steps
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
     free0 = eng.allocator.num_free
     compiled0 = num_compilations()
     t0 = time.perf_counter()

@@ -166,7 +166,9 @@ def start(model, method: str, args, seed: int):
 
     eng = make_engine(model, method, args)
     rng = np.random.default_rng(seed)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+    # tokens only, as the server asks for them: the random checkpoint's word-level tokenizer would
+    # otherwise turn every token into text on the host between steps
+    sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True, detokenize=False)
     for _ in range(args.batch):
         eng.add_request(rng.integers(10, model.config.vocab_size, args.prompt).tolist(), sp)
     return eng
