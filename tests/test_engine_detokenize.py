@@ -41,3 +41,25 @@ def test_stop_strings_keep_the_text(model):
 def test_detokenize_must_be_a_bool():
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(detokenize="no")
+
+
+def test_generate_makes_the_text_the_engine_streams(model):
+    """`generate` asks the engine for tokens only and makes each completion's text after its last token: the
+    text the engine's stream builds token by token, a stop token (never text) left out."""
+    from jaxkv.engine.engine import Engine
+
+    prompts = [model.tokenizer.encode("king queen river"), model.tokenizer.encode("music house light dark")]
+    free = jaxkv.generate(model, prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    stop_id = free[0].token_ids[10]  # stops the first request early, on a token that is never text
+    samplings = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
+                 SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+    got = jaxkv.generate(model, prompts, samplings)
+    eng = Engine(model, max_num_seqs=2, max_model_len=64)
+    ids = [eng.add_request(p, s) for p, s in zip(prompts, samplings)]
+    streamed = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            streamed[out.request_id] = (out.text, out.finish_reason)
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop_id
+    assert got[0].text and got[1].text and got[0].text != got[1].text
+    assert [(c.text, c.finish_reason) for c in got] == [streamed[i] for i in ids]
