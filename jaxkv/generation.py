@@ -42,7 +42,7 @@ def generate(model, prompts, sampling: SamplingParams | list[SamplingParams] | N
         engine_kwargs.setdefault("max_model_len", min(longest, model.config.max_position_embeddings))
         engine = Engine(model, **engine_kwargs)
     # Text once per completion, after its last token, instead of per token between engine steps (host
-    # work the device would wait on: about a tenth of a batch-32 decode step of a 1B model on an H100);
+    # work a GPU's decode steps wait on; docs/benchmarks.md, "Checked again against the unrolled tree");
     # stop strings still need it as the tokens arrive.
     late = [engine.tokenizer is not None and s.detokenize and not s.stop for s in samplings]
     ids = [engine.add_request(p, dataclasses.replace(s, detokenize=False) if lt else s)

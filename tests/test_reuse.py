@@ -721,3 +721,18 @@ def test_reuse_on_a_merging_engine_leaves_no_stale_bias(model, pieces):
     pages = np.concatenate([np.asarray(p, np.int64) for row in eng.tables.page_lists(rid) for p in row])
     pos, bias = np.asarray(eng.runner.pool.pos)[pages], np.asarray(eng.runner.pool.bias)[pages]
     assert (pos >= 0).sum() >= len(pre + s1 + s2 + suf) and np.all(bias[pos >= 0] == 0)
+
+
+@pytest.mark.parametrize("T,W,start,offset,n", [(16, 8, 3, 2, 5), (16, 8, 12, 1, 4), (8, 16, 0, 3, 8),
+                                                (8, 16, 5, 10, 3), (32, 32, 0, 0, 32), (16, 8, 15, 7, 1)])
+def test_segment_ffn_placement_writes_exactly_the_segment_rows(T, W, start, offset, n):
+    """A segment's kept rows land at its place in the prompt, nothing else changes: a forward bucket
+    narrower or wider than the pass, a window moved back at the prompt's end."""
+    from jaxkv.policies.reuse.ffn_cache import _place
+
+    rng = np.random.default_rng(T + W + start)
+    out, ffn = rng.normal(size=(2, T, 3)).astype(np.float32), rng.normal(size=(2, W, 3)).astype(np.float32)
+    want = out.copy()
+    want[:, start:start + n] = ffn[:, offset:offset + n]
+    got = _place(jnp.asarray(out), jnp.asarray(ffn), np.int32(start), np.int32(offset), np.int32(n))
+    assert np.array_equal(np.asarray(got), want)

@@ -125,12 +125,18 @@ def _nbytes(kept) -> int:
 @functools.partial(jax.jit, donate_argnums=0)
 def _place(out, ffn, start, offset, n):
     """out [L, T, hidden] with rows [start, start + n) set to rows [offset, offset + n) of ffn [L, W,
-    hidden], the other rows unchanged: a gather over the pass's rows, so its shapes are (T, W) whatever
-    the segment's length and place."""
-    t = jnp.arange(out.shape[1])
-    src = jnp.clip(t - start + offset, 0, ffn.shape[1] - 1)
-    mine = (t >= start) & (t < start + n)
-    return jnp.where(mine[None, :, None], jnp.take(ffn, src, axis=1).astype(out.dtype), out)
+    hidden], the other rows unchanged. Only a window of min(W, T) rows is read and written (it holds the n
+    rows: n <= W - offset and n <= T), moved back where it would pass T, so a prompt's placements cost
+    about its segments' rows, and the shapes are (T, W) whatever the segment's length and place."""
+    T, W = out.shape[1], ffn.shape[1]
+    width = min(W, T)
+    at = jnp.minimum(start, T - width)
+    r = at + jnp.arange(width)  # prompt rows of the window
+    src = jnp.clip(r - start + offset, 0, W - 1)
+    mine = (r >= start) & (r < start + n)
+    old = jax.lax.dynamic_slice_in_dim(out, at, width, axis=1)
+    new = jnp.where(mine[None, :, None], jnp.take(ffn, src, axis=1).astype(out.dtype), old)
+    return jax.lax.dynamic_update_slice_in_dim(out, new, at, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
