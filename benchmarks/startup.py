@@ -296,6 +296,7 @@ def main(argv=None) -> None:
                steps_s=round(steps_s, 1), reuse_s=round(ready - steps_s, 1), ready_s=round(ready, 1),
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
+               compile_leaders=getattr(warmup, "leaders_first", lambda: None)(),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

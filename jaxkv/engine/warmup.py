@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -141,11 +141,16 @@ def _reuse_jobs(engine, reuse) -> list[tuple]:
 
 
 def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: int | None = None,
-                     step_cache=None, background: bool = False) -> tuple:
+                     step_cache=None, background: bool = False, leaders: bool | None = None) -> tuple:
     """Lowers, compiles and installs `jobs` ((variant, call, owner's programs); a call returns (signature,
     function, arguments, static arguments), nothing traced) as `precompile` describes; returns (programs
     ready, step cache hits, (largest scratch bytes, its variant), seconds, compile threads, whether the step
-    cache was on)."""
+    cache was on).
+
+    `leaders` (default `leaders_first()`): the first program of each GEMM group (`gemm_group`: programs whose
+    matrix products have the same rows) compiles first, and the group's other programs start once it is
+    done. XLA keeps the GEMM tilings it timed in a process-wide cache, so the followers find them there
+    instead of each timing the same candidates on the device at the same time."""
     from jaxkv.engine.step_cache import StepCache
 
     workers = workers or int(os.environ.get("JAXKV_COMPILE_WORKERS", 0)) or min(os.cpu_count() or 1, 16)
@@ -179,16 +184,26 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
         else:
             kept = [cache.load(c[-1]) for c in calls] if cache is not None else [None] * done
         futures, built = [], []
-        for (variant, programs, signature, fn, args, static, key), compiled in zip(calls, kept):
+        todo = []
+        for call, compiled in zip(calls, kept):
             if compiled is True:  # loads later
                 continue
             if compiled is not None:
+                variant, programs, signature = call[:3]
                 programs.install(signature, compiled)
                 largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
                 bar.update()
                 continue
+            todo.append(call)
+        leads = leaders_first() if leaders is None else leaders
+        first: dict = {}  # GEMM group -> the compile of its first program
+        for variant, programs, signature, fn, args, static, key in (_leaders_first(todo) if leads else todo):
             lowered = fn.lower(*args, **static)
-            fut = pool.submit(lowered.compile, compile_options(engine, variant))
+            options, group = compile_options(engine, variant), gemm_group(variant)
+            if leads and group in first:  # compiled once its group's first program has tuned the GEMMs
+                fut = _after(first[group], pool, lowered.compile, options)
+            else:
+                fut = first[group] = pool.submit(lowered.compile, options)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
             futures.append((variant, programs, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {len(futures)}", refresh=False)
@@ -228,6 +243,52 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
         log.info("jaxkv: %d kept programs load in the background", pending)
     hits = 0 if cache is None else cache.hits + sum(k is True for k in kept)
     return done, hits, largest, time.perf_counter() - t0, workers, cache is not None
+
+
+def leaders_first() -> bool:
+    """Whether precompile compiles each GEMM group's first program before the rest (`compile_programs`);
+    `JAXKV_COMPILE_LEADERS=0` compiles every program as soon as it is lowered."""
+    return os.environ.get("JAXKV_COMPILE_LEADERS", "1") != "0"
+
+
+def gemm_group(variant: tuple):
+    """Programs whose matrix products see the same rows, so share XLA's GEMM tunings: a step's or a
+    retrieval tap's tokens, a decode's sequences, a reuse pass's rows (`program_rows`); a compression
+    program's rows, apart from the others (its products are the observation window's)."""
+    kind = variant[0]
+    if kind == "retrieval tap":
+        return int(variant[2])
+    if kind == "retrieval decode":
+        return int(variant[1])
+    rows = program_rows(variant)
+    return rows if rows is not None else (kind, variant[1])
+
+
+def _leaders_first(calls: list) -> list:
+    """`calls` with the first of each GEMM group first (in their order), then the rest (in theirs)."""
+    seen, leads, rest = set(), [], []
+    for c in calls:
+        group = gemm_group(c[0])
+        (rest if group in seen else leads).append(c)
+        seen.add(group)
+    return leads + rest
+
+
+def _after(leader, pool, fn, *args):
+    """A future of `fn(*args)` submitted to `pool` once `leader` is done (whatever its outcome)."""
+    out = Future()
+
+    def settle(inner):
+        if inner.exception() is not None:
+            out.set_exception(inner.exception())
+        else:
+            out.set_result(inner.result())
+
+    def start(_):
+        pool.submit(fn, *args).add_done_callback(settle)
+
+    leader.add_done_callback(start)
+    return out
 
 
 def program_rows(variant: tuple) -> int | None:

@@ -1,0 +1,80 @@
+"""Precompile compiles the first program of each GEMM group before the group's others (XLA keeps the GEMM
+tilings it timed, so the others find them instead of timing the same candidates at once), and still
+installs every program."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import jaxkv
+from jaxkv.engine import compilations
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.warmup import _after, _leaders_first, gemm_group, variants
+from tests.hf_tiny import make_tiny_checkpoint
+
+
+def test_programs_of_the_same_rows_share_a_group_across_kinds():
+    assert gemm_group(("step", 32, 32, 256, True, False, 0, False)) == 32
+    assert gemm_group(("decode", 32, 0, 2048, False, False, 0, False)) == 32
+    assert gemm_group(("retrieval tap", 64, 32, 256, True, False, None, "specontext")) == 32
+    assert gemm_group(("retrieval decode", 32, 16, 256, True, False, True, "specontext")) == 32
+    assert gemm_group(("reuse redknot", 32, 64, 40)) == 32
+    # a step's rows are its tokens, not its sequences; a compression program is apart from the rest
+    assert gemm_group(("step", 32, 64, 256, True, False, 0, False)) == 64
+    assert gemm_group(("compress", 32, 0, 256, "snapkv")) == ("compress", 32)
+
+
+def test_leaders_come_first_in_their_order_then_the_rest_in_theirs():
+    calls = [(("step", 8, 8, 32, g, False, 0, False),) for g in (True, False)]
+    calls += [(("step", 16, 16, p, True, False, 0, False),) for p in (32, 256)]
+    calls += [(("decode", 8, 0, 256, True, False, 0, False),), (("decode", 2, 0, 32, True, False, 0, False),)]
+    out = [c[0] for c in _leaders_first(calls)]
+    assert out == [calls[0][0], calls[2][0], calls[5][0], calls[1][0], calls[3][0], calls[4][0]]
+
+
+def test_a_follower_starts_only_after_its_leader_and_keeps_its_outcome():
+    release, started = threading.Event(), []
+
+    def lead():
+        release.wait(5)
+        started.append("leader done")
+        return 1
+
+    def follow(x):
+        started.append("follower")
+        if x < 0:
+            raise ValueError("bad")
+        return x
+
+    with ThreadPoolExecutor(4) as pool:
+        leader = pool.submit(lead)
+        ok, bad = _after(leader, pool, follow, 7), _after(leader, pool, follow, -1)
+        time.sleep(0.2)
+        assert started == [] and not ok.done()  # two free threads, yet nothing started before the leader
+        release.set()
+        assert ok.result(5) == 7
+        with pytest.raises(ValueError, match="bad"):
+            bad.result(5)
+    assert started[0] == "leader done" and sorted(started[1:]) == ["follower", "follower"]
+    # a leader already done: the follower is submitted at once
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(lambda: 0)
+        done.result()
+        assert _after(done, pool, follow, 3).result(5) == 3
+
+
+@pytest.mark.parametrize("leaders", ["1", "0"])
+def test_precompile_installs_every_variant_either_way(tmp_path, monkeypatch, leaders):
+    monkeypatch.setenv("JAXKV_COMPILE_LEADERS", leaders)
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path))
+    engine = Engine(model, page_size=8, max_model_len=64, max_num_seqs=2, max_step_tokens=16,
+                    enable_prefix_caching=False)
+    n = engine.precompile(progress=False, step_cache=False)
+    assert n == len(variants(engine)) == len(engine.runner.compiled)
+    before = compilations.step_programs()
+    engine.add_request([1, 2, 3, 4, 5], jaxkv.SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    assert compilations.step_programs() == before
