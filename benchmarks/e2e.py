@@ -87,7 +87,8 @@ def floors(w: Workload, cfg, dtype_bytes: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- jaxkv
 
-def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: int, engine_kwargs=None):
+def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: int, engine_kwargs=None,
+              sampling=None):
     """Fresh engine; returns (total s, ttft s, tokens per prompt, decode step s). The decode step is timed
     from the moment every request has its first token (all prefills done) to the end, per decode step
     (tokens produced in that time / batch): the per-step cost the bytes floor describes, without the
@@ -102,7 +103,8 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
                  kv_cache_bytes=kv_cache_bytes, **(engine_kwargs or {}))
     # tokens only, as the server asks for them: the random checkpoint's word-level tokenizer would
     # otherwise turn every token into text on the host between steps
-    sp = SamplingParams(temperature=0.0, max_tokens=w.new, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=w.new, ignore_eos=True,
+                        detokenize=False)
     calls = []  # (start, end) of each ragged step call: splits the first token's time into host and call
     run = eng.runner.run
 
@@ -198,7 +200,7 @@ def agreement(model_dir: Path, small: bool, device: str) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------------------ driver
 
 def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwargs: dict,
-                max_prompt: int = 1 << 30, no_hf: bool = False) -> list[list[str]]:
+                max_prompt: int = 1 << 30, no_hf: bool = False, sampling=None) -> list[list[str]]:
     import jax
     import torch
     from transformers import LlamaForCausalLM
@@ -231,7 +233,8 @@ def bench_shape(shape: str, small: bool, only: set[str] | None, log, engine_kwar
             prompts = rng.integers(3, cfg.vocab_size, size=(w.batch, w.prompt)).tolist()
             fl = floors(w, cfg, 4 if small else 2)
             tag = f"{w.name} {w.batch}x{w.prompt}->{w.new}"
-            kw = dict(page_size=page_size, kv_cache_bytes=kv_bytes, engine_kwargs=engine_kwargs)
+            kw = dict(page_size=page_size, kv_cache_bytes=kv_bytes, engine_kwargs=engine_kwargs,
+                      sampling=sampling)
             run_jaxkv(model, w, prompts, **kw)  # compiles
             total, ttft, _, step = run_jaxkv(model, w, prompts, **kw)
             avg_step = (total - ttft) / max(w.new - 1, 1)  # also carries the later requests' prefills
@@ -291,6 +294,9 @@ def main(argv=None) -> list[list[str]]:
     ap.add_argument("--no-hf", action="store_true", help="jaxkv rows only (no transformers timings)")
     ap.add_argument("--engine", default="{}",
                     help='extra Engine keyword arguments as JSON, e.g. \'{"decode_steps": 32}\'')
+    ap.add_argument("--sampling", default="{}",
+                    help='jaxkv\'s sampling settings as JSON (default greedy), e.g. \'{"temperature": 1.0, '
+                         '"top_p": 0.9, "seed": 0}\'')
     args = ap.parse_args(argv)
     shapes = ["small"] if args.small else [s.strip() for s in args.shapes.split(",") if s.strip()]
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
@@ -301,12 +307,14 @@ def main(argv=None) -> list[list[str]]:
     rows = []
     for shape in shapes:
         rows += bench_shape(shape, args.small, only, log, json.loads(args.engine), args.max_prompt,
-                            args.no_hf)
+                            args.no_hf, json.loads(args.sampling))
     cmd = command_line("benchmarks.e2e", argv)
     table = markdown_table(HEADER, rows)
+    sampled = "Greedy" if args.sampling.strip() in ("", "{}") else f"jaxkv sampling {args.sampling}"
     body = (f"Command: `{cmd}`\n\n{describe_device(('torch', 'transformers'))} Random-weight checkpoints "
             "saved by transformers and loaded "
-            "by `jaxkv.load` (bf16; fp32 for the agreement row). Greedy, EOS ignored, prefix caching off, a "
+            "by `jaxkv.load` (bf16; fp32 for the agreement row). "
+            f"{sampled}, EOS ignored, prefix caching off, a "
             "fresh engine per run, the second run timed (the first compiles); transformers: `generate` with "
             "sdpa after a short warm-up, TTFT = one forward over the prompt. Floors: decode step = (weights "
             f"+ KV the step must read) / {COPY_BW / 1e12:.1f} TB/s; prefill = matmul FLOPs / "

@@ -103,6 +103,10 @@ class EngineConfig:
     # program as XLA_FLAGS say). Few-row GEMMs need the autotuning; large-row ones run as fast on cuBLAS and
     # compile sooner (docs/benchmarks.md, "Autotuning only where it pays").
     autotune_max_rows: int | None = None
+    # True: batches without a sampled row run their own programs (an argmax, no sampling work), so every
+    # step shape compiles twice; False: one program per shape samples every row, greedy rows exactly argmax
+    # (docs/engine.md, "How many variants").
+    greedy_programs: bool = False
     retrieval: RetrievalConfig = RetrievalConfig()
     segments: SegmentConfig = SegmentConfig()
 

@@ -511,7 +511,7 @@ class Retriever:
         or per-page state), and decodes for every (sequences, page-table width) bucket, greedy and sampled,
         with K = decode_steps and K = 1 (decode tokens split off a ragged step), per decode variant
         (`SelectionBuffers.decode_variants`)."""
-        from jaxkv.engine.warmup import variants
+        from jaxkv.engine.warmup import sampler_forms, variants
 
         eng = self.engine
         todo = []
@@ -519,7 +519,7 @@ class Retriever:
             todo += [("tap", *v[1:6], None) for v in variants(eng) if v[0] == "step"]
         inplaces = self.buffers.decode_variants(policy)
         todo += [("decode", s, k, p, greedy, False, inplace) for s in eng._seq_buckets
-                 for p in eng._page_buckets for greedy in (True, False)
+                 for p in eng._page_buckets for greedy in sampler_forms(eng)
                  for k in sorted({eng.decode_steps, 1}) for inplace in inplaces]
         return todo
 
@@ -707,7 +707,7 @@ class Retriever:
         # step's inputs are those precompile warmed.
         skip = ("fresh", "top_width", "prompt_next")
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
-        greedy = not b.temperature.any()
+        greedy = self.engine.runner.greedy_program(b.temperature)
         out = self.compiled.call(*self._tap_call(arrays, rows, policy, page_cls, greedy, b.fresh))
         self._keep_tap(policy, page_cls, out)  # the pool first: the mirror reads the new one
         self.buffers.mirror(b.slots)
@@ -756,7 +756,7 @@ class Retriever:
         known = self.buffers.known(policy, rows, chunks)
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f != "top_width"}  # never asked here
         inplace = self.buffers.reads_in_place(policy, chunks)
-        greedy = not b.temperature.any()
+        greedy = self.engine.runner.greedy_program(b.temperature)
         out = self.compiled.call(*self._decode_call(policy, arrays, rows, known, inplace, greedy))
         tokens, logprobs, ran, last, stats, moved, *_, sbuf = out
         self._keep_decode(policy, out)  # the pool first: the mirror reads the new one

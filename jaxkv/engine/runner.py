@@ -400,8 +400,11 @@ def num_compilations() -> int:
 
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
-                 kv_dtype=None, attn_impl: str | None = None, mesh=None, kv_merge: bool = False):
+                 kv_dtype=None, attn_impl: str | None = None, mesh=None, kv_merge: bool = False,
+                 greedy_programs: bool = False):
         self.cfg = model.config
+        # Whether batches of greedy rows only run their own (argmax) programs: `EngineConfig.greedy_programs`.
+        self.greedy_programs = greedy_programs
         self.params = model.params
         self.mesh = mesh  # tensor parallel over KV heads (jaxkv.parallel): params + pool sharded on "tp"
         dtype = kv_dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
@@ -421,6 +424,10 @@ class ModelRunner:
         self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
         # Programs compiled ahead of time (warmup.precompile), called directly by `run` and `decode`.
         self.compiled = programs.Programs("runner", owned=("cfg", "attn_impl", "use_plan", "mesh"))
+
+    def greedy_program(self, temperature: np.ndarray) -> bool:
+        """Whether a batch of these temperatures runs a greedy program (`greedy_programs`, no sampled row)."""
+        return self.greedy_programs and not temperature.any()
 
     def _kw(self, greedy: bool) -> dict:
         return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy),
@@ -455,13 +462,13 @@ class ModelRunner:
         extra = {**({"top_width": batch.top_width} if batch.top_width else {}),
                  **({"prompt_lp": True} if prompt_lp else {})}
         return step, (self.params, self.pool, {**arrays, **self._heads}), dict(
-            fresh_heads=fresh, **self._kw(not batch.temperature.any()), **extra)
+            fresh_heads=fresh, **self._kw(self.greedy_program(batch.temperature)), **extra)
 
     def _decode_call(self, batch: DecodeBatch):
         arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "top_width"}
         extra = {"top_width": batch.top_width} if batch.top_width else {}
         return _decode, (self.params, self.pool, jax.device_put({**arrays, **self._heads})), dict(
-            **self._kw(not batch.temperature.any()), **extra)
+            **self._kw(self.greedy_program(batch.temperature)), **extra)
 
     def call(self, batch: StepBatch | DecodeBatch):
         """(signature, function, arguments, static arguments) of the program `run` / `decode` would call for

@@ -49,7 +49,13 @@ def variants(engine, logprobs: bool = False) -> list[tuple]:
         shapes += [("decode", s, 0, p, False) for s in engine._seq_buckets for p in engine._page_buckets]
     extras = [(0, False)] + ([(MAX_LOGPROBS, False), (MAX_LOGPROBS, True)] if logprobs else [])
     return [(kind, s, t, p, greedy, fresh, top, lp) for kind, s, t, p, fresh in shapes
-            for top, lp in extras if kind == "step" or not lp for greedy in (True, False)]
+            for top, lp in extras if kind == "step" or not lp for greedy in sampler_forms(engine)]
+
+
+def sampler_forms(engine) -> tuple[bool, ...]:
+    """The greedy flags a shape compiles with: (True, False) where greedy batches run their own programs
+    (`EngineConfig.greedy_programs`), else (False,): one program samples every row."""
+    return (True, False) if engine.runner.greedy_programs else (False,)
 
 
 def press_programs(engine, presses=None) -> list[tuple]:

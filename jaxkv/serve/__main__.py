@@ -179,6 +179,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sequences) take cuBLAS GEMMs instead of (autotuned) Triton ones, which "
                         "shortens a cold start at the same speed (H100, 1B: ready 193 s against 220 s, TTFT "
                         "of 8K tokens 48.1 against 48.6 ms); 0: autotune every program (default: 512)")
+    p.add_argument("--greedy-programs", action="store_true",
+                   help="batches without a sampled row run their own argmax-only programs: every step shape "
+                        "compiles twice (default: one program per shape samples every row, greedy rows "
+                        "exactly argmax)")
     p.add_argument("--precompile-logprobs", action="store_true",
                    help="with precompile: also the variants of requests that ask for logprobs / top_logprobs "
                         "/ echo (about twice the variants; for evaluation harnesses)")
@@ -307,6 +311,7 @@ def main(argv=None) -> int:
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
                         max_model_len=args.max_model_len, **chosen, head_classes=head_classes,
                         layer_loop=args.layer_loop, autotune_max_rows=args.autotune_max_rows or None,
+                        greedy_programs=args.greedy_programs,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         kv_merge=args.kv_merge,
                         retrieval_host_tier=args.retrieval_host_tier,
