@@ -79,7 +79,8 @@ def _is_real(x) -> bool:
 # Bits of the kept-set threshold fixed per pass of the radix search: 2**4 - 1 candidate thresholds a pass,
 # 32 / 4 = 8 passes a search (`benchmarks.sampler --radix-bits` compares other widths).
 RADIX_BITS = 4
-# Tokens per chunk of the two-level inverse CDF (chunk masses, then the tokens of the picked chunk).
+# Tokens per chunk: the search sums each chunk's mass before the chunks' (a float32 sum straight along
+# 128K tokens strayed by a few tokens at a top-p cut); the draw picks a chunk, then a token in it.
 DRAW_CHUNK = 256
 
 
@@ -99,12 +100,9 @@ def sample(logits, temperature, top_k, top_p, seeds, counters, *, radix_bits: in
     same, ties aside. -inf logits are never drawn; +inf and nan logits are not supported.
     """
     logits = logits.astype(jnp.float32)
-    s, vocab = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys, e, tau = _threshold(_scaled(logits, temperature), top_k, top_p, radix_bits)
-    w = jnp.where(keys >= tau[:, None], e, 0.0)                              # [S, V] kept mass
-    chunks = -(-vocab // DRAW_CHUNK)
-    w = jnp.pad(w, ((0, 0), (0, chunks * DRAW_CHUNK - vocab))).reshape(s, chunks, DRAW_CHUNK)
+    w = jnp.where(keys >= tau[:, None, None], e, 0.0)                        # [S, n, C] kept mass
 
     def uniforms(seed, counter):
         return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), counter), (2,))
@@ -135,7 +133,7 @@ def kept_mask(logits, temperature, top_k, top_p, *, radix_bits: int = RADIX_BITS
     cut is within rounding of top_p * Z_k may keep one token more or less than the sort-based filter.
     """
     keys, _, tau = _threshold(_scaled(logits, temperature), top_k, top_p, radix_bits)
-    return keys >= tau[:, None]
+    return (keys >= tau[:, None, None]).reshape(len(keys), -1)[:, :logits.shape[-1]]
 
 
 def _scaled(logits, temperature):
@@ -145,14 +143,18 @@ def _scaled(logits, temperature):
 
 
 def _threshold(scaled, top_k, top_p, bits):
-    """(keys uint32 [S, V], softmax numerators e [S, V], tau uint32 [S]) of `kept_mask`."""
-    vocab = scaled.shape[-1]
-    keys = _ordered_keys(scaled)
+    """(keys uint32 [S, n, C], softmax numerators e [S, n, C], tau uint32 [S]) of `kept_mask`: the row in
+    n chunks of C = `DRAW_CHUNK`, padded with key 0 (below every float's, never counted) and e 0."""
+    s, vocab = scaled.shape
+    chunks = -(-vocab // DRAW_CHUNK)
     m = jnp.max(scaled, axis=-1, keepdims=True)
     e = jnp.exp(scaled - jnp.where(jnp.isfinite(m), m, 0.0))
+    pad = ((0, 0), (0, chunks * DRAW_CHUNK - vocab))
+    keys = jnp.pad(_ordered_keys(scaled), pad).reshape(s, chunks, DRAW_CHUNK)
+    e = jnp.pad(e, pad).reshape(s, chunks, DRAW_CHUNK)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     tau_k = _largest_threshold(keys, None, k, bits)
-    z_k = jnp.sum(jnp.where(keys >= tau_k[:, None], e, 0.0), axis=-1)
+    z_k = jnp.sum(jnp.where(keys >= tau_k[:, None, None], e, 0.0), axis=(1, 2))
     tau_p = _largest_threshold(keys, e, top_p * z_k, bits)
     tau = jnp.maximum(tau_k, jnp.where(top_p < 1, tau_p, 0))
     return keys, e, tau
@@ -165,13 +167,14 @@ def _ordered_keys(x):
 
 
 def _largest_threshold(keys, weights, target, bits):
-    """Per row, the largest uint32 t with (count, or `weights` sum, of keys >= t) >= target.
+    """Per row of keys [S, n, C], the largest uint32 t >= 1 with (count, or `weights` sum, of keys >= t)
+    >= target (t = 0 when none).
 
     Radix search from the top bit: a pass fixing the bits [shift, shift + width) tries lo + j * 2**shift for
-    j = 1 .. 2**width - 1 and keeps the largest that still reaches the target (t = lo always does). A pass is
-    one variadic reduction over [S, V] with an accumulator per candidate: it reads the row once and builds
-    no [S, J, V] array (a broadcast compare did on the CPU). A Python loop, not a device loop: a while loop
-    on the GPU reads its predicate on the host every trip.
+    j = 1 .. 2**width - 1 and keeps the largest that still reaches the target. A pass is one variadic
+    reduction over the chunks with an accumulator per candidate, then a sum of the chunks' [S, J, n]: it
+    reads the row once and builds no [S, J, V] array (a broadcast compare did on the CPU). A Python loop,
+    not a device loop: a while loop on the GPU reads its predicate on the host every trip.
     """
     lo = jnp.zeros(keys.shape[:1], jnp.uint32)
     for shift in range(32 - bits, -bits, -bits):
@@ -180,10 +183,10 @@ def _largest_threshold(keys, weights, target, bits):
         steps = jnp.arange(1, 1 << width, dtype=jnp.uint32)
         zero = jnp.zeros((), jnp.int32 if weights is None else weights.dtype)
         cand = lo[:, None] + (steps << shift)[None, :]                       # [S, J]
-        hits = [keys >= cand[:, j, None] for j in range(len(steps))]        # J x [S, V]
+        hits = [keys >= cand[:, j, None, None] for j in range(len(steps))]  # J x [S, n, C]
         terms = [h.astype(zero.dtype) if weights is None else jnp.where(h, weights, zero) for h in hits]
-        sums = jax.lax.reduce(terms, [zero] * len(terms), _add_each, (1,))
-        reach = jnp.stack(sums, axis=-1)                                      # [S, J]
+        sums = jax.lax.reduce(terms, [zero] * len(terms), _add_each, (2,))
+        reach = jnp.sum(jnp.stack(sums, axis=1), axis=-1)                     # [S, J]
         step = jnp.max(jnp.where(reach >= target[:, None], steps, 0), axis=-1)
         lo = lo + (step << shift)
     return lo
