@@ -168,3 +168,16 @@ def test_masked_and_underflowing_logits():
     dead = np.full((2, vocab), -np.inf, np.float32)
     tokens = np.asarray(sample_jit(*rows(dead, 1.0, 0, 0.9))[0])
     assert ((tokens >= 0) & (tokens < vocab)).all()
+
+
+def test_keys_order_as_the_floats():
+    from jaxkv.sampling import _ordered_keys
+
+    rng = np.random.default_rng(6)
+    # No subnormals: XLA may flush them to zero before the keys are taken.
+    special = [-np.inf, -3e38, -1.0, -2e-38, -0.0, 0.0, 2e-38, 1.0, 3e38, np.inf]
+    normal = rng.standard_normal(500) * 10.0 ** rng.integers(-30, 30, 500)
+    x = np.concatenate([special, normal, -normal[:50], normal[:50]]).astype(np.float32)
+    k = np.asarray(jax.jit(_ordered_keys)(x)).astype(np.int64)
+    order = lambda a: (a[:, None] > a[None, :]).astype(int) - (a[:, None] < a[None, :])
+    np.testing.assert_array_equal(order(k), order(x))
