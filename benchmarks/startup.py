@@ -223,6 +223,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="after startup: time to first token of a max-model-len/4 prompt (median of 3) and "
                          "the wall time of 32 streams of 1,000 prompt tokens + 256 decoded, on the "
                          "precompiled programs (what --autotune-max-rows costs in speed)")
+    ap.add_argument("--background", action="store_true",
+                    help="programs kept in the step cache load on a background thread after ready, as the "
+                         "server loads them (`all_loaded_s`: when the last one is in)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -277,7 +280,7 @@ def main(argv=None) -> None:
     retrieval = None if args.no_retrieval else random_retrieval_head(model)
     presses = engine.compressor.precompile_policies()  # every press, also on the CPU
     t0 = time.perf_counter()
-    programs = engine.precompile(progress=args.progress, presses=presses,
+    programs = engine.precompile(progress=args.progress, presses=presses, background=args.background,
                                  retrieval=[] if retrieval is None else [retrieval])
     steps_s = time.perf_counter() - t0
     reuse_passes = {}
@@ -289,11 +292,16 @@ def main(argv=None) -> None:
         reuse_passes = {m: len(pass_shapes(resolve_reuse(m), limit)) for m in args.precompile_reuse}
         reuse_passes["ready"] = engine.precompile_reuse(args.precompile_reuse, progress=args.progress)
     ready = time.perf_counter() - t0
+    loader = getattr(engine, "program_loader", None)
+    if loader is not None:
+        loader.join()
+    all_loaded = time.perf_counter() - t0
     before_xla, before_steps = compilations.xla_programs(), compilations.step_programs()
     row = dict(shape=args.shape, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                max_model_len=args.max_model_len, variants=variants, programs=programs,
                press_programs=len(warmup.press_programs(engine, presses)), reuse_passes=reuse_passes,
                steps_s=round(steps_s, 1), reuse_s=round(ready - steps_s, 1), ready_s=round(ready, 1),
+               all_loaded_s=round(all_loaded, 1),
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(),

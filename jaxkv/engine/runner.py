@@ -114,13 +114,18 @@ def _greedy(logits):
 
 
 def _sample(logits, b, greedy: bool):
-    """Greedy batches skip the sort over the vocabulary that top-k / top-p need. Static: choosing on the
-    device (`lax.cond` on the temperatures) synced with the host at every decode step on a GPU (H100, 1B,
-    batch 32: 4.9 against 2.1 ms a step)."""
+    """`greedy` (static): a program for batches without a sampled row, an argmax only
+    (`EngineConfig.greedy_programs`). Otherwise one program serves both: a `lax.cond` on whether any row
+    samples skips the sampler for greedy batches (H100, 1B, 32 rows: 2.13-2.21 ms a decode step against
+    2.12-2.14 ms for the argmax program; docs/engine.md, "How many variants")."""
     logits = logits.astype(jnp.float32)
     if greedy:
         return _greedy(logits)
-    return sample(logits, b["temperature"], b["top_k"], b["top_p"], b["seeds"], b["counters"])
+
+    def draw(x):
+        return sample(x, b["temperature"], b["top_k"], b["top_p"], b["seeds"], b["counters"])
+
+    return jax.lax.cond(jnp.any(b["temperature"] > 0), draw, _greedy, logits)
 
 
 # Prompt positions whose logits one pass of the prompt-logprobs map computes ([C, V] float32 at a time, never
