@@ -138,21 +138,23 @@ def request_mix(engine, vocab: int, seed: int = 0, retrieval=None, compilations=
 
 
 def random_retrieval_head(model, tap_layer: int = 1):
-    """SpeContext with a random retrieval head of the model's shape (`specontext.init_head`), written to a
-    temporary directory as `save_head` does (removed when the process exits): the random model ships none."""
-    import atexit
-    import shutil
+    """SpeContext with a random retrieval head of the model's shape (`specontext.init_head`, a fixed key),
+    written as `save_head` does to one directory per model shape under the temporary directory: the random
+    model ships none, and a restart finds the same head at the same path, as a server's would be, so the
+    step cache keeps its programs."""
     import tempfile
+    from pathlib import Path
 
     import jax
 
     from jaxkv.policies.retrieve import specontext as sc
 
     tap = min(tap_layer, model.config.num_layers - 1)
-    head = sc.init_head(sc.HeadConfig.for_model(model.config, tap_layer=tap, model_id=model.model_id),
-                        jax.random.key(1))
-    path = sc.save_head(tempfile.mkdtemp(prefix="jaxkv-retrieval-head-"), head, {"random": True})
-    atexit.register(shutil.rmtree, path, True)
+    cfg = sc.HeadConfig.for_model(model.config, tap_layer=tap, model_id=model.model_id)
+    head = sc.init_head(cfg, jax.random.key(1))
+    c = model.config
+    name = f"jaxkv-random-head-{c.num_layers}x{c.hidden_size}x{c.num_kv_heads}-{c.vocab_size}-tap{tap}"
+    path = sc.save_head(Path(tempfile.gettempdir()) / name, head, {"random": True})
     return sc.SpeContext(head_dir=str(path))
 
 
