@@ -4,6 +4,7 @@ serves a greedy and sampled mix after precompile without compiling."""
 
 import dataclasses
 
+import jax
 import pytest
 
 import jaxkv
@@ -22,9 +23,9 @@ def llama(tmp_path_factory):
     return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-sampler-programs")))
 
 
-def _engine(model, **kw):
+def _engine(model, greedy_programs=False, **kw):
     return Engine(model, page_size=4, max_model_len=64, max_num_seqs=2, max_step_tokens=16,
-                  enable_prefix_caching=False, **kw)
+                  enable_prefix_caching=False, greedy_programs=greedy_programs, **kw)
 
 
 def _run(engine, prompts, samplings):
@@ -38,6 +39,9 @@ def _run(engine, prompts, samplings):
 
 def test_one_program_per_shape_unless_argmax_twins_are_asked_for(llama):
     one, twins = _engine(llama), _engine(llama, greedy_programs=True)
+    # the default: twins on the CPU (programs compile on first use there), one program elsewhere
+    assert Engine(llama, max_model_len=64, enable_prefix_caching=False).runner.greedy_programs == (
+        jax.default_backend() == "cpu")
     shared = warmup.variants(one)
     assert shared and not any(v[4] for v in shared)  # every variant is the sampling one
     split = warmup.variants(twins)

@@ -1,6 +1,6 @@
 """`python -m jaxkv.serve --precompile` with a server-wide KV policy: every step variant is compiled before
 the ready line, so serving traces (compiles) no step function and the compilation counter stays flat. A
-real server subprocess on a tiny random checkpoint, sized so the precompile stays a few variants on CPU (3
+real server subprocess on a tiny random checkpoint, sized so the precompile stays a few variants on CPU (4
 variants, ~10 s cold on 2 cores; the persistent compilation cache makes a rerun faster).
 """
 
@@ -26,13 +26,12 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
                        "--kv-policy-arg", "window=8"], env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        # 2 step variants (one program samples greedy and sampled rows) + the server policy's compression
-        # program (1 row x 1 page-table width)
-        assert re.search(r"jaxkv: precompiled 3 step variants in \d+\.\d+s", startup), startup
+        # 4 step variants + the server policy's compression program (1 row x 1 page-table width)
+        assert re.search(r"jaxkv: precompiled 5 step variants in \d+\.\d+s", startup), startup
         assert "KV policy snapkv (budget 0.25)" in startup
         assert _TRACED_STEP.search(startup)  # the compile log is on: precompile traced the steps
         info = httpx.get(s.base + "/info").json()
-        assert info["precompiled_variants"] == 3
+        assert info["precompiled_variants"] == 5
         card = httpx.get(s.url + "/models").json()["data"][0]
         assert card["kv_policy"]["name"] == "snapkv" and card["kv_policy"]["budget"] == 0.25
         assert card["kv_policy"]["window"] == 8
@@ -49,7 +48,7 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         # (compile) a sampled prefill step and a sampled decode step while serving.
         seen = len(s.log)
         steps_before = s.metric("jaxkv_step_compilations_total")
-        assert steps_before >= 2  # the precompiled variants (and the warm-up's metadata programs)
+        assert steps_before >= 4  # the precompiled variants (and the warm-up's metadata programs)
         c.completions.create(model=s.name, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1,
                              extra_body={"ignore_eos": True, "kv_policy": None})
         traced = [line for line in s.log[seen:] if _TRACED_STEP.search(line)]

@@ -179,10 +179,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sequences) take cuBLAS GEMMs instead of (autotuned) Triton ones, which "
                         "shortens a cold start at the same speed (H100, 1B: ready 193 s against 220 s, TTFT "
                         "of 8K tokens 48.1 against 48.6 ms); 0: autotune every program (default: 512)")
-    p.add_argument("--greedy-programs", action="store_true",
+    p.add_argument("--greedy-programs", action=argparse.BooleanOptionalAction, default=None,
                    help="batches without a sampled row run their own argmax-only programs: every step shape "
-                        "compiles twice (default: one program per shape samples every row, greedy rows "
-                        "exactly argmax)")
+                        "compiles twice (default: off on an accelerator, where one program per shape serves "
+                        "greedy and sampled rows; on on the CPU, where programs compile on first use)")
     p.add_argument("--precompile-logprobs", action="store_true",
                    help="with precompile: also the variants of requests that ask for logprobs / top_logprobs "
                         "/ echo (about twice the variants; for evaluation harnesses)")
