@@ -106,7 +106,7 @@ class EngineConfig:
     # True: batches without a sampled row run their own programs (an argmax, no sampling work), so every
     # step shape compiles twice; False: one program per shape serves both (a lax.cond skips the sampler for
     # a greedy batch). None: False on an accelerator, where precompile compiles every shape; True on the
-    # CPU, where programs compile on first use and a greedy one compiles ~1.3 s sooner without the sampler
+    # CPU, where programs compile on first use and the sampler alone takes ~1.9 s of XLA:CPU compile
     # (docs/engine.md, "How many variants").
     greedy_programs: bool | None = None
     retrieval: RetrievalConfig = RetrievalConfig()
