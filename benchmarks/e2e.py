@@ -57,6 +57,7 @@ def workloads(small: bool) -> list[Workload]:
                 Workload("headclass-allglobal", 2, 96, 8, 32, "global", hf=False)]
     return [Workload("batch", 32, 1024, 256, 8192), Workload("ttft", 1, 8192, 1, 8192),
             Workload("ttft", 1, 32768, 1, 8192), Workload("single", 1, 8192, 128, 8192),
+            Workload("short", 128, 256, 128, 8192, hf=False),
             Workload("headclass", 16, 16384, 512, 512, "1of8", hf=False),
             Workload("headclass-allglobal", 16, 16384, 512, 512, "global", hf=False)]
 
@@ -97,10 +98,11 @@ def run_jaxkv(model, w: Workload, prompts, *, page_size: int, kv_cache_bytes: in
     from jaxkv.sampling import SamplingParams
 
     cfg = model.config
-    eng = Engine(model, page_size=page_size, max_num_seqs=w.batch, max_model_len=w.prompt + w.new,
-                 max_step_tokens=w.max_step_tokens, enable_prefix_caching=False,
-                 head_classes=head_class_map(w.head_classes, cfg.num_layers, cfg.num_kv_heads),
-                 kv_cache_bytes=kv_cache_bytes, **(engine_kwargs or {}))
+    options = dict(page_size=page_size, max_num_seqs=w.batch, max_model_len=w.prompt + w.new,
+                   max_step_tokens=w.max_step_tokens, enable_prefix_caching=False,
+                   head_classes=head_class_map(w.head_classes, cfg.num_layers, cfg.num_kv_heads),
+                   kv_cache_bytes=kv_cache_bytes)
+    eng = Engine(model, **{**options, **(engine_kwargs or {})})  # --engine overrides the workload's own
     # tokens only, as the server asks for them: the random checkpoint's word-level tokenizer would
     # otherwise turn every token into text on the host between steps
     sp = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=w.new, ignore_eos=True,
@@ -286,7 +288,7 @@ def main(argv=None) -> list[list[str]]:
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke mode for tests)")
     ap.add_argument("--shapes", default="1b",
                     help="comma list of " + ",".join(s for s in SHAPES if not s.startswith("small")))
-    ap.add_argument("--only", default="", help="comma list of row names (batch,ttft,single,headclass,"
+    ap.add_argument("--only", default="", help="comma list of row names (batch,ttft,single,short,headclass,"
                                                "headclass-allglobal,agree)")
     ap.add_argument("--out", default=None, help="markdown file whose 'End to end' section is replaced")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")

@@ -113,10 +113,10 @@ def make_engine(model, method: str, args, **kw):
     max_len = args.prompt + args.new + 1
     # Every row's whole context in the pool (the default pool budget would preempt real-size models).
     kw.setdefault("num_pages", args.batch * cfg.num_layers * cfg.num_kv_heads * -(-max_len // args.page_size))
-    return Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
-                  page_size=args.page_size, max_step_tokens=args.max_step_tokens,
-                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
-                  **pol, **kw)
+    options = dict(max_num_seqs=args.batch, max_model_len=max_len, page_size=args.page_size,
+                   max_step_tokens=args.max_step_tokens, enable_prefix_caching=False,
+                   head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), **pol, **kw)
+    return Engine(model, **{**options, **json.loads(getattr(args, "engine", None) or "{}")})  # --engine wins
 
 
 def step_cost(model, method: str, args) -> dict:
@@ -295,6 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--progress-s", type=float, default=15.0,
                     help="seconds between progress lines on stderr (steps, compiles, preemptions)")
     ap.add_argument("--point-steps", type=int, default=4, help="decode engine steps per point")
+    ap.add_argument("--engine", default="{}",
+                    help='Engine keyword arguments as JSON, over the benchmark\'s own, '
+                         'e.g. \'{"page_classes": 1}\'')
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     model = load_model(args, tmp.name)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import time
 
 import numpy as np
@@ -28,6 +29,7 @@ import numpy as np
 from benchmarks.harness import SHAPES, append_jsonl, command_line, describe_device, random_model
 
 REUSE_METHODS = ("naive", "epic", "cacheblend", "sparsex", "redknot")
+log = logging.getLogger("benchmarks.startup")
 
 
 def reuse_methods(value: str) -> list[str]:
@@ -122,6 +124,7 @@ def request_mix(engine, vocab: int, seed: int = 0, retrieval=None, compilations=
             continue
         before = None if compilations is None else (compilations.step_programs(),
                                                     compilations.xla_programs()["compiled"])
+        log.info("mix kind %s", name)  # JAX_LOG_COMPILES's lines that follow are this kind's
         add()
         got = _run(engine)
         out["requests"] += len(got)
@@ -228,6 +231,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--background", action="store_true",
                     help="programs kept in the step cache load on a background thread after ready, as the "
                          "server loads them (`all_loaded_s`: when the last one is in)")
+    ap.add_argument("--page-classes", type=int, default=None, metavar="N",
+                    help="page-table width classes (EngineConfig.page_classes; default: 1 on an accelerator)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -258,7 +263,8 @@ def main(argv=None) -> None:
     def make_engine():
         return Engine(model, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                       max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                      enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows)
+                      enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows,
+                      **({"page_classes": args.page_classes} if args.page_classes else {}))
 
     if args.first_request:
         from jaxkv.sampling import SamplingParams
@@ -307,6 +313,7 @@ def main(argv=None) -> None:
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(),
+               page_widths=list(getattr(engine, "_page_buckets", ())),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

@@ -127,3 +127,17 @@ def test_retrieval_programs_round_trip_through_the_step_cache(llama, tmp_path):
     assert read["retrieval_programs"] == wrote["retrieval_programs"]
     assert read["step_programs_while_serving"] == 0 and read["xla_programs_while_serving"] == 0
     assert read["tokens"] == wrote["reference_tokens"]
+
+
+def test_split_off_decode_tokens_run_one_step_of_the_k_step_program(llama, tmp_path):
+    """Decode tokens that share a ragged step with a prefill run the first step of the K-step decode program
+    (it stops at the first step no row reserved), so precompile has no one-step decodes, and the tokens are
+    those of an engine that decodes one step per call."""
+    _, model = llama
+    pols = policies(model, str(tmp_path / "head"))
+    eng = engine(model)
+    for pol in pols:
+        decodes = [p for p in eng.retriever.programs(pol) if p[0] == "decode"]
+        assert decodes and {p[2] for p in decodes} == {KW["decode_steps"]}
+    one_step = Engine(model, **{**KW, "decode_steps": 1})
+    assert serve(eng, model, pols) == serve(one_step, model, pols)

@@ -109,6 +109,13 @@ class EngineConfig:
     # CPU, where programs compile on first use and the sampler alone takes ~1.9 s of XLA:CPU compile
     # (docs/engine.md, "How many variants").
     greedy_programs: bool | None = None
+    # Page-table width classes a step shape is compiled for (`Engine.page_classes`): the widest ones of 32,
+    # 256, 2048, ... pages (each 8x the last, the widest every page of max_model_len). Fewer classes, fewer
+    # programs: each class is a set of step, press and retrieval variants; a step over a wider table than it
+    # needs costs the kernels empty split programs (docs/engine.md, "How many variants"). None: the widest
+    # alone on an accelerator (where precompile compiles every variant), every class on the CPU (where the
+    # attention's jnp twin gathers the whole table).
+    page_classes: int | None = None
     retrieval: RetrievalConfig = RetrievalConfig()
     segments: SegmentConfig = SegmentConfig()
 
@@ -116,6 +123,9 @@ class EngineConfig:
         if self.layer_loop is not None and self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"Engine: layer_loop must be one of {list(LAYER_LOOPS)} "
                              f"(got {self.layer_loop!r})")
+        n = self.page_classes
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"Engine: page_classes must be a positive integer or None (got {n!r})")
         for name in ("page_size", "max_num_seqs", "max_step_tokens", "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

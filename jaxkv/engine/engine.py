@@ -46,9 +46,19 @@ FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_
 # Page-table widths come in a few classes: the narrowest holds PAGE_CLASS_MIN pages, each next one
 # PAGE_CLASS_FACTOR times more, the widest every page of max_model_len and the reuse slack (32K tokens at
 # page 16: 32, 256 and 2048 pages). A wider table costs the kernels only empty split programs (each unit's
-# split size follows its own length); each class is a set of step variants.
+# split size follows its own length); each class is a set of step variants. Accelerators take the widest
+# class alone by default (`EngineConfig.page_classes`): on an H100 the 1B decode steps of 32 x 1K and
+# SpeContext's 16 x 1K-4K took the same time over a 2,049-page table as over their own class.
 PAGE_CLASS_MIN = 32
 PAGE_CLASS_FACTOR = 8
+
+
+def page_classes(context_pages: int, max_pages: int, count: int | None = None) -> tuple[int, ...]:
+    """Page-table widths a step compiles for: PAGE_CLASS_MIN, each next PAGE_CLASS_FACTOR times wider, the
+    widest `max_pages` (the context's pages and the reuse slack); the widest `count` of them (None: all)."""
+    widths = powers_of_two(context_pages, start=min(PAGE_CLASS_MIN, context_pages),
+                           factor=PAGE_CLASS_FACTOR)[:-1] + (max_pages,)
+    return widths[-count:] if count else widths
 
 
 @dataclasses.dataclass
@@ -213,8 +223,8 @@ class Engine:
         # shapes depend on tokens and page-table width only (a few width classes, PAGE_CLASS_MIN).
         self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
         # The slack widens the widest class instead of adding one: no step variants for it.
-        self._page_buckets = powers_of_two(self.context_pages, start=min(PAGE_CLASS_MIN, self.context_pages),
-                                           factor=PAGE_CLASS_FACTOR)[:-1] + (self.max_pages_per_head,)
+        self._page_buckets = page_classes(self.context_pages, self.max_pages_per_head, c.page_classes if
+                                          c.page_classes is not None or jax.default_backend() == "cpu" else 1)
         top = self._token_buckets[-1]  # fresh prompts longer than a step: powers of two above it
         self._fresh_buckets = tuple(b for b in powers_of_two(self.scheduler.max_fresh_tokens, start=top)
                                     if b > top) if self.scheduler.max_fresh_tokens > top else ()

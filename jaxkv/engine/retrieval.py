@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkv.cache.pool import write_kv
 from jaxkv.engine import programs
-from jaxkv.engine.runner import PendingDecode, fresh_attend
+from jaxkv.engine.runner import PendingDecode, fresh_attend, scan_while_live
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve import buffer, host_tier
 from jaxkv.policies.retrieve.base import RetrievalPolicy
@@ -431,7 +431,9 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg,
     carry = ((pool, pstate, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    ((pool, pstate, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = jax.lax.scan(
+    # Stops at the first step no row runs: a decode token split off a ragged step (one step reserved) runs
+    # through this program, not a one-step program of its own.
+    ((pool, pstate, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = scan_while_live(
         body, carry, xs)
     return tokens, logprobs, ran, last, stats, moved, pool, rstate, pstate, sbuf
 
@@ -456,13 +458,6 @@ def _on_device(batch: dict) -> dict:
     and some as numpy, and jit caches the two kinds as separate variants, so precompile and serving must
     agree on one. One `device_put` of the whole dict: one batched transfer, not one call per field."""
     return jax.device_put(batch)
-
-
-def _first_steps(b, k: int) -> None:
-    """The first `k` steps of a decode batch's per-step metadata (device arrays: slicing them runs a small
-    program per shape, which `Retriever.precompile` warms)."""
-    for f in ("slots", "lengths", "prev_lengths", "active"):
-        setattr(b, f, getattr(b, f)[:k])
 
 
 def num_compilations() -> int:
@@ -508,9 +503,9 @@ class Retriever:
     def programs(self, policy: RetrievalPolicy) -> list[tuple]:
         """(kind, S, T or K, P, greedy, fresh, inplace) of every retrieval program an engine-wide `policy`
         hits, nothing traced: ragged steps with the tap (every step variant, when the policy keeps a device
-        or per-page state), and decodes for every (sequences, page-table width) bucket, greedy and sampled,
-        with K = decode_steps and K = 1 (decode tokens split off a ragged step), per decode variant
-        (`SelectionBuffers.decode_variants`)."""
+        or per-page state), and decodes of K = decode_steps for every (sequences, page-table width) bucket,
+        per sampler form and decode variant (`SelectionBuffers.decode_variants`). Decode tokens split off a
+        ragged step run one step of the same program (it stops at the first step no row reserved)."""
         from jaxkv.engine.warmup import sampler_forms, variants
 
         eng = self.engine
@@ -520,7 +515,7 @@ class Retriever:
         inplaces = self.buffers.decode_variants(policy)
         todo += [("decode", s, k, p, greedy, False, inplace) for s in eng._seq_buckets
                  for p in eng._page_buckets for greedy in sampler_forms(eng)
-                 for k in sorted({eng.decode_steps, 1}) for inplace in inplaces]
+                 for k in (eng.decode_steps,) for inplace in inplaces]
         return todo
 
     def calls(self, policy: RetrievalPolicy) -> list[tuple]:
@@ -535,13 +530,10 @@ class Retriever:
         L, H = runner.cfg.num_layers, runner.cfg.num_kv_heads
         self._state_for(policy), self._page_state_for(policy)  # made before any call reads them
         # A decode batch's metadata is a small device program per (sequences, page-table width), which the
-        # runner's decode variants warm only with decode_steps > 1; slicing it to the first step (decode
-        # tokens split off a ragged step, `_dispatch`) is one per shape.
+        # runner's decode variants warm only with decode_steps > 1.
         for s in eng._seq_buckets:
             for p in eng._page_buckets:
-                b = _batch(eng, "decode", s, 0, p, True, False)
-            if eng.decode_steps > 1:
-                _first_steps(b, 1)
+                _batch(eng, "decode", s, 0, p, True, False)
 
         def call(kind, s, t, p, greedy, fresh, inplace):
             temp = np.zeros(s, np.float32)
@@ -669,8 +661,8 @@ class Retriever:
             sub = [chunks[i] for i in rest]
             t, lp = self._ragged(sub)
             tokens[rest], logprobs[rest] = t[:len(sub)], lp[:len(sub)]
-        if dec:
-            t, lp, _ = self.decode([chunks[i] for i in dec], steps=1).result()
+        if dec:  # one token each: the first step of a decode call (the rest stop at once)
+            t, lp, _ = self.decode([chunks[i] for i in dec]).result()
             tokens[dec], logprobs[dec] = t[0, :len(dec)], lp[0, :len(dec)]
         return tokens, logprobs
 
@@ -714,25 +706,25 @@ class Retriever:
         return jax.device_get(out[:2])  # one sync for tokens and logprobs
 
     # ---- decode -----------------------------------------------------------------------------------
-    def decode(self, chunks, steps: int | None = None, prev=None) -> PendingDecode:
+    def decode(self, chunks, prev=None) -> PendingDecode:
         """Dispatches decode chunks grouped by policy (no policy: the runner's decode); the results are
-        [K, >= len(chunks)]. K is the engine's `decode_steps` (one compiled shape), or `steps` (1 for decode
-        tokens split off a ragged step). `prev` (engine `_build_decode`) chains the call to the one before.
+        [K, >= len(chunks)], K the engine's `decode_steps` (one compiled shape; a chunk of n tokens runs
+        its first n steps). `prev` (engine `_build_decode`) chains the call to the one before.
         One policy: one call, returned without waiting. Several: one call each, gathered on the host."""
         eng = self.engine
-        k = steps or eng.decode_steps
+        k = eng.decode_steps
         groups: dict = {}
         for i, c in enumerate(chunks):
             groups.setdefault(c.request.kv_policy if is_retrieval(c.request) else None, []).append(i)
         if len(groups) == 1:
-            return self._dispatch(next(iter(groups)), chunks, eng._build_decode(chunks, prev), k)
+            return self._dispatch(next(iter(groups)), chunks, eng._build_decode(chunks, prev))
         tokens = np.zeros((k, len(chunks)), np.int32)
         logprobs = np.zeros((k, len(chunks)), np.float32)
         ran = np.zeros((k, len(chunks)), bool)
         top = None  # the alternatives of requests that asked for them (never retrieval requests)
         for policy, idx in groups.items():
             sub = [chunks[i] for i in idx]
-            pending = self._dispatch(policy, sub, eng._build_decode(sub), k)
+            pending = self._dispatch(policy, sub, eng._build_decode(sub))
             t, lp, r = pending.result()
             n = len(sub)
             tokens[:, idx], logprobs[:, idx], ran[:, idx] = t[:, :n], lp[:, :n], r[:, :n]
@@ -743,8 +735,7 @@ class Retriever:
                 top[0][:, idx], top[1][:, idx] = alts[0][:, :n], alts[1][:, :n]
         return PendingDecode(tokens, logprobs, ran, None, top=top)
 
-    def _dispatch(self, policy, chunks, b, k: int) -> PendingDecode:
-        _first_steps(b, k)
+    def _dispatch(self, policy, chunks, b) -> PendingDecode:
         return self.engine.runner.decode(b) if policy is None else self._decode(policy, chunks, b)
 
     def _decode(self, policy, chunks, b) -> PendingDecode:

@@ -365,25 +365,28 @@ def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False,
     steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
     carry = (pool, d["tokens"], jnp.zeros((s,), bool))
     xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    scan = _scan_while_live if jax.default_backend() != "gpu" else jax.lax.scan
+    scan = scan_while_live if jax.default_backend() != "gpu" else jax.lax.scan
     (pool, last, _), (tokens, logprobs, ran, extras) = scan(step, carry, xs)
     return tokens, logprobs, ran, last, extras, pool
 
 
-def _scan_while_live(step, carry, xs):
+def scan_while_live(step, carry, xs):
     """`lax.scan(step, carry, xs)` over the K decode steps of `_decode_body` that stops at the first step
     no row runs (reserved and not stopped; a row reserves a prefix of the K steps, so none runs after);
     the steps not run return zeros. A request given fewer tokens than K (max_tokens, a stop) would
     otherwise compute the call's remaining steps for nothing (CPU, SmolLM2, 7 tokens in a 16-step call:
     16 steps' time). A while loop, not a `lax.cond` per step: a conditional's branches copy the donated
-    pool. Off the GPU only: XLA:GPU reads a while loop's predicate on the host, a sync per step."""
+    pool. `step`'s carry ends with the rows stopped, xs[4] holds the rows reserved per step. The runner's
+    decode takes it off the GPU only (XLA:GPU reads a while loop's predicate on the host, a sync per
+    step); the retrieval decode everywhere (`jaxkv.engine.retrieval`: a decode token split off a ragged
+    step runs one step of the K-step program, not a program of its own)."""
     n = xs[0].shape[0]
     shapes = jax.eval_shape(step, carry, jax.tree.map(lambda x: x[0], xs))[1]
     outs = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), shapes)
 
-    def live(state):
-        k, (_, _, done), _ = state
-        return (k < n) & jnp.any(xs[4][jnp.minimum(k, n - 1)] & ~done)
+    def live(state):  # the carry's last entry: rows stopped; xs[4]: rows reserved per step
+        k, carry, _ = state
+        return (k < n) & jnp.any(xs[4][jnp.minimum(k, n - 1)] & ~carry[-1])
 
     def body(state):
         k, carry, outs = state

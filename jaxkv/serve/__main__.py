@@ -183,6 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batches without a sampled row run their own argmax-only programs: every step shape "
                         "compiles twice (default: off on an accelerator, where one program per shape serves "
                         "greedy and sampled rows; on on the CPU, where programs compile on first use)")
+    p.add_argument("--page-classes", type=int, default=None, metavar="N",
+                   help="page-table width classes the step programs compile for, the widest N of 32, 256, "
+                        "2048, ... pages (default: 1 on an accelerator, all on the CPU): fewer classes, "
+                        "fewer programs to compile")
     p.add_argument("--precompile-logprobs", action="store_true",
                    help="with precompile: also the variants of requests that ask for logprobs / top_logprobs "
                         "/ echo (about twice the variants; for evaluation harnesses)")
@@ -311,7 +315,7 @@ def main(argv=None) -> int:
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
                         max_model_len=args.max_model_len, **chosen, head_classes=head_classes,
                         layer_loop=args.layer_loop, autotune_max_rows=args.autotune_max_rows or None,
-                        greedy_programs=args.greedy_programs,
+                        greedy_programs=args.greedy_programs, page_classes=args.page_classes,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         kv_merge=args.kv_merge,
                         retrieval_host_tier=args.retrieval_host_tier,
