@@ -12,8 +12,8 @@ configured as a GPU server would be. A row per engine configuration:
 `--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
 cold and the warm startup. `--precompile-reuse` names the segment-reuse methods precompiled (default
 `redknot`: 41 passes at the GPU configuration; `all`: every method of the mix, 269 programs for 345 pass
-shapes, naive and EPIC sharing theirs), compiled together on the
-warm-up pool after the step variants.
+shapes, naive and EPIC sharing theirs), compiled in the step variants' pool run, as the server does
+(`--reuse-apart`: in a run of their own after it).
 """
 
 from __future__ import annotations
@@ -231,6 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--background", action="store_true",
                     help="programs kept in the step cache load on a background thread after ready, as the "
                          "server loads them (`all_loaded_s`: when the last one is in)")
+    ap.add_argument("--reuse-apart", action="store_true",
+                    help="compile the reuse passes after the step programs, not in the same pool run (the "
+                         "server's way)")
     ap.add_argument("--page-classes", type=int, default=None, metavar="N",
                     help="page-table width classes (EngineConfig.page_classes; default: 1 on an accelerator)")
     ap.add_argument("--json", default=None)
@@ -288,17 +291,20 @@ def main(argv=None) -> None:
     retrieval = None if args.no_retrieval else random_retrieval_head(model)
     presses = engine.compressor.precompile_policies()  # every press, also on the CPU
     t0 = time.perf_counter()
+    # As the server does: the reuse passes on the same pool run as the steps (`--reuse-apart`: after them)
+    together = list(args.precompile_reuse) if not args.reuse_apart else []
     programs = engine.precompile(progress=args.progress, presses=presses, background=args.background,
-                                 retrieval=[] if retrieval is None else [retrieval])
+                                 retrieval=[] if retrieval is None else [retrieval], reuse=together)
     steps_s = time.perf_counter() - t0
     reuse_passes = {}
-    if args.precompile_reuse:  # every method's passes on the pool at once (the count per method: pass_shapes)
+    if args.precompile_reuse:  # the count per method: pass_shapes
         from jaxkv.engine.reuse import pass_shapes
         from jaxkv.policies.reuse import resolve_reuse
 
         limit = engine.max_pages_per_head * engine.page_size
         reuse_passes = {m: len(pass_shapes(resolve_reuse(m), limit)) for m in args.precompile_reuse}
-        reuse_passes["ready"] = engine.precompile_reuse(args.precompile_reuse, progress=args.progress)
+        if args.reuse_apart:
+            reuse_passes["ready"] = engine.precompile_reuse(args.precompile_reuse, progress=args.progress)
     ready = time.perf_counter() - t0
     loader = getattr(engine, "program_loader", None)
     if loader is not None:
@@ -312,7 +318,7 @@ def main(argv=None) -> None:
                all_loaded_s=round(all_loaded, 1),
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
-               compile_leaders=getattr(warmup, "leaders_first", lambda: None)(),
+               compile_leaders=getattr(warmup, "leaders_first", lambda: None)(), reuse_apart=args.reuse_apart,
                page_widths=list(getattr(engine, "_page_buckets", ())),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
