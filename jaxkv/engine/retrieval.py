@@ -2,7 +2,7 @@
 
 A request whose `kv_policy` declares ``kind = "retrieval"`` (engine-wide or per request) prefills with full
 attention and keeps its full KV in the pool; each of its decode steps runs a separate jitted variant of the
-multi-step decode (`_decode_retrieval`, a `lax.scan` over K steps like `runner._decode`) in which:
+multi-step decode (`_decode_retrieval`, a loop over K steps like `runner._decode`) in which:
 
 * **shared** policies (``layer_wise`` False, e.g. SpeContext): layers ``[0, tap_layer)`` run the normal
   paged attention; after them the policy scores every past position per KV head (`score_rows`); `select`
@@ -26,13 +26,13 @@ Where a method's device state lives: one per stateful policy class (`init_state`
 head's keys ``[max_num_seqs, max_pages_per_head * page_size, Hkv, Dr]``, a row per running request, slot =
 position), made on first use. Rows are handed out on a request's first step and taken back when it no
 longer runs. The ragged step (prefill chunks) runs `_step_tap` whenever a chunk of a request with a
-device state or a per-page state is in it: the same step as the runner's, plus the state's write at its
-key layer (`observe_tokens`) and the per-page state's update at every K write. A decode token of a
-retrieval request that the scheduler put into a ragged step (next to other requests' prefill) is split
-off and run through `_decode_retrieval` with K = 1, so every generated token after the first reads the
-selection.
+device state or a per-page state is in it: the runner's step itself (`runner._forward_sample`) with the
+tap's hooks (`runner.StepHooks`): the state's write at its key layer (`observe_tokens`) and the per-page
+state's update at every K write. A decode token of a retrieval request that the scheduler put into a
+ragged step (next to other requests' prefill) is split off and run through `_decode_retrieval`, whose
+loop stops after that one step, so every generated token after the first reads the selection.
 
-Both forwards run the model's layer loop (`llama.run_layers`) in ranges split at their taps (the key write,
+The decode runs the model's layer loop (`llama.run_layers`) in ranges split at its taps (the key write,
 the selection); per-layer choices (windows, ring heads, the buffer's per-layer arrays) are data or ranges.
 With `SharedLayers` the decode traces two layer bodies (dense, selected) instead of L layers: SmolLM2-135M
 (30 layers, tap 2, K = 4, S = 4) on the CPU, trace 1.3 -> 0.43 s and lowering 0.54-0.85 -> 0.28-0.35 s (best
@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkv.cache.pool import write_kv
 from jaxkv.engine import programs
-from jaxkv.engine.runner import PendingDecode, fresh_attend, scan_while_live
+from jaxkv.engine.runner import PendingDecode, StepHooks, _forward_sample, scan_while_live
 from jaxkv.models import llama, rope
 from jaxkv.policies.retrieve import buffer, host_tier
 from jaxkv.policies.retrieve.base import RetrievalPolicy
@@ -113,18 +113,18 @@ def _merge_own(out, lse, q, k, v, scale):
     return merge(out, lse, q, k, v, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "page_state", "attn_impl", "greedy",
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "page_state", "attn_impl", "use_plan", "greedy",
                                              "fresh_heads", "mesh"),
                    donate_argnames=("pool", "rstate", "pstate"))
 def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
-              greedy=False, fresh_heads=None, mesh=None):
-    """The runner's ragged step (per layer write K/V then paged attention; a fresh prompt through
-    head_class_prefill) plus the retrieval state's key write at the key layer of `policy` (None: no
-    state) and, with `pstate`, every key written folded into that per-page state (`page_state`, the class
-    a method declares as `RetrievalPolicy.page_state`). `mesh`: per shard
-    (`jaxkv.parallel.methods.sharded_step_tap`)."""
-    static = dict(cfg=cfg, policy=policy, page_state=page_state, attn_impl=attn_impl, greedy=greedy,
-                  fresh_heads=fresh_heads)
+              use_plan=False, greedy=False, fresh_heads=None, mesh=None):
+    """The runner's ragged step (`runner._forward_sample`: per layer write K/V then attend, through the
+    step's one attention plan; a fresh prompt through head_class_prefill) with the tap's hooks: the
+    retrieval state's key write before the key layer of `policy` (None: no state) and, with `pstate`,
+    every key written folded into that per-page state (`page_state`, the class a method declares as
+    `RetrievalPolicy.page_state`). `mesh`: per shard (`jaxkv.parallel.methods.sharded_step_tap`)."""
+    static = dict(cfg=cfg, policy=policy, page_state=page_state, attn_impl=attn_impl, use_plan=use_plan,
+                  greedy=greedy, fresh_heads=fresh_heads)
     if mesh is not None:
         from jaxkv.parallel.methods import sharded_step_tap
 
@@ -133,43 +133,25 @@ def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=Non
 
 
 def _step_tap_body(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
-                   greedy=False, fresh_heads=None, tp=False):
+                   use_plan=False, greedy=False, fresh_heads=None, tp=False):
     """`_step_tap` on one device, or on one shard with `tp` (the O / down projections all-reduced, the
     logits gathered; the retrieval state, replicated, is written alike on every shard)."""
-    scale = cfg.head_dim ** -0.5
-    freqs = rope.inv_freq(cfg)
-    # where the state records tokens (never: the end of the loop)
-    key_layer = min(policy.key_layer(head), cfg.num_layers) if policy is not None else cfg.num_layers
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
-    fresh = fresh_attend(fresh_heads, scale, tp=tp) if fresh_heads is not None else None
 
-    def attend(layer, q, k, v, state):
-        pool, pstate = state
-        pool = write_kv(pool, k[0], v[0], b["positions"], b["slots"][:, layer])
-        if pstate is not None:
-            pstate = page_state.update(pstate, k[0], b["slots"][:, layer], pool.page_size)
-        if fresh is not None:
-            out = fresh(layer, q[0], k[0], v[0])
-        else:
-            out, _ = paged_attention(
-                q[0], pool.k, pool.v, pool.pos, b["page_table"][:, layer], b["lengths"][:, layer],
-                b["q_seq"], b["positions"], b["sink"][layer], b["window"][layer], scale=scale,
-                implementation=attn_impl)
-        return out[None], (pool, pstate)
+    def on_write(layer, k, slots, pool, state):
+        rstate, pstate = state
+        return rstate, page_state.update(pstate, k, slots, pool.page_size)
 
-    # The layer loop in two ranges around the tap (the state's key write before `key_layer`): with
-    # `SharedLayers` both run the one traced layer body.
-    x = params["embed"][b["tokens"]][None]
-    pos = b["positions"][None]
-    run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos, freqs=freqs,
-                            attend=attend, reduce=_reduce(tp))
-    x, (pool, pstate) = run(x=x, state=(pool, pstate), stop=key_layer)
-    if key_layer < cfg.num_layers:
-        rstate = policy.observe_tokens(head, rstate, x[0], b["positions"], rows)
-    x, (pool, pstate) = run(x=x, state=(pool, pstate), start=key_layer)
-    hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
-    tokens, logprobs = _sample(logits, b, greedy)
+    def tap(x, state):
+        rstate, pstate = state
+        return policy.observe_tokens(head, rstate, x, b["positions"], rows), pstate
+
+    # where the state records tokens (never: past the last layer)
+    key_layer = min(policy.key_layer(head), cfg.num_layers) if policy is not None else cfg.num_layers
+    hooks = StepHooks(state=(rstate, pstate), on_write=on_write if pstate is not None else None,
+                      tap=tap if policy is not None else None, tap_layer=key_layer)
+    tokens, logprobs, _, pool, (rstate, pstate) = _forward_sample(
+        params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=tp, hooks=hooks)
     return tokens, logprobs, pool, rstate, pstate
 
 
@@ -592,7 +574,8 @@ class Retriever:
                 self._page_states.get(page_cls) if page_cls is not None else None)
         fresh_heads = runner.fresh_heads if fresh and runner.use_plan else None
         static = dict(cfg=runner.cfg, policy=policy, page_state=page_cls, attn_impl=runner.attn_impl,
-                      greedy=bool(greedy), fresh_heads=fresh_heads, mesh=runner.mesh)
+                      use_plan=runner.use_plan, greedy=bool(greedy), fresh_heads=fresh_heads,
+                      mesh=runner.mesh)
         return _step_tap, args, static
 
     def _decode_call(self, policy, arrays, rows, known, inplace, greedy):

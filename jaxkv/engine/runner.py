@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ import numpy as np
 
 from jaxkv.cache.pool import init_pool, write_kv
 from jaxkv.engine import programs
-from jaxkv.models import llama
+from jaxkv.models import llama, rope
 from jaxkv.parallel import shard as tp_shard
 from jaxkv.sampling import sample, top_logprobs
 from pallas_kernels.head_class_prefill.api import head_class_prefill
@@ -193,11 +195,26 @@ def fresh_attend(fresh_heads, scale: float, tp: bool):
     return attend
 
 
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """What a method adds to the ragged step's forward (the retrieval tap), all applied while tracing:
+    `state` threads through the layers beside the pool; `on_write(layer, k, slots, pool, state)` -> state
+    runs after each layer's K/V write (k [T, Hkv, D], slots [T, Hkv]); `tap(x, state)` -> state reads the
+    residual stream x [T, hidden] before layer `tap_layer` (none at or past the last layer)."""
+
+    state: Any = None
+    on_write: Callable | None = None
+    tap: Callable | None = None
+    tap_layer: int = 0
+
+
 def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None,
-                    tp: bool = False, top_width: int = 0, prompt_lp: bool = False):
-    """Shared body of a step: per layer (under the layer scan) write K/V then attend; sample one token per
+                    tp: bool = False, top_width: int = 0, prompt_lp: bool = False,
+                    hooks: StepHooks | None = None):
+    """Shared body of a step: per layer (under the layer loop) write K/V then attend; sample one token per
     row. `tp`: runs per shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple
-    per shard. -> tokens, logprobs, extras (`_extras`), pool."""
+    per shard. `hooks`: a method's additions (`StepHooks`). -> tokens, logprobs, extras (`_extras`), pool,
+    and the hooks' state when given."""
     scale = cfg.head_dim ** -0.5
     meta = _layer_meta(b)
     plan = None
@@ -206,9 +223,13 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             pool.pos, meta["page_table"], meta["lengths"], b["q_seq"], b["positions"], b["sink"],
             b["window"], num_q_heads=cfg.num_heads, ordered=False)
     fresh = fresh_attend(fresh_heads, scale, tp) if fresh_heads is not None else None
+    on_write = hooks.on_write if hooks is not None else None
 
-    def attend(layer, q, k, v, pool, m):
+    def attend(layer, q, k, v, state, m):
+        pool, extra = state
         pool = write_kv(pool, k[0], v[0], b["positions"], m["slots"])
+        if on_write is not None:
+            extra = on_write(layer, k[0], m["slots"], pool, extra)
         if fresh is not None:
             out = fresh(layer, q[0], k[0], v[0])
         elif plan is not None:
@@ -217,13 +238,26 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             out, _ = paged_attention(
                 q[0], pool.k, pool.v, pool.pos, m["page_table"], m["lengths"], b["q_seq"], b["positions"],
                 m["sink"], m["window"], scale=scale, implementation=attn_impl, slot_bias=pool.bias)
-        return out[None], pool
+        return out[None], (pool, extra)
 
-    hidden, pool = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend, pool,
-                                 reduce=tp_shard.reduce if tp else None, layer_xs=meta)
+    x = params["embed"][b["tokens"]][None]
+    run = functools.partial(llama.run_layers, params["layers"], cfg, positions=b["positions"][None],
+                            freqs=rope.inv_freq(cfg), attend=attend, reduce=tp_shard.reduce if tp else None,
+                            layer_xs=meta)
+    state = (pool, hooks.state if hooks is not None else None)
+    split = hooks.tap_layer if hooks is not None and hooks.tap is not None else cfg.num_layers
+    if split < cfg.num_layers:  # the layer loop in two ranges around the tap (one traced layer body)
+        x, (pool, extra) = run(x=x, state=state, stop=split)
+        state = (pool, hooks.tap(x[0], extra))
+        x, state = run(x=x, state=state, start=split)
+    else:
+        x, state = run(x=x, state=state)
+    pool, extra = state
+    hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
     tokens, logprobs = _sample(logits, b, greedy)
-    return tokens, logprobs, _extras(params, cfg, hidden[0], b, logits, top_width, prompt_lp, tp), pool
+    out = (tokens, logprobs, _extras(params, cfg, hidden[0], b, logits, top_width, prompt_lp, tp), pool)
+    return out if hooks is None else (*out, extra)
 
 
 def _with_plan(plan, layer, q, pool, pt_layers, pt_layer, scale):
