@@ -319,7 +319,7 @@ def main(argv=None) -> None:
                since_start_s=round(time.perf_counter() - start, 1),
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(), reuse_apart=args.reuse_apart,
-               page_widths=list(getattr(engine, "_page_buckets", ())),
+               page_widths=list(getattr(engine, "page_widths", ())),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

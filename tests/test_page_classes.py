@@ -54,6 +54,7 @@ def test_default_is_one_class_off_the_cpu(llama):
     widths = _engine(llama)._page_buckets
     assert len(widths) == (2 if jax.default_backend() == "cpu" else 1)
     assert _engine(llama, page_classes=1)._page_buckets == widths[-1:]
+    assert _engine(llama, page_classes=1).page_widths == widths[-1:]
 
 
 def test_one_class_compiles_half_the_steps_and_changes_no_token(llama):

@@ -29,6 +29,7 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         # 4 step variants + the server policy's compression program (1 row x 1 page-table width)
         assert re.search(r"jaxkv: precompiled 5 step variants in \d+\.\d+s", startup), startup
         assert "KV policy snapkv (budget 0.25)" in startup
+        assert "page-table widths 4 pages" in startup  # 64 tokens at page 16: one class
         assert _TRACED_STEP.search(startup)  # the compile log is on: precompile traced the steps
         info = httpx.get(s.base + "/info").json()
         assert info["precompiled_variants"] == 5

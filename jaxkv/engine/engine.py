@@ -375,6 +375,11 @@ class Engine:
         passes write nothing (docs/policies.md, "Buckets")."""
         return self.reuser.precompile(reuse, progress)
 
+    @property
+    def page_widths(self) -> tuple[int, ...]:
+        """Page-table widths (pages per head) the step programs compile for (`EngineConfig.page_classes`)."""
+        return self._page_buckets
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.reuser.waiting)
 

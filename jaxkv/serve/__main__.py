@@ -383,6 +383,7 @@ def main(argv=None) -> int:
     print(f"jaxkv: {name} on {jax.default_backend()} ({dtype}), max_model_len={engine.max_model_len}, "
           f"max_num_seqs={engine.scheduler.max_num_seqs}, "
           f"max_step_tokens={engine.scheduler.max_step_tokens}, "
+          f"page-table widths {'/'.join(map(str, engine.page_widths))} pages, "
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots ({pool_gib:.2f} GiB), "
           f"KV heads: {classes}, "
           f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
