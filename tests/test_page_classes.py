@@ -12,6 +12,7 @@ from jaxkv.engine.engine import Engine, page_classes
 from jaxkv.sampling import SamplingParams
 from tests.hf_tiny import make_tiny_checkpoint
 from tests.test_engine import prompts_for
+from tests.test_sampler_programs import _run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=7, ignore_eos=True)
@@ -26,15 +27,6 @@ def _engine(model, **kw):
     # 512 tokens (the tiny model's positions) at page 2: 256 pages, classes of 32 and 256 pages
     return Engine(model, page_size=2, max_model_len=512, max_num_seqs=2, max_step_tokens=64,
                   enable_prefix_caching=False, **kw)
-
-
-def _run(engine, prompts, samplings):
-    ids = [engine.add_request(p, s) for p, s in zip(prompts, samplings)]
-    got = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
-    return [got[i] for i in ids]
 
 
 def test_classes_are_the_widest_ones_asked_for():
