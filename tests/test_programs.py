@@ -79,3 +79,49 @@ def test_kept_programs_load_from_the_step_cache_on_first_use_and_in_the_backgrou
     np.testing.assert_allclose(progs.call(_affine, *calls[1]), np.arange(6) * 2.0 + 1.5)
     assert _affine._cache_size() == jit_variants  # loads, never a compile
     assert programs.installed("test") == installed  # loaded later, as before: not counted as installed
+
+
+def _weak(n):
+    """[2.0] * n, weak-typed float32 (as a program may type an output it hands back)."""
+    return jnp.full((n,), 2.0)
+
+
+def test_a_call_typed_otherwise_than_its_precompiled_program_still_runs_it(caplog):
+    """A call whose device arrays differ from the installed program's only beyond shape and dtype (here a
+    weak type, as a program loaded from the step cache may type its outputs) runs that program: nothing
+    traced, one warning naming the difference, and the next such call finds it at once. A call of other
+    shapes still takes jit's own path (no look-alike is installed for it)."""
+    progs = programs.Programs("test", owned=("cfg",))
+    args, static = _args(4), dict(scale=2.0, cfg="model")
+    progs.install(progs.signature(_affine, args, static), _compiled(args, static))
+    typed = _args(4)
+    typed[2]["x"] = _weak(4)
+    assert typed[2]["x"].weak_type and typed[2]["x"].dtype == jnp.float32 and not args[2]["x"].weak_type
+    assert progs.signature(_affine, typed, static) != progs.signature(_affine, args, static)
+    jit_variants = _affine._cache_size()
+    with caplog.at_level("WARNING", logger="jaxkv.engine"):
+        np.testing.assert_allclose(progs.call(_affine, typed, static), [5.5] * 4)
+        np.testing.assert_allclose(progs.call(_affine, typed, static), [5.5] * 4)
+    assert _affine._cache_size() == jit_variants  # the precompiled program ran both times
+    told = [r.getMessage() for r in caplog.records if "differ from a precompiled program" in r.getMessage()]
+    assert len(told) == 1 and "weak_type=True" in told[0]
+    assert len(progs) == 2  # the call's own signature now finds the program directly
+    np.testing.assert_allclose(progs.call(_affine, _args(3), static), [1.5, 3.5, 5.5])  # jit's own
+    assert _args(3)[2]["x"].shape not in {k[2][0][1].shape for k in progs._programs}
+
+
+def test_a_look_alike_program_that_refuses_the_arguments_leaves_the_call_to_jit(caplog):
+    """A look-alike program whose parameters or pool do not fit the call (outside the signature, here an
+    int32 pool for a float32 one) refuses it before running: the call takes jit's path, with one warning,
+    and the same call later goes to jit without trying the program again."""
+    progs = programs.Programs("test", owned=("cfg",))
+    args, static = _args(4), dict(scale=2.0, cfg="model")
+    progs.install(progs.signature(_affine, args, static), _compiled(args, static))
+    typed = _args(4)
+    typed = (typed[0], jnp.int32(1), {**typed[2], "x": _weak(4)})
+    with caplog.at_level("WARNING", logger="jaxkv.engine"):
+        np.testing.assert_allclose(progs.call(_affine, typed, static), [6.0] * 4)
+        np.testing.assert_allclose(progs.call(_affine, typed, static), [6.0] * 4)
+    refused = [r for r in caplog.records if "refused a call" in r.getMessage()]
+    assert len(refused) == 1
+    assert progs.signature(_affine, typed, static) in progs._refused and len(progs) == 1

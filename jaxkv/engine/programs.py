@@ -7,13 +7,19 @@ itself.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import jax
 import numpy as np
 
-_LOAD_LOCK = threading.Lock()  # one load at a time (all owners): parallel loads of Mosaic GPU programs fail
+log = logging.getLogger("jaxkv.engine")
+
+# One load at a time (all owners). Loads on parallel threads failed with "Failed to materialize symbols:
+# entry_mosaic_gpu"; so did loads one at a time, and the cause was Mosaic GPU's runtime library, unknown to a
+# process that had lowered no Mosaic GPU kernel yet (`step_cache` now names it before any load).
+_LOAD_LOCK = threading.Lock()
 _installed: dict[str, int] = {}  # owner kind -> programs installed ahead of time in this process
 
 
@@ -42,6 +48,8 @@ class Programs:
         self.cache = None  # the step cache `pending` loads from
         self._loading = False
         self._wanted = 0  # calls waiting in `lookup` for a load
+        self._refused: set = set()  # signatures with no look-alike program, or one that refused them
+        self._told_alike = False
 
     def signature(self, fn, args, static) -> tuple:
         """What tells one program of this owner from another: the function, its static arguments but the
@@ -86,12 +94,48 @@ class Programs:
 
     def call(self, fn, args, static):
         """The installed program of this call when there is one (called as jit would: the same donated
-        buffers, the same placements), else jit's own path. With nothing installed no signature is built."""
+        buffers, the same placements), else one whose signature differs only in its device arrays' types
+        beyond shape and dtype (`_alike`), else jit's own path. With nothing installed no signature is
+        built."""
         if self._programs or self.pending or self._loading:
-            exe = self.lookup(self.signature(fn, args, static))
+            signature = self.signature(fn, args, static)
+            exe = self.lookup(signature)
             if exe is not None:
                 return exe(*args)
+            exe = self._alike(signature)
+            if exe is not None:
+                try:
+                    out = exe(*args)
+                except (TypeError, ValueError) as e:  # checked before it runs: nothing donated yet
+                    self._refused.add(signature)
+                    log.warning("jaxkv: a precompiled %s program refused a call of the same shapes (%s); "
+                                "jit compiles its own", self.kind,
+                                str(e).splitlines()[0] if str(e) else type(e).__name__)
+                else:
+                    self._programs[signature] = exe  # the next such call finds it at once
+                    return out
         return fn(*args, **static)
+
+    def _alike(self, signature):
+        """The program installed for a signature that equals `signature` but in the types of device arrays
+        beyond their shapes and dtypes (weak type, placement, memory space), logging the difference the
+        first time; None when there is none. A program loaded from the step cache may hand its outputs
+        back typed otherwise than the one compiled in this process did, and a step fed from a previous
+        step's outputs (a decode's last tokens, a method's state) would miss the precompiled program for
+        that alone and compile."""
+        if signature in self._refused or not self._programs:
+            return None
+        want = _shapes(signature)
+        for other, exe in list(self._programs.items()):
+            if _shapes(other) == want:
+                if not self._told_alike:
+                    self._told_alike = True
+                    log.warning("jaxkv: %s call's arguments differ from a precompiled program's in type "
+                                "beyond shape and dtype (%s); running that program", self.kind,
+                                _first_difference(signature, other))
+                return exe
+        self._refused.add(signature)  # no look-alike: the next such call goes straight to jit
+        return None
 
     def load_all(self) -> None:
         """Loads every pending program, stepping aside while a call waits for one."""
@@ -121,3 +165,30 @@ class Programs:
 
     def values(self):
         return self._programs.values()
+
+
+def _types(signature) -> list:
+    """The per-argument entries of a signature: the batch's (name, shape, dtype) or (name, aval), then the
+    state's abstract values."""
+    batch = list(signature[2])
+    return batch + (list(signature[4]) if len(signature) > 3 else [])
+
+
+def _shape_of(entry):
+    if isinstance(entry, tuple):  # a batch entry
+        name, *rest = entry
+        return (name, *_shape_of(rest[0])) if len(rest) == 1 else (name, tuple(rest[0]), rest[1])
+    return (tuple(entry.shape), entry.dtype) if hasattr(entry, "shape") else (entry,)
+
+
+def _shapes(signature) -> tuple:
+    """`signature` with every argument reduced to its shape and dtype."""
+    rest = (signature[3],) if len(signature) > 3 else ()
+    return (signature[0], signature[1], *rest, tuple(_shape_of(e) for e in _types(signature)))
+
+
+def _first_difference(a, b) -> str:
+    for x, y in zip(_types(a), _types(b)):
+        if x != y:
+            return f"{x!r} vs {y!r}"
+    return "none found"

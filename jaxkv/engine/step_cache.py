@@ -13,6 +13,11 @@ off, ``=1`` turns it on for the CPU too. On the CPU a program XLA loaded from it
 does not survive a second serialization (it fails at run time: "Function wrapped_iota not found"), so there
 only programs compiled in this process are kept, and the CPU default is off. Entries are written
 atomically (a temporary file renamed); an unreadable entry is a miss.
+
+A program holding a Mosaic GPU kernel links that kernel's host launcher against Mosaic GPU's runtime library
+when it loads; jax names that library in ``MOSAIC_GPU_RUNTIME_LIB_PATH`` only once its Mosaic GPU module is
+imported, which a process that loads every program and lowers none never does ("Symbols not found:
+mosaic_gpu_launch_kernel"). `load` imports it first (`_mosaic_gpu_runtime`).
 """
 
 from __future__ import annotations
@@ -82,11 +87,22 @@ def environment() -> str:
         str(jax.config.jax_default_matmul_precision), source_digest()])
 
 
+@functools.lru_cache(maxsize=1)
+def _mosaic_gpu_runtime() -> str | None:
+    """Path of Mosaic GPU's runtime library, made known to the kernels' loader (None where jax has none)."""
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401 - sets MOSAIC_GPU_RUNTIME_LIB_PATH
+    except Exception:  # noqa: BLE001 - no Mosaic GPU in this jaxlib: no program can hold its kernels
+        return None
+    return os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH")
+
+
 class StepCache:
     """Serialized executables in `directory`, one file per key, for one engine (`fingerprint`)."""
 
     def __init__(self, directory: str | os.PathLike, fingerprint: str):
         self.dir = Path(directory)
+        _mosaic_gpu_runtime()  # before jax's own cache loads a program holding such a kernel, too
         self.fingerprint = hashlib.sha256((environment() + "|" + fingerprint).encode()).hexdigest()
         self.hits = self.misses = self.errors = 0  # loads run one at a time (a lock, or precompile)
 
@@ -123,6 +139,7 @@ class StepCache:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         path = self.dir / f"{key}.bin"
+        _mosaic_gpu_runtime()
         try:
             data = path.read_bytes()
         except OSError:

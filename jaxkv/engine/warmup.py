@@ -177,9 +177,8 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
             key = cache.key(fn, args, static, compile_options(engine, variant)) if cache is not None else None
             calls.append((variant, programs, signature, fn, args, static, key))
         done = len(calls)
-        # programs kept by an earlier start load here (or later, `background`), one at a time (loads on
-        # parallel threads failed on an H200: "Failed to materialize symbols: entry_mosaic_gpu"); nothing
-        # traced
+        # programs kept by an earlier start load here (or later, `background`), one at a time
+        # (`programs._LOAD_LOCK`); nothing traced
         if cache is not None and background:
             kept = [True if cache.has(c[-1]) else None for c in calls]
             for (variant, programs, signature, *_, key), later in zip(calls, kept):
