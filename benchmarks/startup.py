@@ -236,6 +236,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "server's way)")
     ap.add_argument("--page-classes", type=int, default=None, metavar="N",
                     help="page-table width classes (EngineConfig.page_classes; default: 1 on an accelerator)")
+    ap.add_argument("--rolled-from-tokens", type=int, default=0, metavar="N",
+                    help="ragged steps of at least N tokens roll their layers "
+                         "(EngineConfig.rolled_from_tokens)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -267,7 +270,8 @@ def main(argv=None) -> None:
         return Engine(model, max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                       max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                       enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows,
-                      **({"page_classes": args.page_classes} if args.page_classes else {}))
+                      **({"page_classes": args.page_classes} if args.page_classes else {}),
+                      **({"rolled_from_tokens": args.rolled_from_tokens} if args.rolled_from_tokens else {}))
 
     if args.first_request:
         from jaxkv.sampling import SamplingParams
@@ -320,6 +324,7 @@ def main(argv=None) -> None:
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(), reuse_apart=args.reuse_apart,
                page_widths=list(getattr(engine, "page_widths", ())),
+               rolled_from_tokens=args.rolled_from_tokens,
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

@@ -116,6 +116,12 @@ class EngineConfig:
     # alone on an accelerator (where precompile compiles every variant), every class on the CPU (where the
     # attention's jnp twin gathers the whole table).
     page_classes: int | None = None
+    # Ragged steps of at least this many tokens run their layers as one rolled loop (`llama.run_layers(
+    # rolled=True)`: XLA compiles one layer body instead of inlining L, and each layer's weights are copied
+    # once per step as the loop picks them), for a layer list run through one shared body (`layer_loop`
+    # "shared"). The copy is one more pass over the weights, which a compute-bound step of many tokens hides
+    # and a decode would not. 0: every step inlined (docs/engine.md, "Layer loops").
+    rolled_from_tokens: int = 0
     retrieval: RetrievalConfig = RetrievalConfig()
     segments: SegmentConfig = SegmentConfig()
 
@@ -126,6 +132,9 @@ class EngineConfig:
         n = self.page_classes
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"Engine: page_classes must be a positive integer or None (got {n!r})")
+        n = self.rolled_from_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"Engine: rolled_from_tokens must be an integer >= 0 (got {n!r})")
         for name in ("page_size", "max_num_seqs", "max_step_tokens", "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -183,7 +183,8 @@ class Engine:
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, sink=sink, window=window,
                                   kv_dtype=kv_dtype, attn_impl=attn_impl, mesh=mesh, kv_merge=self.kv_merge,
                                   greedy_programs=(jax.default_backend() == "cpu" if c.greedy_programs is None
-                                                   else c.greedy_programs))
+                                                   else c.greedy_programs),
+                                  rolled_from_tokens=c.rolled_from_tokens)
         # A fresh prompt longer than a step prefills alone through head_class_prefill (with the Pallas
         # kernels); its local heads keep only what their ring holds, so rings stay sized by max_step_tokens.
         fresh = (max_prefill_tokens or self.max_model_len) if self.runner.use_plan else 0

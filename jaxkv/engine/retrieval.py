@@ -114,17 +114,18 @@ def _merge_own(out, lse, q, k, v, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "page_state", "attn_impl", "use_plan", "greedy",
-                                             "fresh_heads", "mesh"),
+                                             "fresh_heads", "mesh", "rolled"),
                    donate_argnames=("pool", "rstate", "pstate"))
 def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
-              use_plan=False, greedy=False, fresh_heads=None, mesh=None):
+              use_plan=False, greedy=False, fresh_heads=None, mesh=None, rolled=False):
     """The runner's ragged step (`runner._forward_sample`: per layer write K/V then attend, through the
     step's one attention plan; a fresh prompt through head_class_prefill) with the tap's hooks: the
     retrieval state's key write before the key layer of `policy` (None: no state) and, with `pstate`,
     every key written folded into that per-page state (`page_state`, the class a method declares as
-    `RetrievalPolicy.page_state`). `mesh`: per shard (`jaxkv.parallel.methods.sharded_step_tap`)."""
+    `RetrievalPolicy.page_state`). `mesh`: per shard (`jaxkv.parallel.methods.sharded_step_tap`).
+    `rolled`: the layers as one rolled loop (`EngineConfig.rolled_from_tokens`)."""
     static = dict(cfg=cfg, policy=policy, page_state=page_state, attn_impl=attn_impl, use_plan=use_plan,
-                  greedy=greedy, fresh_heads=fresh_heads)
+                  greedy=greedy, fresh_heads=fresh_heads, rolled=rolled)
     if mesh is not None:
         from jaxkv.parallel.methods import sharded_step_tap
 
@@ -133,7 +134,7 @@ def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=Non
 
 
 def _step_tap_body(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
-                   use_plan=False, greedy=False, fresh_heads=None, tp=False):
+                   use_plan=False, greedy=False, fresh_heads=None, tp=False, rolled=False):
     """`_step_tap` on one device, or on one shard with `tp` (the O / down projections all-reduced, the
     logits gathered; the retrieval state, replicated, is written alike on every shard)."""
     rows = jnp.where(b["q_seq"] >= 0, b["head_rows"][jnp.maximum(b["q_seq"], 0)], -1)
@@ -151,7 +152,7 @@ def _step_tap_body(params, pool, b, rstate, head, pstate, cfg, policy, page_stat
     hooks = StepHooks(state=(rstate, pstate), on_write=on_write if pstate is not None else None,
                       tap=tap if policy is not None else None, tap_layer=key_layer)
     tokens, logprobs, _, pool, (rstate, pstate) = _forward_sample(
-        params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=tp, hooks=hooks)
+        params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=tp, hooks=hooks, rolled=rolled)
     return tokens, logprobs, pool, rstate, pstate
 
 
@@ -575,7 +576,7 @@ class Retriever:
         fresh_heads = runner.fresh_heads if fresh and runner.use_plan else None
         static = dict(cfg=runner.cfg, policy=policy, page_state=page_cls, attn_impl=runner.attn_impl,
                       use_plan=runner.use_plan, greedy=bool(greedy), fresh_heads=fresh_heads,
-                      mesh=runner.mesh)
+                      mesh=runner.mesh, **runner.rolled(arrays["tokens"].shape[0]))
         return _step_tap, args, static
 
     def _decode_call(self, policy, arrays, rows, known, inplace, greedy):

@@ -210,11 +210,12 @@ class StepHooks:
 
 def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None,
                     tp: bool = False, top_width: int = 0, prompt_lp: bool = False,
-                    hooks: StepHooks | None = None):
+                    hooks: StepHooks | None = None, rolled: bool = False):
     """Shared body of a step: per layer (under the layer loop) write K/V then attend; sample one token per
     row. `tp`: runs per shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple
-    per shard. `hooks`: a method's additions (`StepHooks`). -> tokens, logprobs, extras (`_extras`), pool,
-    and the hooks' state when given."""
+    per shard. `hooks`: a method's additions (`StepHooks`). `rolled`: the layers as one rolled loop
+    (`EngineConfig.rolled_from_tokens`). -> tokens, logprobs, extras (`_extras`), pool, and the hooks'
+    state when given."""
     scale = cfg.head_dim ** -0.5
     meta = _layer_meta(b)
     plan = None
@@ -243,7 +244,7 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
     x = params["embed"][b["tokens"]][None]
     run = functools.partial(llama.run_layers, params["layers"], cfg, positions=b["positions"][None],
                             freqs=rope.inv_freq(cfg), attend=attend, reduce=tp_shard.reduce if tp else None,
-                            layer_xs=meta)
+                            layer_xs=meta, rolled=rolled)
     state = (pool, hooks.state if hooks is not None else None)
     split = hooks.tap_layer if hooks is not None and hooks.tap is not None else cfg.num_layers
     if split < cfg.num_layers:  # the layer loop in two ranges around the tap (one traced layer body)
@@ -327,24 +328,26 @@ def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False, top_
 
 
 def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None,
-               mesh=None, top_width=0, prompt_lp=False):
+               mesh=None, top_width=0, prompt_lp=False, rolled=False):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
     `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin
     elsewhere); `fresh_heads` (static per-layer (sink, window) tuples) routes a fresh prompt through
     head_class_prefill. `mesh`: tensor parallel over KV heads, the body runs per shard (jaxkv.parallel).
     `top_width` / `prompt_lp`: the logprob variants (`_extras`); 0 / False compile the ordinary step.
+    `rolled`: the layers as one rolled loop (`EngineConfig.rolled_from_tokens`).
     """
     if mesh is not None:
         body = functools.partial(_tp_sample, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy,
-                                 fresh_heads=fresh_heads, top_width=top_width, prompt_lp=prompt_lp)
+                                 fresh_heads=fresh_heads, top_width=top_width, prompt_lp=prompt_lp,
+                                 rolled=rolled)
         return tp_shard.tp_call(body, mesh, params, pool, b, cfg, (None, None, None, "pool"))
     return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads,
-                           top_width=top_width, prompt_lp=prompt_lp)
+                           top_width=top_width, prompt_lp=prompt_lp, rolled=rolled)
 
 
 _STEP_STATIC = dict(static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh",
-                                     "top_width", "prompt_lp"),
+                                     "top_width", "prompt_lp", "rolled"),
                     donate_argnames=("pool",))
 _step = jax.jit(_step_body, **_STEP_STATIC)
 # Steps of at least GRAPHLESS_TOKENS tokens compile without XLA:GPU command buffers (CUDA graphs). A prompt's
@@ -356,9 +359,10 @@ GRAPHLESS_TOKENS = 1024
 _step_graphless = jax.jit(_step_body, **_STEP_STATIC, compiler_options={"xla_gpu_enable_command_buffer": ""})
 
 
-def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads, top_width, prompt_lp):
+def _tp_sample(params, pool, b, cfg, *, attn_impl, use_plan, greedy, fresh_heads, top_width, prompt_lp,
+               rolled=False):
     return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads, tp=True,
-                           top_width=top_width, prompt_lp=prompt_lp)
+                           top_width=top_width, prompt_lp=prompt_lp, rolled=rolled)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "mesh", "top_width"),
@@ -443,8 +447,12 @@ def num_compilations() -> int:
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, sink: np.ndarray, window: np.ndarray,
                  kv_dtype=None, attn_impl: str | None = None, mesh=None, kv_merge: bool = False,
-                 greedy_programs: bool = False):
+                 greedy_programs: bool = False, rolled_from_tokens: int = 0):
         self.cfg = model.config
+        # Ragged steps of at least this many tokens run their layers rolled
+        # (`EngineConfig.rolled_from_tokens`); only a shared layer body rolls.
+        self.rolled_from_tokens = int(rolled_from_tokens) if isinstance(model.params["layers"],
+                                                                         llama.SharedLayers) else 0
         # Whether batches of greedy rows only run their own (argmax) programs: `EngineConfig.greedy_programs`.
         self.greedy_programs = greedy_programs
         self.params = model.params
@@ -475,6 +483,12 @@ class ModelRunner:
         return dict(cfg=self.cfg, attn_impl=self.attn_impl, use_plan=self.use_plan, greedy=bool(greedy),
                     mesh=self.mesh)
 
+    def rolled(self, tokens: int) -> dict:
+        """The static argument of a ragged step of `tokens` tokens that rolls its layers, else none (the
+        ordinary step's program is unchanged)."""
+        n = self.rolled_from_tokens
+        return {"rolled": True} if n and tokens >= n else {}
+
     def run(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns sampled tokens [S] and their logprobs [S] (host arrays)."""
         tokens, logprobs, _ = self.run_extras(batch)
@@ -502,7 +516,7 @@ class ModelRunner:
         step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
         # Ordinary steps pass neither: the same compiled variant as a server that never saw logprobs.
         extra = {**({"top_width": batch.top_width} if batch.top_width else {}),
-                 **({"prompt_lp": True} if prompt_lp else {})}
+                 **({"prompt_lp": True} if prompt_lp else {}), **self.rolled(batch.tokens.shape[0])}
         return step, (self.params, self.pool, {**arrays, **self._heads}), dict(
             fresh_heads=fresh, **self._kw(self.greedy_program(batch.temperature)), **extra)
 

@@ -187,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="page-table width classes the step programs compile for, the widest N of 32, 256, "
                         "2048, ... pages (default: 1 on an accelerator, all on the CPU): fewer classes, "
                         "fewer programs to compile")
+    p.add_argument("--rolled-from-tokens", type=int, default=0, metavar="N",
+                   help="ragged steps of at least N tokens run their layers as one rolled loop: XLA compiles "
+                        "one layer body for them instead of every layer, at the cost of one more pass over "
+                        "the weights per such step (default 0: none)")
     p.add_argument("--precompile-logprobs", action="store_true",
                    help="with precompile: also the variants of requests that ask for logprobs / top_logprobs "
                         "/ echo (about twice the variants; for evaluation harnesses)")
@@ -316,6 +320,7 @@ def main(argv=None) -> int:
                         max_model_len=args.max_model_len, **chosen, head_classes=head_classes,
                         layer_loop=args.layer_loop, autotune_max_rows=args.autotune_max_rows or None,
                         greedy_programs=args.greedy_programs, page_classes=args.page_classes,
+                        rolled_from_tokens=args.rolled_from_tokens,
                         enable_prefix_caching=args.enable_prefix_caching, kv_policy=args.kv_policy_obj,
                         kv_merge=args.kv_merge,
                         retrieval_host_tier=args.retrieval_host_tier,
