@@ -90,7 +90,8 @@ def test_a_call_typed_otherwise_than_its_precompiled_program_still_runs_it(caplo
     """A call whose device arrays differ from the installed program's only beyond shape and dtype (here a
     weak type, as a program loaded from the step cache may type its outputs) runs that program: nothing
     traced, one warning naming the difference, and the next such call finds it at once. A call of other
-    shapes still takes jit's own path (no look-alike is installed for it)."""
+    shapes still takes jit's own path (no look-alike is installed for it), with one warning naming how it
+    differs from the nearest program."""
     progs = programs.Programs("test", owned=("cfg",))
     args, static = _args(4), dict(scale=2.0, cfg="model")
     progs.install(progs.signature(_affine, args, static), _compiled(args, static))
@@ -106,8 +107,15 @@ def test_a_call_typed_otherwise_than_its_precompiled_program_still_runs_it(caplo
     told = [r.getMessage() for r in caplog.records if "differ from a precompiled program" in r.getMessage()]
     assert len(told) == 1 and "weak_type=True" in told[0]
     assert len(progs) == 2  # the call's own signature now finds the program directly
-    np.testing.assert_allclose(progs.call(_affine, _args(3), static), [1.5, 3.5, 5.5])  # jit's own
-    assert _args(3)[2]["x"].shape not in {k[2][0][1].shape for k in progs._programs}
+    with caplog.at_level("WARNING", logger="jaxkv.engine"):
+        np.testing.assert_allclose(progs.call(_affine, _args(3), static), [1.5, 3.5, 5.5])  # jit's own
+        np.testing.assert_allclose(progs.call(_affine, _args(3), static), [1.5, 3.5, 5.5])
+        progs.call(_affine, _args(4), dict(scale=3.0, cfg="model"))
+    missed = [r.getMessage() for r in caplog.records if "matched no precompiled program" in r.getMessage()]
+    # said once, naming what differs from the nearest program (its shape here)
+    assert len(missed) == 1 and "float32[3]" in missed[0] and "float32[4]" in missed[0]
+    assert programs._differences(progs.signature(_affine, _args(4), dict(scale=3.0, cfg="model")),
+                              progs.signature(_affine, args, static)) == ["static scale: 3.0 vs 2.0"]
 
 
 def test_a_look_alike_program_that_refuses_the_arguments_leaves_the_call_to_jit(caplog):

@@ -49,7 +49,7 @@ class Programs:
         self._loading = False
         self._wanted = 0  # calls waiting in `lookup` for a load
         self._refused: set = set()  # signatures with no look-alike program, or one that refused them
-        self._told_alike = False
+        self._told_alike = self._told_miss = False
 
     def signature(self, fn, args, static) -> tuple:
         """What tells one program of this owner from another: the function, its static arguments but the
@@ -135,6 +135,10 @@ class Programs:
                                 _first_difference(signature, other))
                 return exe
         self._refused.add(signature)  # no look-alike: the next such call goes straight to jit
+        if not self._told_miss:
+            self._told_miss = True
+            log.warning("jaxkv: a %s call matched no precompiled program and compiles; the nearest "
+                        "differs in %s", self.kind, _nearest_difference(signature, list(self._programs)))
         return None
 
     def load_all(self) -> None:
@@ -188,7 +192,26 @@ def _shapes(signature) -> tuple:
 
 
 def _first_difference(a, b) -> str:
-    for x, y in zip(_types(a), _types(b)):
-        if x != y:
-            return f"{x!r} vs {y!r}"
-    return "none found"
+    return (_differences(a, b) or ["nothing"])[0]
+
+
+def _differences(a, b) -> list[str]:
+    """What tells signature `a` from `b`: static arguments, then per-argument types (`call` vs program)."""
+    out = []
+    sa, sb = dict(a[1]), dict(b[1])
+    out += [f"static {k}: {sa.get(k)!r} vs {sb.get(k)!r}" for k in sorted(sa.keys() | sb.keys())
+            if sa.get(k) != sb.get(k)]
+    ta, tb = _types(a), _types(b)
+    if len(ta) != len(tb) or (len(a) > 3) != (len(b) > 3) or (len(a) > 3 and a[3] != b[3]):
+        out.append(f"argument structure ({len(ta)} vs {len(tb)} arrays)")
+    out += [f"{x!r} vs {y!r}" for x, y in zip(ta, tb) if x != y]
+    return out
+
+
+def _nearest_difference(signature, others) -> str:
+    """The differences from the installed signature of the same function closest to `signature`."""
+    same = [o for o in others if o[0] is signature[0]]
+    if not same:
+        return "its function (no program of it is installed)"
+    diffs = min((_differences(signature, o) for o in same), key=len)
+    return "; ".join(diffs[:3]) + (f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else "")
