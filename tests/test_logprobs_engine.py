@@ -162,7 +162,7 @@ def test_alternatives_beside_a_retrieval_request(model):
 def test_pallas_plan_paths(model):
     """With the Pallas kernels (interpreted off the GPU): a 300-token fresh prompt prefills in one step
     through head_class_prefill, a 40-token one through the multi-layer plan, and decode writes K/V after
-    the forward (`_forward_deferred`); the logprobs are the same."""
+    the forward (`_decode_forward`); the logprobs are the same."""
     eng = Engine(model, page_size=16, max_model_len=512, max_num_seqs=4, max_step_tokens=64, decode_steps=4,
                  attn_impl="pallas")
     assert eng.runner.use_plan and eng.scheduler.max_fresh_tokens >= 300

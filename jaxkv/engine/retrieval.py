@@ -32,11 +32,12 @@ state's update at every K write. A decode token of a retrieval request that the 
 ragged step (next to other requests' prefill) is split off and run through `_decode_retrieval`, whose
 loop stops after that one step, so every generated token after the first reads the selection.
 
-The decode runs the model's layer loop (`llama.run_layers`) in ranges split at its taps (the key write,
-the selection); per-layer choices (windows, ring heads, the buffer's per-layer arrays) are data or ranges.
-With `SharedLayers` the decode traces two layer bodies (dense, selected) instead of L layers: SmolLM2-135M
-(30 layers, tap 2, K = 4, S = 4) on the CPU, trace 1.3 -> 0.43 s and lowering 0.54-0.85 -> 0.28-0.35 s (best
-of 3, a shared host), a 4x smaller lowered program; the unrolled loop gives the same results bit for bit.
+Each decode step is the runner's decode forward (`runner._decode_forward`, in the runner's step loop
+`runner.decode_loop`) with the policy's `runner.DecodeHooks`: layers before the tap attend the whole pool
+as every decode does (through the step's one attention plan on the Pallas path); at the tap the policy
+scores, selects and refreshes its buffer; the layers from there attend through the policy's attention (the
+selection, or its pages), with the buffer's per-layer arrays as the loop's per-layer items; a deeper key
+stream is recorded where the loop is split for it. Per-layer choices (windows, ring heads) are data.
 """
 
 from __future__ import annotations
@@ -48,10 +49,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.pool import write_kv
 from jaxkv.engine import programs
-from jaxkv.engine.runner import PendingDecode, StepHooks, _forward_sample, scan_while_live
-from jaxkv.models import llama, rope
+from jaxkv.engine.runner import (
+    DecodeHooks,
+    PendingDecode,
+    StepHooks,
+    _decode_forward,
+    _forward_sample,
+    _merge_own,
+    decode_loop,
+)
 from jaxkv.policies.retrieve import buffer, host_tier
 from jaxkv.policies.retrieve.base import RetrievalPolicy
 from jaxkv.policies.retrieve.buffer import SelectionBuffers
@@ -101,18 +108,6 @@ def _read_pages(pool, pages, keep):
     return k, v, kpos
 
 
-def _sample(logits, b, greedy):
-    from jaxkv.engine.runner import _sample as sample
-
-    return sample(logits, b, greedy)
-
-
-def _merge_own(out, lse, q, k, v, scale):
-    from jaxkv.engine.runner import _merge_own as merge
-
-    return merge(out, lse, q, k, v, scale)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "page_state", "attn_impl", "use_plan", "greedy",
                                              "fresh_heads", "mesh", "rolled"),
                    donate_argnames=("pool", "rstate", "pstate"))
@@ -156,18 +151,6 @@ def _step_tap_body(params, pool, b, rstate, head, pstate, cfg, policy, page_stat
     return tokens, logprobs, pool, rstate, pstate
 
 
-def _reduce(tp: bool):
-    from jaxkv.parallel import shard
-
-    return shard.reduce if tp else None
-
-
-def _logits(params, cfg, hidden, tp: bool):
-    from jaxkv.engine.runner import _logits as logits
-
-    return logits(params, cfg, hidden, tp)
-
-
 def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg, policy, attn_impl=None,
                          greedy=False, local_layers=(), chunk=1, inplace=False, overlap=0, mesh=None,
                          tp=False):
@@ -194,21 +177,19 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg,
             policy=policy, attn_impl=attn_impl, greedy=greedy, local_layers=local_layers, chunk=chunk,
             inplace=inplace, overlap=overlap)
     s = d["tokens"].shape[0]
-    rows = jnp.arange(s, dtype=jnp.int32)
     scale = cfg.head_dim ** -0.5
-    freqs = rope.inv_freq(cfg)
     pt_all = d["page_table"]  # [S, L, Hkv, P]
     n_slots = pt_all.shape[-1] * pool.page_size
     shared = not policy.layer_wise
     # Shared policies defer the step's K/V writes to one scatter after the last layer (as the runner's
     # decode): every layer attends the pool as it was before the step and adds the token's own K/V by the
-    # lse, so no layer needs it in the pool (the buffer never holds the current token). On the Pallas
-    # path the buffer's attention plan is built once per step, not per layer.
-    deferred = shared
+    # lse, so no layer needs it in the pool (the buffer never holds the current token). On the Pallas path
+    # the buffer's attention plan is built once per step, not per layer.
     use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
     n_layers = cfg.num_layers
     first = min(policy.tap_layer(head), n_layers)
     key_layer = policy.key_layer(head) if shared else first  # > first: keys a deeper stream, after selecting
+    split = min(max(key_layer, first), n_layers)
     hkv = cfg.num_kv_heads
     # Per-layer differences as data: ring heads [L, Hkv], windows [L] (Python ints for a static layer).
     width = len(local_layers[0][1]) if local_layers else hkv  # every shard's heads
@@ -230,14 +211,11 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg,
         forget = jnp.where((d["head_rows"] >= 0) & ~d["known"], d["head_rows"], sbuf.pos.shape[0])
         sbuf = host_tier.forget_rows(sbuf, forget)
 
-    def body(carry, xs):
-        (pool, pstate, sbuf), rstate, tok, done = carry
-        k, slots, lengths, prev_lengths, active = xs
-        live = active & ~done
-        positions = d["positions"] + k
-        q_seq = jnp.where(live, rows, -1)
-        slots = jnp.where(live[:, None, None], slots, -1)
-        pos2 = positions[:, None]
+    def step(carry, b, live):
+        """One decode step: the runner's decode forward (`runner._decode_forward`) with this policy's
+        hooks from its tap layer on; the hooks' state is (pstate, sbuf, rstate, stats, moved)."""
+        (pool, pstate, sbuf), rstate = carry
+        positions, q_seq, lengths, prev_lengths = b["positions"], b["q_seq"], b["lengths"], b["prev_lengths"]
         brows = jnp.where(live, d["head_rows"], -1)
         # Built once per step at the tap (after the refresh): "plans" -> the selection's attention plan per
         # window of the layers from the tap on (every one of them reads the same slot positions),
@@ -257,46 +235,80 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg,
                 return merge(out) if has_local[layer] else out
             return jax.lax.cond(jnp.asarray(has_local)[layer], merge, lambda o: o, out)
 
-        def write(layer, kk, vv, pool, pstate, ks, vs):
-            """The token's K/V: kept for the one scatter after the last layer (deferred) or written now."""
-            if deferred:
-                ks = ks.at[layer].set(kk[:, 0].astype(ks.dtype))
-                vs = vs.at[layer].set(vv[:, 0].astype(vs.dtype))
-            else:
-                pool = write_kv(pool, kk[:, 0], vv[:, 0], positions, slots[:, layer])
-            if pstate is not None:
-                pstate = policy.page_state.update(pstate, kk[:, 0], slots[:, layer], pool.page_size)
-            return pool, pstate, ks, vs
-
         def full_attention(layer, qq, own_k, own_v, pool):
             def full(now, before):
                 """Paged attention over the pool (head lengths `now` with the token written; with deferred
                 writes over the pool before the step, `before`, plus the token's own K/V by the lse)."""
                 out, lse = paged_attention(qq, pool.k, pool.v, pool.pos, pt_all[:, layer],
-                                           before if deferred else now, q_seq, positions, d["sink"][layer],
+                                           before if shared else now, q_seq, positions, d["sink"][layer],
                                            d["window"][layer], scale=scale, implementation=attn_impl)
-                return _merge_own(out, lse, qq, own_k, own_v, scale) if deferred else out
+                return _merge_own(out, lse, qq, own_k, own_v, scale) if shared else out
             return full
 
-        def dense_attend(layer, q, kk, vv, state):
-            """Layers before the tap: attention over the whole pool."""
-            pool, pstate, sbuf, ks, vs = state
-            own_k, own_v = kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype)
-            pool, pstate, ks, vs = write(layer, kk, vv, pool, pstate, ks, vs)
-            full = full_attention(layer, q[:, 0], own_k, own_v, pool)
-            return full(lengths[:, layer], prev_lengths[:, layer])[:, None], (pool, pstate, sbuf, ks, vs)
+        def on_write(layer, k, slots, pool, st):
+            pstate, *rest = st
+            return (policy.page_state.update(pstate, k, slots, pool.page_size), *rest)
 
-        def select_attend(layer, q, kk, vv, state):
+        def selection_plan(window, pool, sbuf):
+            """The selection's attention plan for `window`, from the first selected layer with it."""
+            j = cfg.layer_windows.index(window, first) - first
+            if inplace:
+                sel_slots, sel_len = tap["selected"]
+                pos1 = pool.pos.reshape(-1, 1)
+                return paged_attention_plan(pos1, sel_slots[j], sel_len, q_seq, positions,
+                                            jnp.zeros((hkv,), jnp.int32), jnp.full((hkv,), window, jnp.int32),
+                                            num_q_heads=cfg.num_heads, ordered=False)
+            return buffer.buffer_plan(sbuf, brows, q_seq, positions, page_size=pool.page_size,
+                                      window=window, num_q_heads=cfg.num_heads)
+
+        def plan_of(layer):
+            """The tap's attention plan of this layer's window (picked by index under a traced layer)."""
+            plans = tap["plans"]
+            if isinstance(layer, int) or len(plans) == 1:
+                return plans[window_of(layer) if isinstance(layer, int) else sel_windows[0]]
+            which = jnp.asarray([sel_windows.index(w) if i >= first else 0
+                                 for i, w in enumerate(cfg.layer_windows)], jnp.int32)[layer]
+            return jax.tree.map(lambda *a: jnp.stack(a)[which], *[plans[w] for w in sel_windows])
+
+        def select(x, pool, st):
+            """At the tap (shared policies): the retrieval state's scores pick the selection, the buffer
+            loads its difference; the buffer's per-layer K/V become the layers' items."""
+            pstate, sbuf, rstate, stats, moved = st
+            if not shared:
+                return st, None
+            if key_layer == first:
+                rstate = policy.observe_tokens(head, rstate, x, positions, brows)
+            scores = policy.score_rows(head, rstate, x[:, None], positions[:, None],
+                                       jnp.maximum(d["head_rows"], 0), n_slots)
+            if tp:  # [S, Hkv, N] of every head (the state is replicated): this shard's heads
+                from jaxkv.parallel.shard import own_heads
+                scores = own_heads(scores, 1, hkv)
+            now = policy.select(scores, positions)
+            sbuf, stats, moved, pending = buffer.refresh(
+                sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
+                page_size=pool.page_size, chunk=chunk, load_kv=not inplace, overlap=overlap)
+            if inplace:
+                tap["selected"] = buffer.selected_slots(pt_all[:, first:], now.idx, now.count, live,
+                                                        pool.page_size)
+            if use_plan:
+                tap["plans"] = {w: selection_plan(w, pool, sbuf) for w in sel_windows}
+            items = [(sbuf.k[j], sbuf.v[j], pending[j] if pending else None) for j in range(n_layers - first)]
+            return (pstate, dataclasses.replace(sbuf, k=(), v=()), rstate, stats, moved), items
+
+        def untap(st, items):
+            pstate, sbuf, *rest = st
+            return (pstate, dataclasses.replace(sbuf, k=tuple(i[0] for i in items),
+                                                v=tuple(i[1] for i in items)), *rest)
+
+        def observe(x, st):  # a deeper key stream records the token there
+            pstate, sbuf, rstate, stats, moved = st
+            return pstate, sbuf, policy.observe_tokens(head, rstate, x, positions, brows), stats, moved
+
+        def attend(layer, qq, own_k, own_v, pool, st, item):
             """Layers from the tap on: attention over the selection (shared) or the layer's top pages
-            (layer-wise); a shared policy's state pairs the common state with this layer's buffer item
-            (k, v, pending host rows)."""
-            if shared:
-                (pool, pstate, sbuf, ks, vs), item = state
-            else:
-                pool, pstate, sbuf, ks, vs = state
-            own_k, own_v = kk[:, 0].astype(pool.k.dtype), vv[:, 0].astype(pool.v.dtype)
-            pool, pstate, ks, vs = write(layer, kk, vv, pool, pstate, ks, vs)
-            qq = q[:, 0]
+            (layer-wise); a shared policy's item is this layer's buffer (k, v, pending host rows)."""
+            pstate, sbuf = st[0], st[1]
+            own_k, own_v = own_k.astype(pool.k.dtype), own_v.astype(pool.v.dtype)
             window = window_of(layer)
             if shared and inplace:  # the selected slots read in the pool, then the token by the lse
                 sel_slots, sel_len = tap["selected"]
@@ -329,95 +341,22 @@ def _decode_retrieval_fn(params, pool, d, rstate, head, pstate, sbuf, host, cfg,
                 out = gathered_attention(qq, kq, vq, kpos, positions, window=window, scale=scale)
             if any_local:
                 out = ring_heads(layer, out, full_attention(layer, qq, own_k, own_v, pool))
-            state = (pool, pstate, sbuf, ks, vs)
-            return out[:, None], ((state, item) if shared else state)
+            return out, st, item
 
-        def selection_plan(window):
-            """The selection's attention plan for `window`, from the first selected layer with it."""
-            j = cfg.layer_windows.index(window, first) - first
-            if inplace:
-                sel_slots, sel_len = tap["selected"]
-                pos1 = pool.pos.reshape(-1, 1)
-                return paged_attention_plan(pos1, sel_slots[j], sel_len, q_seq, positions,
-                                            jnp.zeros((hkv,), jnp.int32), jnp.full((hkv,), window, jnp.int32),
-                                            num_q_heads=cfg.num_heads, ordered=False)
-            return buffer.buffer_plan(sbuf, brows, q_seq, positions, page_size=pool.page_size,
-                                      window=window, num_q_heads=cfg.num_heads)
-
-        def plan_of(layer):
-            """The tap's attention plan of this layer's window (picked by index under a traced layer)."""
-            plans = tap["plans"]
-            if isinstance(layer, int) or len(plans) == 1:
-                return plans[window_of(layer) if isinstance(layer, int) else sel_windows[0]]
-            which = jnp.asarray([sel_windows.index(w) if i >= first else 0
-                                 for i, w in enumerate(cfg.layer_windows)], jnp.int32)[layer]
-            return jax.tree.map(lambda *a: jnp.stack(a)[which], *[plans[w] for w in sel_windows])
-
-        # The layer loop (`llama.run_layers`: with `SharedLayers` one traced body per attend, called per
-        # layer) in ranges around the taps: layers [0, first) dense; at `first` the selection (shared
-        # policies); the retrieval state's key write before `key_layer` (first or deeper).
-        x = params["embed"][tok][:, None]
-        new = jnp.zeros((n_layers, s, hkv, cfg.head_dim), pool.k.dtype) if deferred else None
-        state = (pool, pstate, sbuf, new, new)
-        stats = jnp.zeros((s, 3), jnp.int32)
-        moved = jnp.zeros((2,), jnp.int32)
-        run = functools.partial(llama.run_layers, params["layers"], cfg, positions=pos2, freqs=freqs,
-                                reduce=_reduce(tp))
-        x, state = run(x=x, attend=dense_attend, state=state, stop=first)
-        if shared and first < n_layers:
-            pool, pstate, sbuf, ks, vs = state
-            if key_layer == first:
-                rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
-            scores = policy.score_rows(head, rstate, x, pos2, jnp.maximum(d["head_rows"], 0), n_slots)
-            if tp:  # [S, Hkv, N] of every head (the state is replicated): this shard's heads
-                from jaxkv.parallel.shard import own_heads
-                scores = own_heads(scores, 1, hkv)
-            now = policy.select(scores, positions)
-            sbuf, stats, moved, pending = buffer.refresh(
-                sbuf, pool, host, pt_all[:, first:], brows, now, live, positions, d["positions"],
-                page_size=pool.page_size, chunk=chunk, load_kv=not inplace, overlap=overlap)
-            if inplace:
-                tap["selected"] = buffer.selected_slots(pt_all[:, first:], now.idx, now.count, live,
-                                                        pool.page_size)
-            if use_plan:
-                tap["plans"] = {w: selection_plan(w) for w in sel_windows}
-            items = [(sbuf.k[j], sbuf.v[j], pending[j] if pending else None) for j in range(n_layers - first)]
-            state = (pool, pstate, dataclasses.replace(sbuf, k=(), v=()), ks, vs)
-            split = min(max(key_layer, first), n_layers)
-            x, (state, head_items) = run(x=x, attend=select_attend, state=state, start=first, stop=split,
-                                         per_layer=items[:split - first])
-            if split > first and split < n_layers:  # a deeper key stream records the token there
-                rstate = policy.observe_tokens(head, rstate, x[:, 0], positions, brows)
-            x, (state, tail_items) = run(x=x, attend=select_attend, state=state, start=split,
-                                         per_layer=items[split - first:])
-            done_items = head_items + tail_items
-            pool, pstate, sbuf, ks, vs = state
-            sbuf = dataclasses.replace(sbuf, k=tuple(i[0] for i in done_items),
-                                       v=tuple(i[1] for i in done_items))
-            state = (pool, pstate, sbuf, ks, vs)
-        elif not shared:
-            x, state = run(x=x, attend=select_attend, state=state, start=first)
-        pool, pstate, sbuf, ks, vs = state
-        if deferred:  # every layer's K/V of the step in one scatter (layer-major rows)
-            hk, dh = ks.shape[2], ks.shape[3]
-            pool = write_kv(pool, ks.reshape(n_layers * s, hk, dh), vs.reshape(n_layers * s, hk, dh),
-                            jnp.tile(positions, n_layers), slots.transpose(1, 0, 2).reshape(n_layers * s, hk))
-        hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-        b = {"temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
-             "counters": d["counters"] + k}
-        tokens, logprobs = _sample(_logits(params, cfg, hidden[:, 0], tp), b, greedy)
-        stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
+        counts = (jnp.zeros((s, 3), jnp.int32), jnp.zeros((2,), jnp.int32))  # stats, moved
+        hooks = DecodeHooks(state=(pstate, sbuf, rstate, *counts),
+                            tap_layer=first, tap=select, attend=attend, untap=untap if shared else None,
+                            observe=observe if shared else None, observe_layer=split,
+                            on_write=on_write if pstate is not None else None, deferred=shared)
+        tokens, logprobs, _, pool, (pstate, sbuf, rstate, stats, moved) = _decode_forward(
+            params, pool, b, cfg, greedy, tp, attn_impl=attn_impl, use_plan=use_plan, hooks=hooks)
         stats = jnp.where(live[:, None], stats, 0)
-        carry = ((pool, pstate, sbuf), rstate, jnp.where(live, tokens, tok), done | (live & stop))
-        return carry, (tokens, logprobs, live, stats, moved)
+        return ((pool, pstate, sbuf), rstate), tokens, logprobs, (stats, moved)
 
-    carry = ((pool, pstate, sbuf), rstate, d["tokens"], jnp.zeros((s,), bool))
-    steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
-    xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
     # Stops at the first step no row runs: a decode token split off a ragged step (one step reserved) runs
     # through this program, not a one-step program of its own.
-    ((pool, pstate, sbuf), rstate, last, _), (tokens, logprobs, ran, stats, moved) = scan_while_live(
-        body, carry, xs)
+    ((pool, pstate, sbuf), rstate), last, (tokens, logprobs, ran, (stats, moved)) = decode_loop(
+        d, ((pool, pstate, sbuf), rstate), step, while_live=True)
     return tokens, logprobs, ran, last, stats, moved, pool, rstate, pstate, sbuf
 
 

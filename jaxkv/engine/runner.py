@@ -296,35 +296,157 @@ def _merge_own(out, lse, q, k, v, scale):
     return merged.astype(q.dtype)
 
 
-def _forward_deferred(params, pool, b, cfg, greedy: bool, tp: bool = False, top_width: int = 0):
-    """A decode step (one token per row) that writes every layer's K/V with one scatter after the forward.
+@dataclasses.dataclass(frozen=True)
+class DecodeHooks:
+    """What a method adds to the decode step's forward (the retrieval decode), applied while tracing. Layers
+    before `tap_layer` attend the whole pool as the runner's decode does. `tap(x, pool, state)` -> (state,
+    items) reads the residual stream x [S, hidden] before layer `tap_layer` (`items`: one pytree per layer
+    from there on, or None); those layers attend through `attend(layer, q, k, v, pool, state, item)` ->
+    (out, state, item) (q [S, Hq, D]; k, v [S, Hkv, D] the token's own, already kept or written), and
+    `untap(state, items)` -> state takes the items back after the last layer. `observe(x, state)` -> state
+    reads the stream before layer `observe_layer` when that lies past `tap_layer` and before the last layer.
+    `on_write(layer, k, slots, pool, state)` -> state runs after each layer's K/V is kept or written.
+    `deferred`: every layer's K/V reach the pool in one scatter after the last layer, each layer adding the
+    token's own K/V by the lse; else each layer writes its K/V before it attends."""
 
-    Each layer attends the pool as it was before the step (`prev_lengths`: the new slot is not yet valid)
-    and merges the token's own K/V through the lse; three pool scatters per step instead of three per
-    layer, which a decode profile showed costing more than the attention itself."""
+    state: Any
+    tap_layer: int
+    tap: Callable
+    attend: Callable
+    untap: Callable | None = None
+    observe: Callable | None = None
+    observe_layer: int = 0
+    on_write: Callable | None = None
+    deferred: bool = True
+
+
+def _decode_forward(params, pool, b, cfg, greedy: bool, tp: bool = False, top_width: int = 0, *,
+                    attn_impl=None, use_plan: bool = True, hooks: DecodeHooks | None = None):
+    """A decode step (one token per row) -> tokens, logprobs, extras (`_extras`), pool, and the hooks' state
+    with `hooks` (`DecodeHooks`: a method's layers from its tap on).
+
+    Deferred (always without hooks): every layer attends the pool as it was before the step
+    (`prev_lengths`: the new slot is not yet valid) and merges the token's own K/V through the lse, and every
+    layer's K/V go to the pool with one scatter after the forward: three pool scatters per step instead of
+    three per layer, which a decode profile showed costing more than the attention itself. With `use_plan`
+    the layers before the tap attend through one multi-layer plan built before the forward; else through
+    `paged_attention` per layer."""
     scale = cfg.head_dim ** -0.5
-    meta = _layer_meta(b, "prev_lengths")
-    plan = paged_attention_plan(
-        pool.pos, meta["page_table"], meta["lengths"], b["q_seq"], b["positions"], b["sink"], b["window"],
-        num_q_heads=cfg.num_heads, ordered=False)
-    n_layers, t, hkv, d = cfg.num_layers, b["tokens"].shape[0], cfg.num_kv_heads, cfg.head_dim
+    n_layers, t = cfg.num_layers, b["tokens"].shape[0]
+    deferred = hooks.deferred if hooks is not None else True
+    first = min(hooks.tap_layer, n_layers) if hooks is not None else n_layers
+    meta = _layer_meta(b, "prev_lengths" if deferred else "lengths")
+    plan = dense = None
+    if use_plan and first > 0:  # the plan of the layers before the tap only
+        dense = meta if first == n_layers else jax.tree.map(lambda a: a[:first], meta)
+        plan = paged_attention_plan(
+            pool.pos, dense["page_table"], dense["lengths"], b["q_seq"], b["positions"], dense["sink"],
+            dense["window"], num_q_heads=cfg.num_heads, ordered=False)
+    on_write = hooks.on_write if hooks is not None else None
+
+    def keep(layer, k, v, state, m):
+        """The token's K/V: kept for the scatter after the last layer (deferred) or written now."""
+        pool, ks, vs, extra = state
+        if deferred:
+            ks, vs = ks.at[layer].set(k.astype(ks.dtype)), vs.at[layer].set(v.astype(vs.dtype))
+        else:
+            pool = write_kv(pool, k, v, b["positions"], m["slots"])
+        if on_write is not None:
+            extra = on_write(layer, k, m["slots"], pool, extra)
+        return pool, ks, vs, extra
 
     def attend(layer, q, k, v, state, m):
-        pool, ks, vs = state
-        out, lse = _with_plan(plan, layer, q[0], pool, meta["page_table"], m["page_table"], scale)
-        ks, vs = ks.at[layer].set(k[0].astype(ks.dtype)), vs.at[layer].set(v[0].astype(vs.dtype))
-        return _merge_own(out, lse, q[0], k[0], v[0], scale)[None], (pool, ks, vs)
+        state = keep(layer, k[0], v[0], state, m)
+        pool = state[0]
+        if plan is not None:
+            out, lse = _with_plan(plan, layer, q[0], pool, dense["page_table"], m["page_table"], scale)
+        else:
+            out, lse = paged_attention(
+                q[0], pool.k, pool.v, pool.pos, m["page_table"], m["lengths"], b["q_seq"], b["positions"],
+                m["sink"], m["window"], scale=scale, implementation=attn_impl, slot_bias=pool.bias)
+        if deferred:
+            out = _merge_own(out, lse, q[0], k[0], v[0], scale)
+        return out[None], state
 
-    new = jnp.zeros((n_layers, t, hkv, d), pool.k.dtype)
-    hidden, (pool, ks, vs) = llama.forward(params, cfg, b["tokens"][None], b["positions"][None], attend,
-                                           (pool, new, new), reduce=tp_shard.reduce if tp else None,
-                                           layer_xs=meta)
-    rows = n_layers * t  # layer-major: row l * T + i is token i of layer l
-    pool = write_kv(pool, ks.reshape(rows, hkv, d), vs.reshape(rows, hkv, d),
-                    jnp.tile(b["positions"], n_layers), meta["slots"].reshape(rows, hkv))
+    def method_attend(layer, q, k, v, state, m):
+        pool, ks, vs, extra = keep(layer, k[0], v[0], state, m)
+        out, extra, _ = hooks.attend(layer, q[0], k[0], v[0], pool, extra, None)
+        return out[None], (pool, ks, vs, extra)
+
+    def method_attend_items(layer, q, k, v, state, m):  # with the tap's per-layer items (`per_layer`)
+        state, item = state
+        pool, ks, vs, extra = keep(layer, k[0], v[0], state, m)
+        out, extra, item = hooks.attend(layer, q[0], k[0], v[0], pool, extra, item)
+        return out[None], ((pool, ks, vs, extra), item)
+
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    new = jnp.zeros((n_layers, t, hkv, d), pool.k.dtype) if deferred else None
+    state = (pool, new, new, hooks.state if hooks is not None else None)
+    x = params["embed"][b["tokens"]][None]
+    run = functools.partial(llama.run_layers, params["layers"], cfg, positions=b["positions"][None],
+                            freqs=rope.inv_freq(cfg), reduce=tp_shard.reduce if tp else None, layer_xs=meta)
+    x, state = run(x=x, attend=attend, state=state, stop=first)
+    if first < n_layers:  # the method's layers, from its tap (split where it observes the stream again)
+        pool, ks, vs, extra = state
+        extra, items = hooks.tap(x[0], pool, extra)
+        state = (pool, ks, vs, extra)
+        split = hooks.observe_layer if hooks.observe is not None else n_layers
+        split = split if first < split < n_layers else n_layers
+        fn = method_attend if items is None else method_attend_items
+        x, state = run(x=x, attend=fn, state=state, start=first, stop=split,
+                       per_layer=None if items is None else items[:split - first])
+        state, head = (state, ()) if items is None else state
+        if split < n_layers:
+            pool, ks, vs, extra = state
+            state = (pool, ks, vs, hooks.observe(x[0], extra))
+            x, state = run(x=x, attend=fn, state=state, start=split,
+                           per_layer=None if items is None else items[split - first:])
+            state, tail = (state, ()) if items is None else state
+        else:
+            tail = ()
+        if hooks.untap is not None:
+            pool, ks, vs, extra = state
+            state = (pool, ks, vs, hooks.untap(extra, tuple(head) + tuple(tail)))
+    pool, ks, vs, extra = state
+    if deferred:  # every layer's K/V of the step in one scatter (layer-major rows: l * T + i)
+        rows, hk, dh = n_layers * t, ks.shape[2], ks.shape[3]
+        pool = write_kv(pool, ks.reshape(rows, hk, dh), vs.reshape(rows, hk, dh),
+                        jnp.tile(b["positions"], n_layers), meta["slots"].reshape(rows, hk))
+    hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = _logits(params, cfg, hidden[0, b["logits_index"]], tp)
     tokens, logprobs = _sample(logits, b, greedy)
-    return tokens, logprobs, _extras(params, cfg, None, b, logits, top_width, False, tp), pool
+    out = (tokens, logprobs, _extras(params, cfg, None, b, logits, top_width, False, tp), pool)
+    return out if hooks is None else (*out, extra)
+
+
+def decode_loop(d, state, step, while_live: bool = False):
+    """The K decode steps of `d` (a `DecodeBatch`'s arrays): `step(state, b, live)` -> (state, tokens,
+    logprobs, out) runs one, given that step's inputs `b` (tokens fed, positions, the live rows' slots, the
+    page table and head lengths, sampling) and the rows it runs `live` [S] (reserved, not stopped). A row
+    stops on the device when it samples one of its stop ids. `while_live`: the loop ends at the first step no
+    row runs (`scan_while_live`), else a `lax.scan` over every step. -> (state, last [S] (each row's last
+    sampled token), (tokens, logprobs, ran, outs) stacked over the steps)."""
+    s = d["tokens"].shape[0]
+    rows = jnp.arange(s, dtype=jnp.int32)
+
+    def body(carry, xs):
+        state, tok, done = carry
+        k, slots, lengths, prev_lengths, active = xs
+        live = active & ~done
+        b = {"tokens": tok, "positions": d["positions"] + k, "q_seq": jnp.where(live, rows, -1),
+             "slots": jnp.where(live[:, None, None], slots, -1), "page_table": d["page_table"],
+             "lengths": lengths, "prev_lengths": prev_lengths, "logits_index": rows,
+             "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
+             "counters": d["counters"] + k, "sink": d["sink"], "window": d["window"]}
+        state, tokens, logprobs, out = step(state, b, live)
+        stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
+        return (state, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live, out)
+
+    steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
+    carry = (state, d["tokens"], jnp.zeros((s,), bool))
+    xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
+    (state, last, _), outs = (scan_while_live if while_live else jax.lax.scan)(body, carry, xs)
+    return state, last, outs
 
 
 def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None,
@@ -380,31 +502,16 @@ def _decode(params, pool, d, cfg, attn_impl=None, use_plan=False, greedy=False, 
 
 
 def _decode_body(params, pool, d, cfg, *, attn_impl, use_plan, greedy, tp=False, top_width=0):
-    s = d["tokens"].shape[0]
-    rows = jnp.arange(s, dtype=jnp.int32)
-
-    def step(carry, xs):
-        pool, tok, done = carry
-        k, slots, lengths, prev_lengths, active = xs
-        live = active & ~done
-        b = {"tokens": tok, "positions": d["positions"] + k, "q_seq": jnp.where(live, rows, -1),
-             "slots": jnp.where(live[:, None, None], slots, -1), "page_table": d["page_table"],
-             "lengths": lengths, "prev_lengths": prev_lengths, "logits_index": rows,
-             "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"], "seeds": d["seeds"],
-             "counters": d["counters"] + k, "sink": d["sink"], "window": d["window"]}
+    def step(pool, b, live):
         if use_plan:
-            tokens, logprobs, extras, pool = _forward_deferred(params, pool, b, cfg, greedy, tp, top_width)
+            tokens, logprobs, extras, pool = _decode_forward(params, pool, b, cfg, greedy, tp, top_width)
         else:
             tokens, logprobs, extras, pool = _forward_sample(
                 params, pool, b, cfg, attn_impl, use_plan, greedy, tp=tp, top_width=top_width)
-        stop = jnp.any(tokens[:, None] == d["stop_ids"], axis=-1)
-        return (pool, jnp.where(live, tokens, tok), done | (live & stop)), (tokens, logprobs, live, extras)
+        return pool, tokens, logprobs, extras
 
-    steps = jnp.arange(d["slots"].shape[0], dtype=jnp.int32)
-    carry = (pool, d["tokens"], jnp.zeros((s,), bool))
-    xs = (steps, d["slots"], d["lengths"], d["prev_lengths"], d["active"])
-    scan = scan_while_live if jax.default_backend() != "gpu" else jax.lax.scan
-    (pool, last, _), (tokens, logprobs, ran, extras) = scan(step, carry, xs)
+    # off the GPU the loop ends at the first step no row runs (`scan_while_live`)
+    pool, last, (tokens, logprobs, ran, extras) = decode_loop(d, pool, step, jax.default_backend() != "gpu")
     return tokens, logprobs, ran, last, extras, pool
 
 
