@@ -1,6 +1,7 @@
 """The device sampler: filters restrict the support exactly, seeds fix the stream, greedy is argmax."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.sampling import sample
@@ -52,3 +53,31 @@ def test_stream_is_fixed_by_seed_and_counter():
     assert len(set(np.asarray(same).tolist())) == 1  # same (seed, counter) -> same token
     walk, _ = sample_jit(logits, *args, np.full(20, 7, np.uint32), np.arange(20, dtype=np.int32))
     assert len(set(np.asarray(walk).tolist())) > 5  # the counter advances the stream
+
+
+def test_programs_that_sample_trace_the_search_once_per_shape(monkeypatch):
+    """`sample` is one jitted call inside the programs that embed it: two programs over logits of one shape
+    trace its threshold search once, a third shape once more."""
+    import jaxkv.sampling as sampling
+
+    traced = []
+    real = sampling._threshold
+
+    def counting(*args):
+        traced.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(sampling, "_threshold", counting)
+
+    def program(shift):
+        return jax.jit(lambda x, t, k, p, s, c: sampling.sample(x + shift, t, k, p, s, c))
+
+    def args(rows, vocab):
+        return (jnp.zeros((rows, vocab)), jnp.ones(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows),
+                jnp.zeros(rows, jnp.uint32), jnp.zeros(rows, jnp.int32))
+
+    program(1.0).trace(*args(3, 41))
+    program(2.0).trace(*args(3, 41))
+    assert traced == [(3, 41)]
+    program(3.0).trace(*args(5, 41))
+    assert traced == [(3, 41), (5, 41)]
