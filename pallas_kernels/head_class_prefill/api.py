@@ -17,10 +17,14 @@ the full context.
 `None` picks the first implementation of the order that compiles for these shapes: global mosaic, cudnn,
 pallas, reference on a GPU (16-bit inputs; fp32 inputs skip mosaic and cudnn, which compute in 16 bits);
 local pallas, reference on a GPU; the twin elsewhere. The choice is made by compiling the candidate
-ahead of time on abstract shapes (cached per shape), so it also holds under an outer `jax.jit`, where a
-lowering failure could not be caught at trace time. A candidate that does not compile is skipped with a
-WARNING on the "pallas_kernels" logger (once per class, candidate and error type). Naming an implementation
-pins it (no fallback).
+ahead of time on abstract shapes, so it also holds under an outer `jax.jit`, where a lowering failure could
+not be caught at trace time. The probe has `PROBE_TOKENS` tokens whatever the prompt's length (every
+candidate pads or tiles the length itself; what makes one fail is the device, the head size, the dtype or
+the toolchain), so a process compiles one probe per head class, not one per token bucket: a probe of
+FlashAttention-3 is ~3.4 s of XLA on the tracing thread (H100), and a start that traced 41 RedKnot passes
+and the fresh-prompt steps compiled 41 of them, 141 s, while every compile thread waited for programs.
+A candidate that does not compile is skipped with a WARNING on the "pallas_kernels" logger (once per
+class, candidate and error type). Naming an implementation pins it (no fallback).
 """
 
 from __future__ import annotations
@@ -145,7 +149,8 @@ def _order(kind: str, dtype) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=256)
 def _compiles(kind, impl, shapes, dtype, sink, window, scale, interpret) -> str | None:
-    """None if `impl` compiles for this class and these shapes, else the error (cached per shape)."""
+    """None if `impl` compiles for this class and these shapes, else the error (cached per shape: the probe's
+    shapes, `PROBE_TOKENS` tokens)."""
     sds = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     fn = functools.partial(_run_class, kind, impl, sink=sink, window=window, scale=scale, interpret=interpret)
     try:
@@ -155,11 +160,15 @@ def _compiles(kind, impl, shapes, dtype, sink, window, scale, interpret) -> str 
     return None
 
 
+# Tokens of the probe that decides an implementation (module docstring).
+PROBE_TOKENS = 512
+
+
 def _choose(kind, impl, q, k, sink, window, scale, interpret) -> str:
     if impl is not None:
         return impl
     errors = []
-    shapes = (q.shape, k.shape, k.shape)
+    shapes = ((PROBE_TOKENS, *q.shape[1:]), (PROBE_TOKENS, *k.shape[1:]), (PROBE_TOKENS, *k.shape[1:]))
     for cand in _order(kind, q.dtype):
         err = None if cand == "reference" else _compiles(kind, cand, shapes, jnp.dtype(q.dtype), sink,
                                                           window, scale, interpret)

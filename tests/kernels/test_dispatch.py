@@ -145,3 +145,22 @@ def test_head_class_prefill_no_warning_when_the_first_candidate_compiles(monkeyp
     q = k = type("A", (), {"shape": (4, 2, 8), "dtype": "float32"})()
     assert hcp_api._choose("local", None, q, k, (0, 0), (1, 1), 1.0, True) == "pallas"
     assert _fallback_records(caplog) == []
+
+
+def test_head_class_prefill_decides_once_whatever_the_prompt_length(monkeypatch, fresh):
+    """The implementation is decided on a probe of `PROBE_TOKENS` tokens: prompts of every length share one
+    probe per head class (compiling a probe per token bucket stalled the tracing of every fresh step)."""
+    monkeypatch.setattr(hcp_api, "_order", lambda kind, dtype: ("mosaic", "reference"))
+    probes = []
+
+    def compiles(kind, cand, shapes, *rest):
+        probes.append((kind, cand, shapes))
+        return None
+
+    monkeypatch.setattr(hcp_api, "_compiles", compiles)
+    for t in (8, 300, 4096, 32768):
+        q = type("A", (), {"shape": (t, 4, 64), "dtype": "bfloat16"})()
+        k = type("A", (), {"shape": (t, 2, 64), "dtype": "bfloat16"})()
+        assert hcp_api._choose("global", None, q, k, (0, 0), (0, 0), 1.0, False) == "mosaic"
+    n = hcp_api.PROBE_TOKENS
+    assert {p[2] for p in probes} == {((n, 4, 64), (n, 2, 64), (n, 2, 64))}
