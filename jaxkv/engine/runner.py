@@ -233,12 +233,8 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             extra = on_write(layer, k[0], m["slots"], pool, extra)
         if fresh is not None:
             out = fresh(layer, q[0], k[0], v[0])
-        elif plan is not None:
-            out, _ = _with_plan(plan, layer, q[0], pool, meta["page_table"], m["page_table"], scale)
         else:
-            out, _ = paged_attention(
-                q[0], pool.k, pool.v, pool.pos, m["page_table"], m["lengths"], b["q_seq"], b["positions"],
-                m["sink"], m["window"], scale=scale, implementation=attn_impl, slot_bias=pool.bias)
+            out, _ = _pool_attention(plan, layer, q[0], pool, meta["page_table"], m, b, scale, attn_impl)
         return out[None], (pool, extra)
 
     x = params["embed"][b["tokens"]][None]
@@ -259,6 +255,16 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
     tokens, logprobs = _sample(logits, b, greedy)
     out = (tokens, logprobs, _extras(params, cfg, hidden[0], b, logits, top_width, prompt_lp, tp), pool)
     return out if hooks is None else (*out, extra)
+
+
+def _pool_attention(plan, layer, q, pool, pt_layers, m, b, scale, attn_impl):
+    """Layer `layer`'s paged attention of q over the pool -> (out, lse): through the step's multi-layer
+    `plan` (built over `pt_layers`) when there is one, else `paged_attention` on the layer's metadata `m`."""
+    if plan is not None:
+        return _with_plan(plan, layer, q, pool, pt_layers, m["page_table"], scale)
+    return paged_attention(q, pool.k, pool.v, pool.pos, m["page_table"], m["lengths"], b["q_seq"],
+                           b["positions"], m["sink"], m["window"], scale=scale, implementation=attn_impl,
+                           slot_bias=pool.bias)
 
 
 def _with_plan(plan, layer, q, pool, pt_layers, pt_layer, scale):
@@ -358,12 +364,8 @@ def _decode_forward(params, pool, b, cfg, greedy: bool, tp: bool = False, top_wi
     def attend(layer, q, k, v, state, m):
         state = keep(layer, k[0], v[0], state, m)
         pool = state[0]
-        if plan is not None:
-            out, lse = _with_plan(plan, layer, q[0], pool, dense["page_table"], m["page_table"], scale)
-        else:
-            out, lse = paged_attention(
-                q[0], pool.k, pool.v, pool.pos, m["page_table"], m["lengths"], b["q_seq"], b["positions"],
-                m["sink"], m["window"], scale=scale, implementation=attn_impl, slot_bias=pool.bias)
+        pt_layers = dense["page_table"] if plan is not None else None
+        out, lse = _pool_attention(plan, layer, q[0], pool, pt_layers, m, b, scale, attn_impl)
         if deferred:
             out = _merge_own(out, lse, q[0], k[0], v[0], scale)
         return out[None], state

@@ -17,7 +17,7 @@ atomically (a temporary file renamed); an unreadable entry is a miss.
 A program holding a Mosaic GPU kernel links that kernel's host launcher against Mosaic GPU's runtime library
 when it loads; jax names that library in ``MOSAIC_GPU_RUNTIME_LIB_PATH`` only once its Mosaic GPU module is
 imported, which a process that loads every program and lowers none never does ("Symbols not found:
-mosaic_gpu_launch_kernel"). `load` imports it first (`_mosaic_gpu_runtime`).
+mosaic_gpu_launch_kernel"). A cache imports it when it is made (`_mosaic_gpu_runtime`), before any load.
 """
 
 from __future__ import annotations
@@ -139,7 +139,6 @@ class StepCache:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         path = self.dir / f"{key}.bin"
-        _mosaic_gpu_runtime()
         try:
             data = path.read_bytes()
         except OSError:
