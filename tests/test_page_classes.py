@@ -67,3 +67,14 @@ def test_one_class_serves_short_and_long_prompts_without_compiling(llama):
     prompts = prompts_for(llama, [7, 150, 33], seed=6)
     _run(engine, prompts, [GREEDY, SAMPLED, GREEDY])
     assert compilations.step_programs() == before
+
+
+def test_a_segments_own_prefill_runs_a_precompiled_step(llama):
+    """A segment's prefill is a ragged step of the scheduler's shape (its rows padded to the step's), so
+    registering one after precompile compiles nothing."""
+    engine = _engine(llama, page_classes=1)
+    engine.precompile(progress=False, step_cache=False)
+    before = compilations.step_programs()
+    for n in (40, 150):
+        engine.register_segment(prompts_for(llama, [n], seed=n)[0], frozen=True)
+    assert compilations.step_programs() == before

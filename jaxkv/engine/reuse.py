@@ -263,8 +263,8 @@ class Reuser:
         n_pages = allp.shape[2]
         P = (bucket_for(n_pages, eng._page_buckets) if n_pages <= eng._page_buckets[-1]
              else 1 << (n_pages - 1).bit_length())
-        table = np.full((1, L, H, P), -1, np.int32)
-        table[0, :, :, :allp.shape[2]] = allp
+        row = np.full((L, H, P), -1, np.int32)
+        row[:, :, :allp.shape[2]] = allp
         seq = list(self.anchor) + list(context) + list(tokens)
         positions = np.concatenate([np.arange(a - c), self.start + np.arange(c + n)]).astype(np.int32)
         # storage index of every token of `seq`: the anchor from slot 0, the segment from its first page
@@ -276,14 +276,21 @@ class Reuser:
             T = bucket_for(m, eng._token_buckets)
             idx = store_at[s:s + m]
             slots = allp[:, :, idx // ps].transpose(2, 0, 1) * ps + (idx % ps)[:, None, None]
+            # the rows of a ragged step of T tokens (row 0 is the segment's), as the scheduler's steps have:
+            # one precompiled program serves both
+            S = eng.step_rows(T)
+            table = np.full((S, L, H, P), -1, np.int32)
+            table[0] = row
+            lengths = np.zeros((S, L, H), np.int32)
+            lengths[0] = int(idx[-1]) + 1
             b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
                           q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
-                          page_table=table, lengths=np.full((1, L, H), int(idx[-1]) + 1, np.int32),
-                          logits_index=np.array([m - 1], np.int32), temperature=np.zeros(1, np.float32),
-                          top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
-                          seeds=np.zeros(1, np.uint32), counters=np.zeros(1, np.int32))
+                          page_table=table, lengths=lengths, logits_index=np.zeros(S, np.int32),
+                          temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32),
+                          top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
+                          counters=np.zeros(S, np.int32))
             b.tokens[:m], b.positions[:m] = seq[s:s + m], positions[s:s + m]
-            b.q_seq[:m], b.slots[:m] = 0, slots
+            b.q_seq[:m], b.slots[:m], b.logits_index[0] = 0, slots, m - 1
             eng.runner.run(b)
         if n % ps:  # blank the stale positions past the segment's end in its last page
             last = pages[:, :, -1].ravel()
