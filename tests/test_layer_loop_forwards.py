@@ -92,8 +92,8 @@ def _reuse_run(model, loop, method):
 
 
 @pytest.mark.parametrize("method", [
-    # dense FFN in layer 0, sparse from 1 (the loop splits at the method's break); FFN reuse runs the
-    # segment FFN pass
+    # dense FFN in layer 0, sparse from 1 (one rolled body: the choice is data); FFN reuse runs the segment
+    # FFN pass
     get_reuse_policy("redknot", dense_until=1, ffn_capacity=0.4, mass_thresh=0.05, ffn_dilate=0, recent_n=1,
                      ffn_reuse=True, edge_thresh=0.1),
     get_reuse_policy("sparsex"),
@@ -174,3 +174,16 @@ def test_redknot_pass_compiles_one_layer_body_whatever_the_layer_count():
         ops[n] = {op: len(re.findall(rf" {op}\(", hlo)) for op in ("dot", "fusion", "while")}
     assert ops[3]["dot"] > 0 and ops[3]["while"] > 0
     assert ops[3] == ops[6]
+
+
+def test_redknot_pass_is_one_layer_body_across_its_dense_ffn_layers():
+    """Dense FFN before `dense_until`, sparse after: the choice is data in the one rolled body, so a pass
+    whose dense layers end mid-model compiles the attention once, like a pass sparse in every layer (split
+    at the boundary it held two layer bodies: 49 matmuls and 11 loops against 26 and 7)."""
+    def ops(dense_until):
+        hlo = _redknot_pass_hlo(4, get_reuse_policy("redknot", dense_until=dense_until))
+        return {op: len(re.findall(rf" {op}\(", hlo)) for op in ("dot", "while")}
+
+    cross, sparse = ops(2), ops(0)
+    assert cross["while"] == sparse["while"]
+    assert sparse["dot"] <= cross["dot"] <= sparse["dot"] + 3  # + the dense branch's FFN

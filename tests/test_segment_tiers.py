@@ -420,9 +420,9 @@ def poison_free_pages(eng):
 # Methods that keep most reused K/V in this small prompt (SparseX's default blocks would recompute every
 # token of it, RedKnot's edge-mass restore every local head of these random weights), and the programs
 # their pass compiles in five layer groups: the first, one shared by the middle groups (their layer offset
-# is data), the last; RedKnot's per-layer static choices (`layer_breaks`) keep one program per group.
+# is data), the last (RedKnot too: its dense-FFN layers are data in its one layer body, no `layer_breaks`).
 KEEPING = {"naive": "naive", "sparsex": dict(block=4, ratio=0.25), "redknot": dict(edge_thresh=1.0)}
-GROUP_PROGRAMS = {"naive": 3, "sparsex": 3, "redknot": 5}
+GROUP_PROGRAMS = {"naive": 3, "sparsex": 3, "redknot": 3}
 
 
 @pytest.mark.parametrize("method", list(KEEPING))
@@ -470,8 +470,11 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
     assert stats3.kv_writes == stats.kv_writes and stats3.ffn_rows == stats.ffn_rows
     # most reused K/V are kept, not recomputed: the pass reads the promoted pages
     assert stats.recompute_fraction < 0.75
-    for a, b in zip(pool, pool3):
-        np.testing.assert_array_equal(a, b)
+    # K/V equal to float rounding (a middle group's body, its layer offset data, may fuse otherwise than the
+    # single program's); a page read before it was written would carry the poison (40 / -60)
+    for a, b in zip(pool[:2], pool3[:2]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(pool[2], pool3[2])
 
 
 @pytest.mark.parametrize("block", [1, 2, 4])

@@ -335,12 +335,21 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
             x = x + jnp.where(valid[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
             ran, dropped = jnp.sum(valid), jnp.int32(0)
         else:
+            keep = ffn[0] & valid
+            every = ffn[2] if len(ffn) > 2 else None  # data: this layer runs the FFN on every valid row
             if cap >= x.shape[0]:
-                fm = ffn[0] & valid
+                fm = keep if every is None else jnp.where(every, valid, keep)
                 x = x + jnp.where(fm[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
                 ran, dropped = jnp.sum(fm), jnp.int32(0)
+            elif every is None:
+                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, keep, ffn[1], cap, reduce)
             else:
-                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, ffn[0] & valid, ffn[1], cap, reduce)
+                def all_rows(x):
+                    out = x + jnp.where(valid[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
+                    return out, jnp.sum(valid), jnp.int32(0), valid
+
+                x, ran, dropped, fm = jax.lax.cond(
+                    every, all_rows, lambda x: _sparse_ffn(p, cfg, x, keep, ffn[1], cap, reduce), x)
             if "ffn_cached" in rows:  # FFN reuse: skipped reused rows add their segment's own FFN output
                 skipped = valid & ~fm & ~rows["is_new"]
                 x = x + jnp.where(skipped[:, None], rows["ffn_cached"][i - ffn_from], 0).astype(x.dtype)

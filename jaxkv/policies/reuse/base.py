@@ -206,11 +206,13 @@ class ReusePolicy:
         `selected` [R, Hkv] is the per-head choice made at the selection layer (all True by default)."""
         return view.valid[:, None] & selected
 
-    def ffn_rows(self, view: LayerView, probe_mass_fn) -> tuple[jax.Array, jax.Array] | None:
+    def ffn_rows(self, view: LayerView, probe_mass_fn) -> tuple[jax.Array, ...] | None:
         """(keep [R] bool, priority [R] float) rows that get the FFN in this layer, or None for all. At most
         `ffn_capacity_rows` of them run (highest priority first). `probe_mass_fn()` returns the attention
         mass the probes give each row's key after this layer's writes, summed over the probes and the query
-        heads of each KV head ([Hkv, R])."""
+        heads of each KV head ([Hkv, R]). A third item, a traced bool [], makes "all rows" a choice of data
+        (true: every valid row runs the FFN in this layer), so one shared layer body serves layers of both
+        kinds instead of splitting the loop at a `layer_breaks` boundary."""
         return None
 
     def ffn_capacity_rows(self, num_rows: int) -> int:

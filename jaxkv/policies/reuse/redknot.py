@@ -139,19 +139,20 @@ class RedKnot(ReusePolicy):
         repaired = view.is_new[:, None] | (pos < view.sink[None]) | ((off >= 0) & (off < view.window[None]))
         return view.valid[:, None] & (view.is_global[None] | repaired)
 
-    def layer_breaks(self) -> tuple[int, ...]:
-        return (self.dense_until,)  # dense FFN before it, sparse from it on
-
     def ffn_rows(self, view: LayerView, probe_mass_fn):
-        if view.span[1] <= self.dense_until:  # every layer the body serves is before dense_until
+        # Dense FFN before `dense_until`, sparse from it on. A body serving layers on both sides of it (one
+        # rolled loop, so one compiled layer body per pass) gets that choice as data.
+        span = (view.layer, view.layer + 1) if isinstance(view.layer, int) else view.span
+        if span is not None and span[1] <= self.dense_until:
             return None
+        dense = None if span is not None and span[0] >= self.dense_until else view.layer < self.dense_until
         last = jnp.max(view.positions)
         must = (view.positions > last - self.recent_n) | view.is_new
         if self.ffn_select == "deviation":  # every reused row is a candidate; the buffer keeps the top
             k, kc = view.k.astype(jnp.float32), view.k_cached.astype(jnp.float32)
             dev = jnp.where(view.valid & ~must, jnp.sum(jnp.linalg.norm(k - kc, axis=-1), -1), 0.0)
             share = dev / jnp.maximum(jnp.max(dev), 1e-30)  # in [0, 1]: below the forced rows' 2 +
-            return view.valid, share + 2.0 * must
+            return _with_dense(view.valid, share + 2.0 * must, dense)
         mass = jnp.sum(probe_mass_fn(), axis=0)  # [R] probe mass received
         order = jnp.argsort(-mass)
         csum = jnp.cumsum(mass[order]) / jnp.maximum(jnp.sum(mass), 1e-30)
@@ -159,12 +160,15 @@ class RedKnot(ReusePolicy):
         top = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
         share = mass / jnp.maximum(jnp.sum(mass), 1e-30)
         top, share = _dilate(top, share, view.positions, self.ffn_dilate)
-        return view.valid & (top | must), share + 2.0 * must
+        return _with_dense(view.valid & (top | must), share + 2.0 * must, dense)
 
     def ffn_capacity_rows(self, num_rows: int) -> int:
         """ceil(ffn_capacity x rows) rounded up to a multiple of 8 (a bounded set of buffer shapes)."""
         return min(num_rows, -(-math.ceil(self.ffn_capacity * num_rows) // 8) * 8)
 
+
+def _with_dense(keep, priority, dense):
+    return (keep, priority) if dense is None else (keep, priority, dense)
 
 
 def _dilate(sel, share, positions, width: int):
