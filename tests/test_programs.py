@@ -133,3 +133,24 @@ def test_a_look_alike_program_that_refuses_the_arguments_leaves_the_call_to_jit(
     refused = [r for r in caplog.records if "refused a call" in r.getMessage()]
     assert len(refused) == 1
     assert progs.signature(_affine, typed, static) in progs._refused and len(progs) == 1
+
+
+def test_a_host_array_for_a_device_one_runs_the_program_without_a_warning(caplog):
+    """A batch entry built on the host (numpy) where the program was compiled for a device array of the
+    same shape and dtype runs that program silently, leaving the one look-alike warning for a difference
+    worth naming (the weak type after it)."""
+    progs = programs.Programs("test", owned=("cfg",))
+    args, static = _args(4), dict(scale=2.0, cfg="model")
+    progs.install(progs.signature(_affine, args, static), _compiled(args, static))
+    host = _args(4)
+    host[2]["x"] = np.asarray(host[2]["x"])
+    jit_variants = _affine._cache_size()
+    with caplog.at_level("WARNING", logger="jaxkv.engine"):
+        np.testing.assert_allclose(progs.call(_affine, host, static), [1.5, 3.5, 5.5, 7.5])
+        assert not [r for r in caplog.records if "differ from a precompiled program" in r.getMessage()]
+        weak = _args(4)
+        weak[2]["x"] = _weak(4)
+        np.testing.assert_allclose(progs.call(_affine, weak, static), [5.5] * 4)
+    assert _affine._cache_size() == jit_variants
+    told = [r.getMessage() for r in caplog.records if "differ from a precompiled program" in r.getMessage()]
+    assert len(told) == 1 and "weak_type=True" in told[0]

@@ -128,7 +128,7 @@ class Programs:
         want = _shapes(signature)
         for other, exe in list(self._programs.items()):
             if _shapes(other) == want:
-                if not self._told_alike:
+                if not self._told_alike and not _host_for_device(signature, other):
                     self._told_alike = True
                     log.warning("jaxkv: %s call's arguments differ from a precompiled program's in type "
                                 "beyond shape and dtype (%s); running that program", self.kind,
@@ -189,6 +189,23 @@ def _shapes(signature) -> tuple:
     """`signature` with every argument reduced to its shape and dtype."""
     rest = (signature[3],) if len(signature) > 3 else ()
     return (signature[0], signature[1], *rest, tuple(_shape_of(e) for e in _types(signature)))
+
+
+def _host_for_device(a, b) -> bool:
+    """Whether `a` differs from `b` only in host arrays where `b` had device arrays of the same shape and
+    dtype, strongly typed (a caller that builds a batch entry on the host, such as a segment's own prefill,
+    runs the same program: nothing worth a warning)."""
+    def same(x, y):
+        if x == y:
+            return True
+        host, dev = (x, y) if len(x) == 3 else (y, x)
+        if len(host) != 3 or len(dev) != 2 or host[0] != dev[0]:
+            return False
+        aval = dev[1]
+        return (tuple(aval.shape), aval.dtype) == (tuple(host[1]), host[2]) and not aval.weak_type
+
+    ta, tb = list(a[2]), list(b[2])
+    return a[:2] == b[:2] and a[3:] == b[3:] and len(ta) == len(tb) and all(map(same, ta, tb))
 
 
 def _first_difference(a, b) -> str:
