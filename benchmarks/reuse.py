@@ -138,9 +138,11 @@ def model_dir(shape: str, args, log) -> Path:
 
 # ------------------------------------------------------------------------------------------------ engine
 
-def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None = None):
+def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None = None,
+                as_steps: bool = False):
     """All heads global (segment reuse needs full history), one sequence, pool sized from the workload;
-    host memory for every segment, and the segment store `store` when given."""
+    host memory for every segment, and the segment store `store` when given. `as_steps`: naive, EPIC and
+    full run as the engine's ragged steps (`SegmentConfig.as_steps`)."""
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
 
@@ -153,7 +155,7 @@ def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None
     return Engine(model, num_pages=num_pages, page_size=w.page_size, max_num_seqs=1,
                   max_model_len=w.max_model_len, max_step_tokens=max_step_tokens,
                   head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
-                  segment_store=store, segment_host_bytes=host)
+                  segment_store=store, segment_host_bytes=host, segment_as_steps=as_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +380,7 @@ def restart_row(model, w: Workload, args, store: str, prompt: Prompt, spec: str,
     """A second engine on the store the first wrote: seconds from `Engine(...)` to its first reused token
     (segments restored from the store, none prefilled again; compiles included: a cold process)."""
     t0 = time.perf_counter()
-    eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    eng = make_engine(model, w, args.max_step_tokens, log, store=store, as_steps=args.as_steps)
     ready = time.perf_counter() - t0
     restored = len(eng.reuser.store)
     s, stats = ttft_once(eng, policy_for(spec), prompt)
@@ -440,7 +442,7 @@ def bench_shape(shape: str, path: Path, args, remaining, log, emit) -> dict:
     tiers = args.tier_list
     store = args.store or (tempfile.mkdtemp(prefix="jaxkv-bench-store-")
                            if "store" in tiers or args.restart else None)
-    eng = make_engine(model, w, args.max_step_tokens, log, store=store)
+    eng = make_engine(model, w, args.max_step_tokens, log, store=store, as_steps=args.as_steps)
     if args.pinned_host:
         eng.reuser.tiers.memory_kinds = True
     from jaxkv.engine import segment_tiers
@@ -595,6 +597,8 @@ def parse_args(argv):
     ap.add_argument("--drop-page-cache", action="store_true",
                     help="before every timed run with segments in the store tier, drop the store's files "
                          "from the page cache (posix_fadvise DONTNEED), so they are read from the disk")
+    ap.add_argument("--as-steps", action="store_true",
+                    help="naive, EPIC and full run as the engine's ragged step programs, not a reuse pass")
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")

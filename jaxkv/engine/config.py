@@ -54,6 +54,9 @@ class SegmentConfig:
     before it) and the completion on a fresh page, so the engine's pages per head get `max_segments + 1`
     pages of slack beyond the context's (`Engine.max_pages_per_head`); positions stay within max_model_len.
     0 (the default): no slack, no cost for engines that never reuse; the holes then take context.
+    as_steps: a method whose pass recomputes only its forced rows over every head's whole history (naive,
+    EPIC, full) runs them as the engine's precompiled ragged step programs (jaxkv/engine/reuse_steps.py)
+    instead of a reuse pass of its own; off by default until its speed is measured against the pass.
     """
 
     anchor: Any = "bos"
@@ -64,8 +67,11 @@ class SegmentConfig:
     # the reuse methods' head-class map (HeadClassMap | path); None: the file beside the model
     head_classes: Any = None
     max_segments: int = 0
+    as_steps: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.as_steps, bool):
+            raise ValueError(f"Engine: segment_as_steps must be a bool (got {self.as_steps!r})")
         m = self.max_segments
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"Engine: segment_max_segments must be a non-negative integer (got {m!r})")

@@ -28,6 +28,13 @@ from jaxkv.cache.segments import SegmentEntry, SegmentError, SegmentStore
 from jaxkv.engine.buckets import bucket_for
 from jaxkv.engine.programs import Programs
 from jaxkv.engine.request import Request, Status
+from jaxkv.engine.reuse_steps import (
+    forced_row_stats,
+    page_width,
+    prepare_call,
+    run_forced_rows,
+    runs_as_steps,
+)
 from jaxkv.engine.runner import StepBatch
 from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
 from jaxkv.models import llama
@@ -382,6 +389,14 @@ class Reuser:
             fn, args, static = self._pass_call(policy, T, R, select_cap)
             return self.compiled.signature(fn, args, static), fn, args, static
 
+        if runs_as_steps(self.engine, policy):  # the step programs run it: only its page copies compile
+            def pages(P):
+                fn, args, static = prepare_call(self, P)
+                return self.compiled.signature(fn, args, static), fn, args, static
+
+            return [(("reuse pages", 0, 0, P), functools.partial(pages, P))
+                    for P in self.engine._page_buckets]
+
         shapes = pass_shapes(policy, self.engine.max_pages_per_head * self.page_size)
         out = [((f"reuse {policy.name}", R, T, self._table_pages(T, 1)), functools.partial(call, T, R, cap))
                for T, R, cap in shapes]
@@ -570,7 +585,8 @@ class Reuser:
         """Layer ranges of the pass's programs when its segments must be promoted: `layer_groups` of them
         on one device; one under tensor parallelism (the sharded pass is one shard_map program)."""
         L = self.cfg.num_layers
-        if self.engine.runner.mesh is not None or self.layer_groups <= 1 or not pol.reuses:
+        if (self.engine.runner.mesh is not None or self.layer_groups <= 1 or not pol.reuses
+                or runs_as_steps(self.engine, pol)):  # steps: every group's pages come up first
             return [(0, L)]
         return layer_groups(pol, L, self.layer_groups)
 
@@ -624,6 +640,8 @@ class Reuser:
                                       eng.max_pages_per_head * ps)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
+        if promotion is None and runs_as_steps(eng, pol) and not (self.keep_logits or req.sampling.logprobs):
+            return self._prefill_steps(req, pol, lay, tokens, storage, forced, table, slot, copies)
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
         if probe.size == 0:
@@ -666,6 +684,27 @@ class Reuser:
             ids, lps = top_logprobs_host(logits, alts)
             top = [[(int(i), float(x)) for i, x in zip(ids, lps)]]
             logits = logits if self.keep_logits else None
+        return self._finish(req, pol, lay, table, slot, tok, logprob, top, st, t0, logits, programs)
+
+    def _prefill_steps(self, req, pol: ReusePolicy, lay: Layout, tokens, storage, forced, table, slot: int,
+                       copies):
+        """`_prefill` through the engine's step program (`jaxkv.engine.reuse_steps`): the page copies as
+        one `prepare_pages` program of the table's width class, then the forced tokens as ragged steps."""
+        eng, (L, H, npg) = self.engine, table.shape
+        t0 = self._pass_at = time.perf_counter()
+        P = page_width(eng, npg)
+        wide = np.full((L, H, P), -1, np.int32)
+        wide[:, :, :npg] = table
+        eng.runner.pool = self.compiled.call(*prepare_call(self, P, _group_copies(copies, wide, [(0, L)])[0]))
+        tok, logprob = run_forced_rows(eng, table, slot, tokens, storage, forced, req)
+        st = forced_row_stats(forced, L, H)
+        return self._finish(req, pol, lay, table, slot, tok, logprob, None, st, t0, None, programs=1)
+
+    def _finish(self, req, pol: ReusePolicy, lay: Layout, table, slot: int, tok: int, logprob: float, top,
+                st: dict, t0: float, logits, programs: int):
+        """Records the prefill's statistics, hands the request its pages and first token, and queues it
+        for decoding (or finishes it)."""
+        eng, n, H = self.engine, lay.num_tokens, self.cfg.num_kv_heads
         elapsed = time.perf_counter() - t0
         first = min(t for t in (self.tiers.first_write_at, self._pass_at) if t is not None)
         ints = lambda name: [int(round(float(x))) for x in st[name]]  # noqa: E731

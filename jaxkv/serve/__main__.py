@@ -156,6 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reuse prompts of up to N segments fit whenever their tokens fit --max-model-len: "
                         "N + 1 pages per KV head of slack for the empty slots before page-aligned segments "
                         "(docs/segments.md); default 0: the holes take context")
+    p.add_argument("--segment-as-steps", action="store_true",
+                   help="naive, EPIC and full reuse requests run their recomputed tokens as the engine's "
+                        "precompiled step programs instead of a reuse pass of their own (docs/segments.md)")
     p.add_argument("--precompile-reuse", default="", metavar="METHODS",
                    help="comma-separated segment-reuse methods (any of naive, epic, cacheblend, sparsex, "
                         "redknot, full) whose pass is compiled for every token and row bucket before the "
@@ -328,6 +331,7 @@ def main(argv=None) -> int:
                         retrieval_host_pages=args.retrieval_host_pages,
                         retrieval_host_overlap=args.retrieval_host_overlap,
                         segment_anchor=args.segment_anchor, segment_store=args.segment_store,
+                        segment_as_steps=args.segment_as_steps,
                         segment_max_segments=args.segment_max_segments,
                         **({} if args.segment_host_bytes is None
                            else {"segment_host_bytes": args.segment_host_bytes}),

@@ -142,6 +142,19 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, offset
     return reuse_body(params, pool, b, heads, carry, layers=layers, offset=offset, **static)
 
 
+def copy_pages(pool: KVPool, clear, src, dst, delta, freqs, impl=None) -> KVPool:
+    """Blanks pages `clear`, then copies pages src -> dst rotating K by `delta` positions (every array [M],
+    -1 pads): a reuse request's pages before anything attends to them."""
+    n_pages = pool.pos.shape[0]
+    pos = pool.pos.at[jnp.where(clear >= 0, clear, n_pages)].set(-1, mode="drop")
+    k, v, pos = rope_shift(pool.k, pool.v, pos, src, dst, delta, jnp.asarray(freqs), style="neox",
+                           implementation=impl)
+    bias = pool.bias  # a merging engine's bias: copied pages start with none (written slots: write_kv)
+    if bias is not None:
+        bias = bias.at[jnp.where(dst >= 0, dst, n_pages)].set(0.0, mode="drop")
+    return KVPool(k=k, v=v, pos=pos, page_size=pool.page_size, bias=bias)
+
+
 def offset_group_ok(policy: ReusePolicy, params, b: dict) -> bool:
     """Whether a middle layer group may take its layer offset as data: the layers run through one shared
     body (their index is traced anyway), the method makes no static per-layer choice (`layer_breaks`, which
@@ -206,13 +219,7 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
     if tp is not None:  # page lists over every head: each shard copies and blanks its own pages only
         b = tp.own_pages(b, n_pages)
         clear = b["clear"]
-    pos = pool.pos.at[jnp.where(clear >= 0, clear, n_pages)].set(-1, mode="drop")
-    k, v, pos = rope_shift(pool.k, pool.v, pos, b["src"], b["dst"], b["delta"], jnp.asarray(freqs),
-                           style="neox", implementation=impl)
-    bias = pool.bias  # a merging engine's bias: copied pages start with none (written slots: write_kv)
-    if bias is not None:
-        bias = bias.at[jnp.where(b["dst"] >= 0, b["dst"], n_pages)].set(0.0, mode="drop")
-    pool = KVPool(k=k, v=v, pos=pos, page_size=ps, bias=bias)
+    pool = copy_pages(pool, clear, b["src"], b["dst"], b["delta"], freqs, impl)
 
     def cached_kv(pool, slots):  # K/V the cache holds at `slots` [R, H] (zeros where -1)
         flat = jnp.maximum(slots, 0).reshape(-1)

@@ -1,0 +1,92 @@
+"""Segment reuse through the engine's step program (`SegmentConfig.as_steps`, jaxkv/engine/reuse_steps.py):
+naive, EPIC and full give the reuse pass's tokens and statistics, in chunks of the step size, and a request
+after precompile compiles nothing."""
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache.head_classes import all_global
+from jaxkv.engine import compilations
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.reuse_steps import prepare_pages, runs_as_steps
+from jaxkv.policies.reuse import get_reuse_policy
+from jaxkv.policies.reuse.apply import reuse_prefill
+from jaxkv.sampling import SamplingParams
+from tests.hf_tiny import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return jaxkv.load(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-reuse-steps")))
+
+
+def _engine(model, as_steps: bool, **kw):
+    cfg = model.config
+    return Engine(model, page_size=4, max_model_len=256, max_num_seqs=2, max_step_tokens=16,
+                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
+                  segment_as_steps=as_steps, **kw)
+
+
+def _ask(eng, prefix, docs, suffix, method, sampling):
+    ids = [eng.register_segment(d) for d in docs]
+    rid = eng.add_reuse_request(prefix, ids, suffix, reuse=method, sampling=sampling)
+    out = []
+    while eng.has_unfinished():
+        out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    return out, eng.reuser.stats[rid]
+
+
+def _pieces(model, sizes, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in sizes]
+
+
+@pytest.mark.parametrize("method,sampling", [("naive", GREEDY), ("epic", SAMPLED), ("full", GREEDY)])
+def test_steps_give_the_reuse_passs_tokens_and_statistics(model, method, sampling):
+    """Prefix 5 tokens, segments of 19 and 13 (page-aligned: holes between them), suffix 23: the suffix alone
+    is two steps of at most 16 tokens, full recomputes 60 tokens in four."""
+    prefix, s1, s2, suffix = _pieces(model, (5, 19, 13, 23), seed=1)
+    policy = get_reuse_policy(method)
+    got = {}
+    for as_steps in (False, True):
+        eng = _engine(model, as_steps)
+        assert runs_as_steps(eng, policy) == as_steps
+        got[as_steps] = _ask(eng, prefix, [s1, s2], suffix, policy, sampling)
+    (tok_p, st_p), (tok_s, st_s) = got[False], got[True]
+    assert len(tok_s) == sampling.max_tokens and tok_s == tok_p
+    for field in ("recomputed_rows", "kv_writes", "ffn_rows", "promoted_heads", "keys_seen", "reused_tokens"):
+        assert getattr(st_s, field) == getattr(st_p, field), field
+    if method == "naive":
+        assert st_s.recompute_fraction == 0.0  # the segments' K/V were reused, not recomputed
+
+
+def test_only_plain_passes_without_dense_layers_run_as_steps(model):
+    eng = _engine(model, True)
+    assert all(runs_as_steps(eng, get_reuse_policy(m)) for m in ("naive", "epic", "full"))
+    assert not any(runs_as_steps(eng, get_reuse_policy(m)) for m in ("cacheblend", "sparsex", "redknot"))
+
+
+def test_a_request_after_precompile_compiles_nothing(model):
+    """Precompile compiles the steps and, for naive and EPIC, one page-copy program per page-table width
+    class (none of their passes); their requests then run on those programs."""
+    eng = _engine(model, True)
+    eng.precompile(progress=False, step_cache=False)
+    n = eng.precompile_reuse(["naive", "epic"], progress=False)
+    assert n == len(eng._page_buckets)
+    before = (compilations.step_programs(), reuse_prefill._cache_size(), prepare_pages._cache_size())
+    prefix, s1, s2, suffix = _pieces(model, (3, 30, 9, 11), seed=2)
+    for method in ("naive", "epic"):
+        tokens, _ = _ask(eng, prefix, [s1, s2], suffix, method, GREEDY)
+        assert len(tokens) == GREEDY.max_tokens
+    assert (compilations.step_programs(), reuse_prefill._cache_size(), prepare_pages._cache_size()) == before
+
+
+def test_as_steps_must_be_a_bool():
+    from jaxkv.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="segment_as_steps"):
+        EngineConfig.from_kwargs(segment_as_steps=1)
