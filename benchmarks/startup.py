@@ -239,6 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rolled-from-tokens", type=int, default=0, metavar="N",
                     help="ragged steps of at least N tokens roll their layers "
                          "(EngineConfig.rolled_from_tokens)")
+    ap.add_argument("--segment-as-steps", action="store_true",
+                    help="naive, EPIC and full reuse requests run as the engine's ragged steps (their "
+                         "precompile is one page-copy program per page-table width class)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -271,7 +274,8 @@ def main(argv=None) -> None:
                       max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                       enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows,
                       **({"page_classes": args.page_classes} if args.page_classes else {}),
-                      **({"rolled_from_tokens": args.rolled_from_tokens} if args.rolled_from_tokens else {}))
+                      **({"rolled_from_tokens": args.rolled_from_tokens} if args.rolled_from_tokens else {}),
+                      **({"segment_as_steps": True} if args.segment_as_steps else {}))
 
     if args.first_request:
         from jaxkv.sampling import SamplingParams
@@ -306,7 +310,11 @@ def main(argv=None) -> None:
         from jaxkv.policies.reuse import resolve_reuse
 
         limit = engine.max_pages_per_head * engine.page_size
-        reuse_passes = {m: len(pass_shapes(resolve_reuse(m), limit)) for m in args.precompile_reuse}
+        from jaxkv.engine.reuse_steps import runs_as_steps
+
+        reuse_passes = {m: len(engine.reuser.calls(pol)) if runs_as_steps(engine, pol)  # page copies
+                        else len(pass_shapes(pol, limit))
+                        for m, pol in ((m, resolve_reuse(m)) for m in args.precompile_reuse)}
         if args.reuse_apart:
             reuse_passes["ready"] = engine.precompile_reuse(args.precompile_reuse, progress=args.progress)
     ready = time.perf_counter() - t0
@@ -324,7 +332,7 @@ def main(argv=None) -> None:
                step_cache_hits=getattr(engine, "step_cache_hits", None),
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(), reuse_apart=args.reuse_apart,
                page_widths=list(getattr(engine, "page_widths", ())),
-               rolled_from_tokens=args.rolled_from_tokens,
+               rolled_from_tokens=args.rolled_from_tokens, segment_as_steps=args.segment_as_steps,
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

@@ -40,10 +40,14 @@ def main(phase: str, ckpt: str, cache: str) -> None:
     requests = mix(model)
     eng = Engine(model, **KW)
     before = compilations.xla_programs()["compiled"]
-    n = eng.precompile(progress=False, step_cache=Path(cache))
+    # the first start keeps its programs on a writer thread (`background`), the next loads them in place
+    n = eng.precompile(progress=False, step_cache=Path(cache), background=phase == "write")
     row = {"programs": n, "hits": eng.step_cache_hits,
            "compiled_in_precompile": compilations.xla_programs()["compiled"] - before}
     if phase == "write":
+        writer = eng.program_writer
+        row["writer_thread"] = writer is not None and not writer.daemon
+        writer.join()
         row["kept"] = len(list(Path(cache).glob("*.bin")))
         row["reference_tokens"] = outputs(Engine(model, **KW), requests)  # jit's own path, no precompile
     else:

@@ -282,7 +282,7 @@ def test_step_cache_loads_every_program_a_second_engine_needs(tmp_path):
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     wrote = side("write")
-    assert wrote["hits"] == 0 and wrote["kept"] == wrote["programs"] > 0
+    assert wrote["hits"] == 0 and wrote["kept"] == wrote["programs"] > 0 and wrote["writer_thread"]
     read = side("read")
     # only the small page-table programs compile again, none of the kept ones
     assert read["hits"] == wrote["programs"]

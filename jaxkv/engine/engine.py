@@ -233,6 +233,7 @@ class Engine:
         self.largest_step_scratch: tuple[int, tuple | None] = (0, None)  # bytes, variant (after precompile)
         self.step_cache_hits = 0  # programs precompile took from the step cache (jaxkv/engine/step_cache.py)
         self.program_loader = None  # the thread loading kept programs after `precompile(background=True)`
+        self.program_writer = None  # the thread keeping compiled programs after `precompile(background=True)`
         if c.segments.store:  # registered segments persist there; the committed ones load now, no prefill
             from jaxkv.engine.segment_persist import PersistentSegments
 
@@ -343,7 +344,8 @@ class Engine:
         engine-wide one on the CPU; `warmup.press_programs`). `step_cache`: where compiled programs are kept
         for the next start (jaxkv/engine/step_cache.py; None: the default, on accelerators; False: off).
         `background`: programs found there load on a background thread after this returns (`program_loader`);
-        a step that needs one before loads it itself (a load, never a compile). `retrieval`: retrieval
+        a step that needs one before loads it itself (a load, never a compile); and the programs it compiled
+        are written there by another (`program_writer`). `retrieval`: retrieval
         policies (or names) that requests may ask for, whose variants compile too (the engine-wide one does
         anyway). `reuse`: segment-reuse methods (or names) whose passes compile in the same pool run
         (`precompile_reuse`), so the pool never drains between the steps and the passes."""

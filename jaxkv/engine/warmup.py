@@ -228,6 +228,8 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
 
         if jax.default_backend() == "cpu" and compilations.xla_programs()["persistent_cache"] > xla_loads:
             log.info("jaxkv: step cache not written: XLA:CPU loaded programs from its persistent cache")
+        elif background:
+            _keep_in_background(engine, cache, built)
         else:
             for key, compiled in built:
                 cache.save(key, compiled, scratch_bytes(compiled))
@@ -248,6 +250,26 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
         log.info("jaxkv: %d kept programs load in the background", pending)
     hits = 0 if cache is None else cache.hits + sum(k is True for k in kept)
     return done, hits, largest, time.perf_counter() - t0, workers, cache is not None
+
+
+def _keep_in_background(engine, cache, built: list) -> None:
+    """Writes the programs just compiled to the step cache on a thread of its own (`engine.program_writer`),
+    so precompile returns without serializing them: on an H100 the 101 programs of the 1B serving
+    configuration took 25 s to keep, after the last compile and before ready. Not a daemon: a process that
+    ends soon after still keeps every program."""
+    before = getattr(engine, "program_writer", None)
+
+    def keep():
+        if before is not None:  # one writer at a time
+            before.join()
+        started = time.perf_counter()
+        for key, compiled in built:
+            cache.save(key, compiled, scratch_bytes(compiled))
+        log.info("jaxkv: %d compiled programs kept in the step cache in %.1f s", len(built),
+                 time.perf_counter() - started)
+
+    engine.program_writer = threading.Thread(target=keep, name="jaxkv-step-cache-writer")
+    engine.program_writer.start()
 
 
 def leaders_first() -> bool:

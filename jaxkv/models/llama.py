@@ -89,7 +89,7 @@ class SharedLayers(tuple):
 
 def forward(
     params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: AttendFn, state: State,
-    reduce: Callable[[jax.Array], jax.Array] | None = None, layer_xs: Any = None,
+    reduce: Callable[[jax.Array], jax.Array] | None = None, layer_xs: Any = None, rolled: bool = False,
 ) -> tuple[jax.Array, State]:
     """tokens, positions int32[B, T] -> (hidden [B, T, hidden] after the final norm, state).
 
@@ -98,10 +98,12 @@ def forward(
     `attend(layer, q, k, v, state)` receives q, k after q/k-norm and RoPE at `positions`; with `layer_xs`
     (a pytree of `[L, ...]` arrays) it is called as `attend(layer, q, k, v, state, xs)` with this layer's
     slice. `reduce` (tensor parallelism, jaxkv.parallel) sums the shards' partial O and down projections.
+    `rolled`: `SharedLayers` as one rolled loop (`run_layers`).
     """
     freqs = rope.inv_freq(cfg)
     x = params["embed"][tokens]
-    x, state = run_layers(params["layers"], cfg, x, positions, freqs, attend, state, reduce, layer_xs)
+    x, state = run_layers(params["layers"], cfg, x, positions, freqs, attend, state, reduce, layer_xs,
+                          rolled=rolled)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
 
 
@@ -177,8 +179,8 @@ def _rolled_layers(layers, cfg, x, positions, freqs, attend, state, reduce, laye
     """Layers [start, stop) of `SharedLayers` as one `lax.fori_loop`: the compiled program holds one layer
     body whatever the layer count, where inlined shared bodies hold L (SmolLM2-135M's RedKnot reuse pass at
     8K on an H100: compile 78.8 -> 10.9 s; docs/benchmarks.md, "Reuse pass compile"). Each iteration takes
-    its layer's weights through a switch over the range's layers (as `rolled_forward` of the compression
-    programs), a copy of one layer's weights, never a stacked copy of the model: one extra pass over the
+    its layer's weights through a switch over the range's layers, a copy of one layer's weights, never a
+    stacked copy of the model: one extra pass over the
     weights per forward, which a small-row forward would feel and an 8K prefill did not (that pass: 168 ->
     143 ms)."""
     part = tuple(layers[start:stop])

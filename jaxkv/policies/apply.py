@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.pool import KVPool
-from jaxkv.models import llama, rope
+from jaxkv.models import llama
 from jaxkv.policies.base import NEG, CompressPolicy, Observation, SelectContext, select
 from pallas_kernels.rewrite.api import rewrite
 from pallas_kernels.rewrite.reference import rewrite as rewrite_reference
@@ -160,8 +160,11 @@ def compress_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Co
     scores0 = jnp.zeros((S, L, H, n_slots), jnp.float32)
     mass0 = jnp.zeros((S, L, H, n_slots) if policy.merge else (0,), jnp.float32)
     positions = jnp.maximum(b["positions"], 0)
-    _, (scores, mass) = rolled_forward(params, cfg, b["tokens"], positions, attend, (scores0, mass0),
-                                       reduce=reduce)
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):  # one rolled layer body whatever the engine's layer loop
+        params = {**params, "layers": llama.SharedLayers(layers)}
+    _, (scores, mass) = llama.forward(params, cfg, b["tokens"], positions, attend, (scores0, mass0),
+                                      reduce=reduce, rolled=True)
 
     # Original positions of every slot, all layers: [S, L, H, N].
     pages = jnp.maximum(b["page_table"], 0)
@@ -184,31 +187,6 @@ def compress_body(params, pool: KVPool, b: dict, heads: dict, *, cfg, policy: Co
                                  counts)[0][..., 0]
     return (KVPool(k=k, v=v, pos=pos, page_size=pool.page_size, bias=bias),
             jnp.where(shrink, keep.count, lengths))
-
-
-def rolled_forward(params, cfg, tokens, positions, attend, state, reduce=None):
-    """`llama.forward` with its layers under one rolled `lax.scan`, whatever the layer form: XLA compiles one
-    layer body (the observation and scoring included) instead of L inlined copies. A layer list (plain or
-    `SharedLayers`) is not stacked (a copy of every weight): each iteration takes its layer's weights
-    through a `lax.switch` over the layers, a copy of one layer's weights (the pass runs once per request)."""
-    layers = params["layers"]
-    if not isinstance(layers, list | tuple):  # stacked leaves: the model's own scan
-        return llama.forward(params, cfg, tokens, positions, attend, state, reduce=reduce)
-    freqs = rope.inv_freq(cfg)
-    branches = [functools.partial(_layer_weights, p) for p in layers]
-
-    def body(carry, i):
-        x, st = carry
-        p = jax.lax.switch(i, branches)
-        return llama.decoder_layer(p, cfg, i, x, positions, freqs, attend, st, reduce), None
-
-    x = params["embed"][tokens]
-    (x, state), _ = jax.lax.scan(body, (x, state), jnp.arange(len(layers), dtype=jnp.int32))
-    return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
-
-
-def _layer_weights(p):
-    return p
 
 
 def _merge_into_pool(pool: KVPool, page_table, lengths, keep, shrink, mass, min_sim: float) -> KVPool:
