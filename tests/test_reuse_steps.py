@@ -12,7 +12,7 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.reuse_steps import prepare_pages, runs_as_steps
 from jaxkv.policies.reuse import get_reuse_policy
 from jaxkv.policies.reuse.apply import reuse_prefill
-from jaxkv.sampling import SamplingParams
+from jaxkv.sampling import MAX_LOGPROBS, SamplingParams
 from tests.hf_tiny import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -90,3 +90,43 @@ def test_as_steps_must_be_a_bool():
 
     with pytest.raises(ValueError, match="segment_as_steps"):
         EngineConfig.from_kwargs(segment_as_steps=1)
+
+
+def test_steps_give_the_first_tokens_alternatives(model):
+    """A request that asks for logprob alternatives keeps the step path: its first token's alternatives are
+    the pass's (the pass reads them from its logits on the host, the step from its logprob variant)."""
+    prefix, s1, s2, suffix = _pieces(model, (5, 19, 13, 23), seed=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=3)
+    first = {}
+    for as_steps in (False, True):
+        eng = _engine(model, as_steps)
+        ids = [eng.register_segment(d) for d in (s1, s2)]
+        widths, run = [], eng.runner.run_extras
+        eng.runner.run_extras = lambda b, run=run, widths=widths: widths.append(b.top_width) or run(b)
+        rid = eng.add_reuse_request(prefix, ids, suffix, reuse="naive", sampling=sp)
+        outs = []
+        while eng.has_unfinished():
+            outs += [o for o in eng.step() if o.request_id == rid and o.new_token_ids]
+        first[as_steps] = outs[0].new_top_logprobs[0]
+        if as_steps:  # the suffix's two steps, the second the logprob variant
+            assert widths[:2] == [0, MAX_LOGPROBS]
+    assert len(first[True]) == 3 and [i for i, _ in first[True]] == [i for i, _ in first[False]]
+    np.testing.assert_allclose([x for _, x in first[True]], [x for _, x in first[False]], atol=1e-4)
+
+
+def test_segments_in_host_memory_come_up_whole_before_the_steps(model):
+    """Segments moved to host memory come back to the device in one piece (no layer groups) and the steps
+    give the pass's tokens over them."""
+    prefix, s1, s2, suffix = _pieces(model, (4, 21, 17, 9), seed=5)
+    got = {}
+    for as_steps in (False, True):
+        eng = _engine(model, as_steps)
+        ids = [eng.register_segment(d) for d in (s1, s2)]
+        eng.reuser.tiers.evict(eng.allocator.num_pages)
+        assert all(eng.reuser.tiers.tiers(eng.reuser.store.get(s)) == ["host"] for s in ids)
+        rid = eng.add_reuse_request(prefix, ids, suffix, reuse="naive", sampling=GREEDY)
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        got[as_steps] = (out, eng.reuser.stats[rid].reused_tokens)
+    assert got[True] == got[False] and got[True][1] == len(s1) + len(s2)

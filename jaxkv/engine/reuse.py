@@ -640,7 +640,7 @@ class Reuser:
                                       eng.max_pages_per_head * ps)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
-        if promotion is None and runs_as_steps(eng, pol) and not (self.keep_logits or req.sampling.logprobs):
+        if promotion is None and runs_as_steps(eng, pol) and not self.keep_logits:
             return self._prefill_steps(req, pol, lay, tokens, storage, forced, table, slot, copies)
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
@@ -696,9 +696,10 @@ class Reuser:
         wide = np.full((L, H, P), -1, np.int32)
         wide[:, :, :npg] = table
         eng.runner.pool = self.compiled.call(*prepare_call(self, P, _group_copies(copies, wide, [(0, L)])[0]))
-        tok, logprob = run_forced_rows(eng, table, slot, tokens, storage, forced, req)
+        tok, logprob, top = run_forced_rows(eng, table, slot, tokens, storage, forced, req)
         st = forced_row_stats(forced, L, H)
-        return self._finish(req, pol, lay, table, slot, tok, logprob, None, st, t0, None, programs=1)
+        return self._finish(req, pol, lay, table, slot, tok, logprob, None if top is None else [top], st, t0,
+                            None, programs=1)
 
     def _finish(self, req, pol: ReusePolicy, lay: Layout, table, slot: int, tok: int, logprob: float, top,
                 st: dict, t0: float, logits, programs: int):

@@ -25,6 +25,7 @@ from jaxkv.engine.runner import StepBatch
 from jaxkv.models import rope
 from jaxkv.policies.reuse.apply import copy_pages
 from jaxkv.policies.reuse.base import PlainPass, ReusePolicy
+from jaxkv.sampling import MAX_LOGPROBS
 
 
 def runs_as_steps(engine, policy: ReusePolicy) -> bool:
@@ -66,11 +67,12 @@ def prepare_call(reuser, P: int, b: dict | None = None):
 
 
 def run_forced_rows(engine, table: np.ndarray, slots_used: int, tokens: np.ndarray, storage: np.ndarray,
-                    forced: np.ndarray, req) -> tuple[int, float]:
+                    forced: np.ndarray, req) -> tuple[int, float, list | None]:
     """The forced tokens of a laid-out prompt (tokens, storage slot per token, forced [n]; token i sits at
     position i) as ragged steps of one row over the request's page table `table` [L, H, npg] (`slots_used`
-    slots laid out); returns the first generated token and its logprob (sampled at the last token, which
-    is always forced)."""
+    slots laid out); returns the first generated token, its logprob (sampled at the last token, which is
+    always forced) and, when the request asks for them, its top alternatives [(id, logprob)] (the last
+    step is then the logprob variant of its shape, as the scheduler's steps of such requests are)."""
     L, H, npg = table.shape
     ps = engine.page_size
     P = page_width(engine, npg)
@@ -99,8 +101,14 @@ def run_forced_rows(engine, table: np.ndarray, slots_used: int, tokens: np.ndarr
         b.slots[:m] = table[:, :, st // ps].transpose(2, 0, 1) * ps + (st % ps)[:, None, None]
         b.logits_index[0] = m - 1
         b.temperature[0], b.top_k[0], b.top_p[0], b.seeds[0] = sp.temperature, sp.top_k, sp.top_p, req.seed
-        out, logprobs = engine.runner.run(b)
-    return int(out[0]), float(logprobs[0])
+        if sp.logprobs and s + step >= idx.size:
+            b.top_width = MAX_LOGPROBS
+        out, logprobs, extras = engine.runner.run_extras(b)
+    top = None
+    if sp.logprobs:
+        ids, lps = extras["top"][0][0], extras["top"][1][0]
+        top = [(int(i), float(x)) for i, x in zip(ids[:sp.logprobs], lps[:sp.logprobs])]
+    return int(out[0]), float(logprobs[0]), top
 
 
 def forced_row_stats(forced: np.ndarray, L: int, H: int) -> dict:
