@@ -11,7 +11,7 @@ import pytest
 import jaxkv
 from jaxkv.engine import compilations
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.warmup import _after, _leaders_first, gemm_group, variants
+from jaxkv.engine.warmup import _after, _leaders_first, _reuse_jobs, gemm_group, variants
 from tests.hf_tiny import make_tiny_checkpoint
 
 
@@ -78,3 +78,19 @@ def test_precompile_installs_every_variant_either_way(tmp_path, monkeypatch, lea
     while engine.has_unfinished():
         engine.step()
     assert compilations.step_programs() == before
+
+
+def test_reuse_passes_are_lowered_largest_first(tmp_path):
+    """The passes come last in a pool run: largest first, so the quickest compiles close it."""
+    from jaxkv.cache.head_classes import all_global
+    from jaxkv.policies.reuse import resolve_reuse
+
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path))
+    cfg = model.config
+    engine = Engine(model, page_size=8, max_model_len=192, max_num_seqs=2, max_step_tokens=16,
+                    enable_prefix_caching=False, head_classes=all_global(cfg.num_layers, cfg.num_kv_heads))
+    jobs = _reuse_jobs(engine, [resolve_reuse("redknot"), resolve_reuse("sparsex")])
+    shapes = [(v[2], v[1]) for v, _, _ in jobs]
+    assert len(shapes) == len(engine.reuser.calls(resolve_reuse("redknot"))) + len(
+        engine.reuser.calls(resolve_reuse("sparsex")))
+    assert shapes == sorted(shapes, reverse=True) and shapes[0] > shapes[-1]

@@ -142,8 +142,13 @@ def precompile_reuse(engine, reuse, progress: bool = True, workers: int | None =
 
 
 def _reuse_jobs(engine, reuse) -> list[tuple]:
+    """Every program of the `reuse` methods, the largest first (tokens, then rows). A pool run lowers the
+    passes last, so the last ones lowered are the quickest to compile: on an H100 the RedKnot passes went
+    smallest first, and the compiles of the largest, lowered last, took the start 69 s past the end of
+    lowering (30-45 s each beside the others)."""
     reuser = engine.reuser
-    return [(v, call, reuser.compiled) for pol in reuse for v, call in reuser.calls(pol)]
+    jobs = [(v, call, reuser.compiled) for pol in reuse for v, call in reuser.calls(pol)]
+    return sorted(jobs, key=lambda job: (-int(job[0][2]), -int(job[0][1])))
 
 
 def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: int | None = None,
