@@ -30,12 +30,12 @@ from jaxkv.engine.programs import Programs
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.reuse_steps import (
     forced_row_stats,
+    one_row_step,
     page_width,
     prepare_call,
     run_forced_rows,
     runs_as_steps,
 )
-from jaxkv.engine.runner import StepBatch
 from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
 from jaxkv.models import llama
 from jaxkv.policies.reuse import Layout, ReusePolicy, resolve_reuse
@@ -279,26 +279,10 @@ class Reuser:
         if sp and a % ps:  # the anchor's page past the anchor: position -1 before anything attends
             eng.runner.pool = _blank(eng.runner.pool, np.asarray(scratch[:, :, -1].ravel(), np.int32), a % ps)
         for s in range(0, a + n, step):
-            m = min(step, a + n - s)
-            T = bucket_for(m, eng._token_buckets)
-            idx = store_at[s:s + m]
+            idx = store_at[s:s + step]
             slots = allp[:, :, idx // ps].transpose(2, 0, 1) * ps + (idx % ps)[:, None, None]
-            # the rows of a ragged step of T tokens (row 0 is the segment's), as the scheduler's steps have:
-            # one precompiled program serves both
-            S = eng.step_rows(T)
-            table = np.full((S, L, H, P), -1, np.int32)
-            table[0] = row
-            lengths = np.zeros((S, L, H), np.int32)
-            lengths[0] = int(idx[-1]) + 1
-            b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-                          q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
-                          page_table=table, lengths=lengths, logits_index=np.zeros(S, np.int32),
-                          temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32),
-                          top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
-                          counters=np.zeros(S, np.int32))
-            b.tokens[:m], b.positions[:m] = seq[s:s + m], positions[s:s + m]
-            b.q_seq[:m], b.slots[:m], b.logits_index[0] = 0, slots, m - 1
-            eng.runner.run(b)
+            eng.runner.run(one_row_step(eng, row, int(idx[-1]) + 1, seq[s:s + step], positions[s:s + step],
+                                        slots))
         if n % ps:  # blank the stale positions past the segment's end in its last page
             last = pages[:, :, -1].ravel()
             eng.runner.pool = _blank(eng.runner.pool, np.asarray(last, np.int32), n % ps)
@@ -696,7 +680,7 @@ class Reuser:
         wide = np.full((L, H, P), -1, np.int32)
         wide[:, :, :npg] = table
         eng.runner.pool = self.compiled.call(*prepare_call(self, P, _group_copies(copies, wide, [(0, L)])[0]))
-        tok, logprob, top = run_forced_rows(eng, table, slot, tokens, storage, forced, req)
+        tok, logprob, top = run_forced_rows(eng, wide, slot, tokens, storage, forced, req)
         st = forced_row_stats(forced, L, H)
         return self._finish(req, pol, lay, table, slot, tok, logprob, None if top is None else [top], st, t0,
                             None, programs=1)

@@ -66,40 +66,23 @@ def prepare_call(reuser, P: int, b: dict | None = None):
     return prepare_pages, (eng.runner.params, eng.runner.pool, b), dict(cfg=cfg, impl=reuser.impl)
 
 
-def run_forced_rows(engine, table: np.ndarray, slots_used: int, tokens: np.ndarray, storage: np.ndarray,
+def run_forced_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, storage: np.ndarray,
                     forced: np.ndarray, req) -> tuple[int, float, list | None]:
     """The forced tokens of a laid-out prompt (tokens, storage slot per token, forced [n]; token i sits at
-    position i) as ragged steps of one row over the request's page table `table` [L, H, npg] (`slots_used`
-    slots laid out); returns the first generated token, its logprob (sampled at the last token, which is
-    always forced) and, when the request asks for them, its top alternatives [(id, logprob)] (the last
-    step is then the logprob variant of its shape, as the scheduler's steps of such requests are)."""
-    L, H, npg = table.shape
+    position i) as ragged steps of one row over the request's page table `row` [L, H, P] (a width class,
+    `page_width`; `slots_used` slots laid out); returns the first generated token, its logprob (sampled at
+    the last token, which is always forced) and, when the request asks for them, its top alternatives
+    [(id, logprob)] (the last step is then the logprob variant of its shape, as the scheduler's steps of
+    such requests are)."""
     ps = engine.page_size
-    P = page_width(engine, npg)
-    row = np.full((L, H, P), -1, np.int32)
-    row[:, :, :npg] = table
     idx = np.nonzero(forced)[0]
     step = engine.scheduler.max_step_tokens
     sp = req.sampling
     for s in range(0, idx.size, step):
         pick = idx[s:s + step]
-        m = pick.size
-        T = bucket_for(m, engine._token_buckets)
-        S = engine.step_rows(T)
-        page_table = np.full((S, L, H, P), -1, np.int32)
-        page_table[0] = row
-        lengths = np.zeros((S, L, H), np.int32)
-        lengths[0] = slots_used
-        b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-                      q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
-                      page_table=page_table, lengths=lengths, logits_index=np.zeros(S, np.int32),
-                      temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32),
-                      top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
-                      counters=np.zeros(S, np.int32))
         st = storage[pick]
-        b.tokens[:m], b.positions[:m], b.q_seq[:m] = tokens[pick], pick, 0
-        b.slots[:m] = table[:, :, st // ps].transpose(2, 0, 1) * ps + (st % ps)[:, None, None]
-        b.logits_index[0] = m - 1
+        slots = row[:, :, st // ps].transpose(2, 0, 1) * ps + (st % ps)[:, None, None]
+        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots)
         b.temperature[0], b.top_k[0], b.top_p[0], b.seeds[0] = sp.temperature, sp.top_k, sp.top_p, req.seed
         if sp.logprobs and s + step >= idx.size:
             b.top_width = MAX_LOGPROBS
@@ -109,6 +92,30 @@ def run_forced_rows(engine, table: np.ndarray, slots_used: int, tokens: np.ndarr
         ids, lps = extras["top"][0][0], extras["top"][1][0]
         top = [(int(i), float(x)) for i, x in zip(ids[:sp.logprobs], lps[:sp.logprobs])]
     return int(out[0]), float(logprobs[0]), top
+
+
+def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots) -> StepBatch:
+    """A ragged step of one sequence (row 0: page table `row` [L, H, P], `length` slots stored after it) of
+    m tokens at `positions` writing `slots` [m, L, H], its logits at the last token, greedy unless the
+    caller sets row 0's sampling. Its other rows are padding, so it has the shape of the scheduler's steps
+    of that token count and runs their precompiled program."""
+    L, H, P = row.shape
+    m = len(tokens)
+    T = bucket_for(m, engine._token_buckets)
+    S = engine.step_rows(T)
+    page_table = np.full((S, L, H, P), -1, np.int32)
+    page_table[0] = row
+    lengths = np.zeros((S, L, H), np.int32)
+    lengths[0] = length
+    b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+                  q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
+                  page_table=page_table, lengths=lengths,
+                  logits_index=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
+                  top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
+                  counters=np.zeros(S, np.int32))
+    b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = tokens, positions, 0, slots
+    b.logits_index[0] = m - 1
+    return b
 
 
 def forced_row_stats(forced: np.ndarray, L: int, H: int) -> dict:
