@@ -139,7 +139,7 @@ def model_dir(shape: str, args, log) -> Path:
 # ------------------------------------------------------------------------------------------------ engine
 
 def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None = None,
-                as_steps: bool = False):
+                as_steps: bool = True):
     """All heads global (segment reuse needs full history), one sequence, pool sized from the workload;
     host memory for every segment, and the segment store `store` when given. `as_steps`: naive, EPIC and
     full run as the engine's ragged steps (`SegmentConfig.as_steps`)."""
@@ -597,8 +597,9 @@ def parse_args(argv):
     ap.add_argument("--drop-page-cache", action="store_true",
                     help="before every timed run with segments in the store tier, drop the store's files "
                          "from the page cache (posix_fadvise DONTNEED), so they are read from the disk")
-    ap.add_argument("--as-steps", action="store_true",
-                    help="naive, EPIC and full run as the engine's ragged step programs, not a reuse pass")
+    ap.add_argument("--as-steps", action=argparse.BooleanOptionalAction, default=True,
+                    help="naive, EPIC and full run as the engine's ragged step programs (the engine's "
+                         "default); --no-as-steps: their reuse pass")
     ap.add_argument("--layer-groups", type=int, default=None,
                     help="programs a reuse pass runs in when its segments come up from host memory or the "
                          "store (default: the engine's, jaxkv.engine.reuse.LAYER_GROUPS; 1 = one program)")

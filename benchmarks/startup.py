@@ -239,9 +239,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rolled-from-tokens", type=int, default=0, metavar="N",
                     help="ragged steps of at least N tokens roll their layers "
                          "(EngineConfig.rolled_from_tokens)")
-    ap.add_argument("--segment-as-steps", action="store_true",
+    ap.add_argument("--segment-as-steps", action=argparse.BooleanOptionalAction, default=True,
                     help="naive, EPIC and full reuse requests run as the engine's ragged steps (their "
-                         "precompile is one page-copy program per page-table width class)")
+                         "precompile is one page-copy program per page-table width class); "
+                         "--no-segment-as-steps: their passes")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -275,7 +276,7 @@ def main(argv=None) -> None:
                       enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows,
                       **({"page_classes": args.page_classes} if args.page_classes else {}),
                       **({"rolled_from_tokens": args.rolled_from_tokens} if args.rolled_from_tokens else {}),
-                      **({"segment_as_steps": True} if args.segment_as_steps else {}))
+                      segment_as_steps=args.segment_as_steps)
 
     if args.first_request:
         from jaxkv.sampling import SamplingParams

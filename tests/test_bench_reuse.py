@@ -48,7 +48,7 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
     argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
             "--methods", "full,naive,redknot", "--tiers", "device,host,store", "--restart",
             "--store", str(tmp_path / "store"), "--out", str(out),
-            "--layer-groups", "4", "--drop-page-cache"]
+            "--layer-groups", "4", "--drop-page-cache", "--no-as-steps"]  # naive's pass, in layer groups
     (result,) = bench.main(argv)
     rows = {(r["method"], r["tier"]): r for r in result["rows"]}
     assert set(rows) == {("full", "device")} | {(m, t) for m in ("naive", "redknot")
@@ -80,10 +80,21 @@ def test_bench_reuse_tiers_move_the_bytes_each_method_reads_and_restart_from_the
 
 def test_bench_reuse_unprefilled_segments_time_the_pinned_host_path(tmp_path):
     argv = ["--small", "--repeats", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--methods", "naive",
-            "--tiers", "host", "--layer-groups", "2", "--pinned-host", "--unprefilled-segments"]
+            "--tiers", "host", "--layer-groups", "2", "--pinned-host", "--unprefilled-segments",
+            "--no-as-steps"]
     (result,) = bench.main(argv)
     (row,) = result["rows"]
     assert row["tier"] == "host" and row["pass_programs"] == 2 and row["promoted_bytes"] > 0
     assert 0 < row["host_before_program_s"] < row["ttft_s"]
     with pytest.raises(SystemExit):
         bench.main(argv + ["--tiers", "store"])
+
+
+def test_bench_reuse_as_steps_times_both_paths_of_each_method(capsys):
+    from benchmarks import reuse_as_steps
+
+    result = reuse_as_steps.main(["--small", "--repeats", "1"])
+    assert set(result["rows"]) == {"naive", "epic"}
+    assert all(r["pass_ms"] > 0 and r["steps_ms"] > 0 for r in result["rows"].values())
+    out = capsys.readouterr().out
+    assert "python -m benchmarks.reuse_as_steps --small --repeats 1" in out and "| epic |" in out

@@ -38,8 +38,10 @@ def docs(model5):
 
 
 def engine(model, **kw):
-    """Head 0 global, the others local (sink 2 + window 4) in the reuse map, so RedKnot promotes them."""
+    """Head 0 global, the others local (sink 2 + window 4) in the reuse map, so RedKnot promotes them; naive
+    keeps its pass (not the ragged steps), whose layer groups these tests read."""
     L, H = model.config.num_layers, model.config.num_kv_heads
+    kw.setdefault("segment_as_steps", False)
     hc = HeadClassMap(L, H, tuple(tuple(HeadClass.global_() if h == 0 else HeadClass.local(2, 4)
                                         for h in range(H)) for _ in range(L)))
     return Engine(model, page_size=4, max_model_len=32, num_pages=600, attn_impl="reference",

@@ -440,7 +440,7 @@ def test_a_pass_in_layer_groups_gives_the_single_programs_tokens_and_pool(model5
     policy = get_reuse_policy(method, **KEEPING[method]) if method != "naive" else method
     got = {}
     for groups in (1, 5):
-        eng = engine(model5, 600, segment_head_classes=hc)
+        eng = engine(model5, 600, segment_head_classes=hc, segment_as_steps=False)  # naive's pass
         eng.reuser.layer_groups = groups
         eng.reuser.tiers.memory_kinds = pinned
         ids = [eng.register_segment(d) for d in docs]
@@ -491,7 +491,7 @@ def test_pinned_blocks_moved_ahead_of_each_group_give_the_single_programs_tokens
     L = model5.config.num_layers
     got = []
     for groups, ahead in ((1, None), (5, 1)):
-        eng = engine(model5, 600)
+        eng = engine(model5, 600, segment_as_steps=False)  # naive's pass, in groups
         eng.reuser.layer_groups, eng.reuser.promote_ahead = groups, ahead
         eng.reuser.tiers.memory_kinds = True
         ids = [eng.register_segment(d) for d in docs]
@@ -545,7 +545,7 @@ def test_the_first_groups_copy_leaves_at_admission_and_one_pageable_transfer_wai
 
     rng = np.random.default_rng(7)
     docs = [rng.integers(3, model5.config.vocab_size, SEG).tolist() for _ in range(2)]
-    eng = engine(model5, 600)
+    eng = engine(model5, 600, segment_as_steps=False)  # naive's pass, in groups
     eng.reuser.layer_groups = 5
     eng.reuser.tiers.memory_kinds = True
     ids = [eng.register_segment(d) for d in docs]

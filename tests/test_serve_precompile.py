@@ -143,10 +143,10 @@ def _reuse_requests_compile_nothing(s, methods, questions):
 
 
 def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
-    """`--precompile-reuse naive,sparsex`: both methods' passes (a 64-token context: one token bucket x the
-    64- and 128-row buckets each; naive's also as its two layer groups, which segments promoted from host
-    memory run in) compile before the ready line; reuse requests of either, with short and
-    long questions, then trace no reuse pass and compile nothing. A name that is no reuse
+    """`--precompile-reuse naive,sparsex --no-segment-as-steps`: both methods' passes (a 64-token context:
+    one token bucket x the 64- and 128-row buckets each; naive's also as its two layer groups, which
+    segments promoted from host memory run in) compile before the ready line; reuse requests of either,
+    with short and long questions, then trace no reuse pass and compile nothing. A name that is no reuse
     method is refused before the model loads."""
     import subprocess
     import sys
@@ -154,7 +154,8 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
     base = ["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16", "--num-pages", "64",
             "--max-num-seqs", "1", "--max-step-tokens", "8", "--head-classes", "global"]
-    s = ServerProcess(base + ["--precompile-reuse", "naive,sparsex"], env={"JAX_LOG_COMPILES": "1"})
+    s = ServerProcess(base + ["--precompile-reuse", "naive,sparsex", "--no-segment-as-steps"],
+                      env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
         assert re.search(r"jaxkv: precompiled 6 naive reuse programs", startup), startup
@@ -173,8 +174,9 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
 
 
 def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
-    """`--precompile --precompile-reuse naive`: the steps and naive's passes compile in one pool run (one
-    ready line counting both apart); /info reports each apart, and a reuse request then compiles nothing."""
+    """`--precompile --precompile-reuse naive`: the steps and naive's page copy (its tokens run as the step
+    programs) compile in one pool run (one ready line counting both apart); /info reports each apart, and a
+    reuse request then compiles nothing."""
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
     s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16",
                        "--num-pages", "64", "--max-num-seqs", "1", "--max-step-tokens", "8",
@@ -182,11 +184,11 @@ def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
                       env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        m = re.search(r"jaxkv: precompiled (\d+) step variants and 6 reuse programs in \d+\.\d+s", startup)
+        m = re.search(r"jaxkv: precompiled (\d+) step variants and 1 reuse programs in \d+\.\d+s", startup)
         assert m, startup
         assert "naive reuse programs" not in startup  # no second, per-method run
         info = httpx.get(s.base + "/info").json()
-        assert info["precompiled_reuse_passes"] == {"naive": 6}  # 2 passes, 2 x 2 layer groups
+        assert info["precompiled_reuse_passes"] == {"naive": 1}  # the page copy of one width class
         assert info["precompiled_variants"] == int(m.group(1))
         _reuse_requests_compile_nothing(s, ("naive",), (PROMPT[16:19],))
     finally:

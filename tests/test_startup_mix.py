@@ -36,11 +36,12 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     n = engine.precompile(progress=False, presses=PRESSES, retrieval=[retrieval])
     counted, jitted = compilations.step_programs(), reuse_prefill._cache_size()
     passes = engine.precompile_reuse(list(REUSE_METHODS), progress=False)
-    # 192-token context: T 256 and rows 64, 128, 256 for each method (RedKnot: 8 .. 256 tokens), naive and
-    # EPIC sharing one device pass, which also runs in two layer groups (segments from host memory; the
-    # other methods' first group holds both layers or they promote nothing); every program compiled on the
-    # warm-up pool and installed (none through jit), counted with the step programs
-    assert passes == len(engine.reuser.compiled) == 3 * (len(REUSE_METHODS) - 2) + 6 + 3 * 2
+    # 192-token context: T 256 and rows 64, 128, 256 for CacheBlend and SparseX (their first layer group
+    # holds both layers), RedKnot's 8 .. 256 tokens, and the page copy naive and EPIC run before their
+    # ragged steps (one page-table width class); every program compiled on the warm-up pool and installed
+    # (none through jit), counted with the step programs
+    assert len(engine._page_buckets) == 1
+    assert passes == len(engine.reuser.compiled) == 3 * 2 + 6 + 1
     assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,
@@ -87,9 +88,9 @@ def test_reuse_passes_load_from_the_step_cache_in_a_second_process(tmp_path):
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     wrote = side("write")
-    # 128-token context: T 128, rows 64 and 128 for naive, each also as two layer groups; 8 .. 128 tokens for
-    # RedKnot
-    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 2 * 3 + 5 and wrote["hits"] == 0
+    # 128-token context: naive's page copy (its tokens run as the step programs; one page-table width
+    # class); 8 .. 128 tokens for RedKnot
+    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 1 + 5 and wrote["hits"] == 0
     assert wrote["compiled_in_precompile"] >= wrote["passes"]
     read = side("read")
     assert read["hits"] == read["installed"] == wrote["passes"] and read["compiled_in_precompile"] == 0

@@ -56,7 +56,8 @@ class SegmentConfig:
     0 (the default): no slack, no cost for engines that never reuse; the holes then take context.
     as_steps: a method whose pass recomputes only its forced rows over every head's whole history (naive,
     EPIC, full) runs them as the engine's precompiled ragged step programs (jaxkv/engine/reuse_steps.py)
-    instead of a reuse pass of its own; off by default until its speed is measured against the pass.
+    instead of a reuse pass of its own (faster on an H100: docs/segments.md, "Reuse as steps"); False keeps
+    the pass.
     """
 
     anchor: Any = "bos"
@@ -67,7 +68,7 @@ class SegmentConfig:
     # the reuse methods' head-class map (HeadClassMap | path); None: the file beside the model
     head_classes: Any = None
     max_segments: int = 0
-    as_steps: bool = False
+    as_steps: bool = True
 
     def __post_init__(self):
         if not isinstance(self.as_steps, bool):

@@ -373,7 +373,7 @@ class Reuser:
             fn, args, static = self._pass_call(policy, T, R, select_cap)
             return self.compiled.signature(fn, args, static), fn, args, static
 
-        if runs_as_steps(self.engine, policy):  # the step programs run it: only its page copies compile
+        if self.as_steps(policy):  # the step programs run it: only its page copies compile
             def pages(P):
                 fn, args, static = prepare_call(self, P)
                 return self.compiled.signature(fn, args, static), fn, args, static
@@ -565,12 +565,17 @@ class Reuser:
         wait for the read) or for a single program (its inputs go first, `_grouped`)."""
         return int(len(groups) > 1 and not promotion.reads_pending())
 
+    def as_steps(self, pol: ReusePolicy) -> bool:
+        """Whether `pol`'s requests run as the engine's ragged steps (`runs_as_steps`); not where the pass's
+        first logits are kept (`keep_logits`), which only the pass has."""
+        return runs_as_steps(self.engine, pol) and not self.keep_logits
+
     def _groups(self, pol: ReusePolicy) -> list[tuple[int, int]]:
         """Layer ranges of the pass's programs when its segments must be promoted: `layer_groups` of them
         on one device; one under tensor parallelism (the sharded pass is one shard_map program)."""
         L = self.cfg.num_layers
         if (self.engine.runner.mesh is not None or self.layer_groups <= 1 or not pol.reuses
-                or runs_as_steps(self.engine, pol)):  # steps: every group's pages come up first
+                or self.as_steps(pol)):  # steps: every group's pages come up first
             return [(0, L)]
         return layer_groups(pol, L, self.layer_groups)
 
@@ -624,7 +629,7 @@ class Reuser:
                                       eng.max_pages_per_head * ps)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
-        if promotion is None and runs_as_steps(eng, pol) and not self.keep_logits:
+        if promotion is None and self.as_steps(pol):
             return self._prefill_steps(req, pol, lay, tokens, storage, forced, table, slot, copies)
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]

@@ -156,9 +156,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reuse prompts of up to N segments fit whenever their tokens fit --max-model-len: "
                         "N + 1 pages per KV head of slack for the empty slots before page-aligned segments "
                         "(docs/segments.md); default 0: the holes take context")
-    p.add_argument("--segment-as-steps", action="store_true",
+    p.add_argument("--segment-as-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="naive, EPIC and full reuse requests run their recomputed tokens as the engine's "
-                        "precompiled step programs instead of a reuse pass of their own (docs/segments.md)")
+                        "precompiled step programs instead of a reuse pass of their own (docs/segments.md); "
+                        "default: on (--no-segment-as-steps keeps the pass)")
     p.add_argument("--precompile-reuse", default="", metavar="METHODS",
                    help="comma-separated segment-reuse methods (any of naive, epic, cacheblend, sparsex, "
                         "redknot, full) whose pass is compiled for every token and row bucket before the "
