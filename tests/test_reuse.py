@@ -13,7 +13,14 @@ from jaxkv.cache.allocator import PageAllocator
 from jaxkv.cache.head_classes import HeadClass, HeadClassMap, all_global
 from jaxkv.cache.segments import SegmentError, SegmentStore
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.reuse import pass_shape, pass_shapes, row_bucket, row_ladder, token_bucket
+from jaxkv.engine.reuse import (
+    pass_shape,
+    pass_shapes,
+    row_bucket,
+    row_ladder,
+    token_bucket,
+    token_rows_bucket,
+)
 from jaxkv.models import llama, rope
 from jaxkv.policies.reuse import REUSE_POLICIES, get_reuse_policy
 from jaxkv.policies.reuse.apply import num_compilations
@@ -37,7 +44,7 @@ def pieces(model):
 
 def make_engine(model, **kw):
     cfg = model.config
-    eng = Engine(model, page_size=4, max_model_len=128,
+    eng = Engine(model, page_size=4, max_model_len=kw.pop("max_model_len", 128),
                  head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), attn_impl="reference", **kw)
     eng.reuser.keep_logits = True
     return eng
@@ -241,21 +248,30 @@ def local_heads_map(cfg, sink=2, window=4):
 
 def test_redknot_sparse_ffn_gathers_up_to_its_capacity(model, pieces):
     pre, s1, s2, suf = pieces
-    kw = dict(edge_thresh=0.0, dense_until=0, recent_n=2, mass_thresh=0.2)
+    kw = dict(edge_thresh=0.0, dense_until=0, recent_n=2, mass_thresh=0.2, ffn_dilate=0)
     redknot = lambda cap: get_reuse_policy("redknot", ffn_capacity=cap, **kw)  # noqa: E731
     _, uncapped = run(make_engine(model), pre, [s1, s2], suf, redknot(1.0))
+    n = uncapped.prompt_tokens  # 44 tokens, in a 128-row bucket
     # A capacity above what the mass selection keeps changes nothing (gather + scatter-add = masked FFN).
-    roomy_policy = redknot(0.7)
-    assert max(uncapped.ffn_rows) <= roomy_policy.ffn_capacity_rows(64) < 64  # 44 tokens -> 64 rows
+    roomy_policy = redknot(0.5)
+    assert max(uncapped.ffn_rows) <= roomy_policy.ffn_capacity_rows(n) < n
     _, roomy = run(make_engine(model), pre, [s1, s2], suf, roomy_policy)
     np.testing.assert_allclose(roomy.first_logits, uncapped.first_logits, atol=1e-4)
     assert roomy.ffn_rows == uncapped.ffn_rows and roomy.ffn_dropped == [0] * model.config.num_layers
-    assert max(uncapped.ffn_rows) < uncapped.prompt_tokens  # the selection really is sparse
-    # A tight capacity runs exactly that many rows and reports the rest as dropped.
+    assert max(uncapped.ffn_rows) < n  # the selection really is sparse
+    # A tight capacity runs exactly its share of the prompt's rows and reports the rest as dropped.
     _, tight = run(make_engine(model), pre, [s1, s2], suf, redknot(0.1))
-    cap = redknot(0.1).ffn_capacity_rows(64)  # the rows bucket of 44 tokens
+    cap = redknot(0.1).ffn_capacity_rows(n)
     assert tight.ffn_rows == [cap] * model.config.num_layers
     assert tight.ffn_rows[0] + tight.ffn_dropped[0] == uncapped.ffn_rows[0]  # same choice, then capped
+    # The share is of the prompt's rows, not of its bucket: in a 512-row bucket the same request runs the
+    # same rows and gives the same logits.
+    wide = make_engine(model, max_model_len=1024)
+    buckets = [token_rows_bucket(n, e.max_pages_per_head * e.page_size) for e in (make_engine(model), wide)]
+    assert buckets == [128, 512]
+    _, wide_tight = run(wide, pre, [s1, s2], suf, redknot(0.1))
+    assert wide_tight.ffn_rows == tight.ffn_rows and wide_tight.ffn_dropped == tight.ffn_dropped
+    np.testing.assert_allclose(wide_tight.first_logits, tight.first_logits, atol=1e-5)
 
 
 def test_redknot_ffn_dilation_adds_the_successors_of_selected_rows():
@@ -356,8 +372,9 @@ def test_row_buckets_follow_the_token_bucket():
     63 rows or 2x, counts between T/16 and T/4 (the default selections) at most 1.5x. At the 8B benchmark
     layout (33,040 slots of a 33,072-slot context) naive and EPIC keep the 512 rows and SparseX / CacheBlend
     get 5,760 for 5,220 / 5,188 (5,632 when the rows were bucketed alone: +2.3 %). Counted for a 32K context
-    (the GPU benchmark's): 76 passes per such method (114 with 8-row and 128-token floors), 37 at 4K (66);
-    RedKnot keeps its 8-token floor (its FFN buffer is a share of the bucket): 41 and 17."""
+    (the GPU benchmark's): 76 passes per such method (114 with 8-row and 128-token floors), 37 at 4K (66).
+    A method whose rows are its tokens (RedKnot, full) gets one bucket of both: powers of two from 512 to 2K,
+    then 4 per doubling (padding at most 25 %), capped at the context's bucket: 19 and 7."""
     limit = 32768
     for n in (1, 100, 129, 300, 2049, 17000, 32768):
         T = token_bucket(n, limit)
@@ -374,12 +391,17 @@ def test_row_buckets_follow_the_token_bucket():
     assert pass_shape(300, 300, selects=False, rows_are_tokens=True, limit=1024) == (512, 512, 0)
     assert pass_shape(300, 12, selects=False, rows_are_tokens=False, limit=1024) == (512, 64, 0)
     assert pass_shape(300, 70, selects=True, rows_are_tokens=False, limit=1024) == (512, 80, 80)
-    assert pass_shape(20, 20, selects=False, rows_are_tokens=True, limit=1024) == (32, 32, 0)
+    assert pass_shape(20, 20, selects=False, rows_are_tokens=True, limit=1024) == (512, 512, 0)
+    assert pass_shape(20, 20, selects=False, rows_are_tokens=True, limit=128) == (128, 128, 0)
+    for n in range(2049, 40000, 97):
+        T = token_rows_bucket(n, 65536)
+        assert n <= T <= 1.25 * n and T % 512 == 0
+    assert token_rows_bucket(33040, 33072) == 36864 and token_rows_bucket(33040, 65536) == 40960
     layout = dict(naive=272, epic=272 + 8 * 16, cacheblend=272 + 4916, sparsex=272 + 32 + 4916)
     got = {m: pass_shape(33040, rows, m in ("cacheblend", "sparsex"), False, 33072)[:2]
            for m, rows in layout.items()}
     assert got == dict(naive=(36864, 512), epic=(36864, 512), cacheblend=(36864, 5760), sparsex=(36864, 5760))
-    for limit, subset, every in ((32768, 76, 41), (4096, 37, 17)):
+    for limit, subset, every in ((32768, 76, 19), (4096, 37, 7)):
         counts = {m: len(pass_shapes(get_reuse_policy(m), limit)) for m in sorted(REUSE_POLICIES)}
         assert counts == {"cacheblend": subset, "epic": subset, "full": every, "naive": subset,
                           "redknot": every, "sparsex": subset}
@@ -491,11 +513,11 @@ def test_every_method_precompiles_and_then_serves_without_a_compile(model, piece
     compiled = num_compilations()
     n = eng.precompile_reuse(pols, progress=False)
     limit = eng.max_pages_per_head * eng.page_size
-    assert sum(len(pass_shapes(p, limit)) for p in pols) == 4 * 2 + 5   # T 128; rows 64, 128; 8 .. 128
+    assert sum(len(pass_shapes(p, limit)) for p in pols) == 4 * 2 + 1   # T 128; rows 64, 128; RedKnot 128
     # naive and EPIC run one device pass (`ReusePolicy.device_form`), compiled once with its two layer groups
     # per shape; SparseX's and CacheBlend's first group holds both layers, RedKnot reads no head of this
     # all-global map (nothing to promote): one program per shape
-    assert n == 3 * 2 + 5 + 2 * 2
+    assert n == 3 * 2 + 1 + 2 * 2
     assert num_compilations() - compiled == n == len(eng.reuser.compiled)  # compiled on the pool, installed
     compiled = num_compilations()
     for before, now in zip(pool0, (eng.runner.pool.k, eng.runner.pool.v, eng.runner.pool.pos)):

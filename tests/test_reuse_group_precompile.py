@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PREFIX, SUFFIX = [5, 6, 7], [9, 10, 11]
 # Methods that keep most reused K/V here, and the programs of one pass shape in five one-layer groups: the
 # first, the middle ones (one shared program: their layer offset is data), the last; RedKnot too (its
-# `dense_until` is data in its one layer body). Its `ffn_dilate` stays below the 8-row bucket.
+# `dense_until` is data in its one layer body).
 METHODS = {"naive": (dict(name="naive"), 3),
            "redknot": (dict(name="redknot", edge_thresh=1.0, ffn_dilate=4), 3)}
 

@@ -80,7 +80,7 @@ def test_server_default_policy_is_visible(server):
     assert info["kv_policy"] is None and info["segment_reuse"] is True
     assert {"snapkv", "hardkv", "specontext", "quest"} <= set(info["kv_policies"])
     assert set(info["reuse_methods"]) == {"naive", "epic", "cacheblend", "sparsex", "redknot", "full"}
-    assert info["precompiled_reuse_passes"] == {"redknot": 6}   # --precompile-reuse: token buckets 8 .. 256
+    assert info["precompiled_reuse_passes"] == {"redknot": 1}   # --precompile-reuse: its one bucket (256)
 
 
 def test_per_request_policy_compresses_and_a_large_budget_equals_full(server):

@@ -37,11 +37,11 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     counted, jitted = compilations.step_programs(), reuse_prefill._cache_size()
     passes = engine.precompile_reuse(list(REUSE_METHODS), progress=False)
     # 192-token context: T 256 and rows 64, 128, 256 for CacheBlend and SparseX (their first layer group
-    # holds both layers), RedKnot's 8 .. 256 tokens, and the page copy naive and EPIC run before their
+    # holds both layers), RedKnot's one bucket (256), and the page copy naive and EPIC run before their
     # ragged steps (one page-table width class); every program compiled on the warm-up pool and installed
     # (none through jit), counted with the step programs
     assert len(engine._page_buckets) == 1
-    assert passes == len(engine.reuser.compiled) == 3 * 2 + 6 + 1
+    assert passes == len(engine.reuser.compiled) == 3 * 2 + 1 + 1
     assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,
@@ -89,8 +89,8 @@ def test_reuse_passes_load_from_the_step_cache_in_a_second_process(tmp_path):
 
     wrote = side("write")
     # 128-token context: naive's page copy (its tokens run as the step programs; one page-table width
-    # class); 8 .. 128 tokens for RedKnot
-    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 1 + 5 and wrote["hits"] == 0
+    # class); RedKnot's one bucket (128)
+    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 1 + 1 and wrote["hits"] == 0
     assert wrote["compiled_in_precompile"] >= wrote["passes"]
     read = side("read")
     assert read["hits"] == read["installed"] == wrote["passes"] and read["compiled_in_precompile"] == 0

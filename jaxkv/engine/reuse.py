@@ -51,10 +51,17 @@ from jaxkv.sampling import top_logprobs_host
 # most 2x), steps of T/32 from T/16 to T/4 (the default 15 % selections of SparseX and CacheBlend with their
 # forced rows, padded at most 1.5x, 1.14x near T/4), then T/2 and T. Up to a 32K context: 7 token buckets,
 # 76 passes per method (114 with 8-row and 128-token floors); 37 at 4K (66). A method whose rows are its
-# tokens (RedKnot) has one bucket of both (`row_bucket`, floor 8): 41 passes at 32K, 17 at 4K. Its floor
-# stays: RedKnot's FFN buffer is a share of the rows' bucket (`ffn_capacity_rows`), so a larger bucket
-# would change which rows get the FFN.
+# tokens (RedKnot) has one bucket of both (`token_rows_bucket`): 19 passes at 32K, 7 at 4K (41 and 17 with
+# an 8-row floor and 8 steps per doubling). The bucket changes no token: RedKnot's FFN runs on the same
+# share of the prompt's rows whatever the bucket (`ffn_capacity_rows` of the valid rows, as data).
 ROW_STEPS = 32    # the ladder's step between T/16 and T/4 is T / ROW_STEPS
+# Buckets of a pass whose rows are its tokens: powers of two from TOKEN_ROWS_FLOOR to 2K, then
+# TOKEN_ROWS_STEPS per doubling (padding at most 25 %, ~12 % on average past 2K). Every row is computed in
+# every layer, so padding costs its share of the pass; each bucket costs a compile of ~10 s on an H100
+# (30-40 s beside 15 others at a cold start), and 8 steps per doubling (41 buckets at 32K) made RedKnot's
+# passes 45 % of a cold start's compile work.
+TOKEN_ROWS_FLOOR = 512
+TOKEN_ROWS_STEPS = 4
 # The fewest sparse-phase rows of a method that recomputes a subset: a pass of fewer rows runs the same
 # program with padding rows (masked), which at a few dozen rows of one prompt costs next to nothing, and the
 # floor takes the 8-, 16- and 32-row buckets out of every ladder.
@@ -823,16 +830,26 @@ def _heads(L: int, H: int, n: int) -> np.ndarray:
     return np.broadcast_to(np.arange(H, dtype=np.int32)[None, :, None], (L, H, n)).ravel()
 
 
-def row_bucket(n: int, floor: int, geometric_from: int = 2048) -> int:
+def row_bucket(n: int, floor: int, geometric_from: int = 2048, steps: int = 8) -> int:
     """Static size for `n` rows (prompt tokens, sparse-phase rows, pages per head): powers of two up to
-    `geometric_from`, then 8 steps per doubling (ratio <= 1.125; for rows multiples of 256 from 2K, 512 from
-    4K, ..., 4096 from 32K). Padding is at most 12.5 % instead of up to 100 % (33,040 tokens -> 36,864, not
-    65,536), and the compiled variants stay bounded: 8 per doubling, 48 from 2K to 128K rows."""
+    `geometric_from`, then `steps` (a power of two) per doubling (8: ratio <= 1.125; for rows multiples of
+    256 from 2K, 512 from 4K, ..., 4096 from 32K). Padding is at most 12.5 % instead of up to 100 % (33,040
+    tokens -> 36,864, not 65,536), and the compiled variants stay bounded: 8 per doubling, 48 from 2K to
+    128K rows."""
     n = max(n, floor)
     if n <= geometric_from:
         return 1 << (n - 1).bit_length()
-    step = 1 << ((n - 1).bit_length() - 4)
+    step = 1 << ((n - 1).bit_length() - steps.bit_length())
     return -(-n // step) * step
+
+
+def token_rows_bucket(n: int, limit: int) -> int:
+    """The one bucket of a pass whose rows are the prompt's `n` slots (RedKnot): `row_bucket` with floor
+    `TOKEN_ROWS_FLOOR` and `TOKEN_ROWS_STEPS` per doubling, capped at the context's own fine bucket (of
+    `limit` slots, as `token_bucket`), so a prompt that nearly fills the context pads no further than it
+    (33,040 slots of a 33,072-slot context: 36,864, not 40,960)."""
+    ladder = row_bucket(n, floor=TOKEN_ROWS_FLOOR, steps=TOKEN_ROWS_STEPS)
+    return min(ladder, row_bucket(limit, floor=8))
 
 
 def token_bucket(n: int, limit: int) -> int:
@@ -866,12 +883,11 @@ def forces_every_token(policy: ReusePolicy) -> bool:
 def pass_shape(n: int, rows: int, selects: bool, rows_are_tokens: bool, limit: int) -> tuple[int, int, int]:
     """(T, R, select_cap) of a reuse pass over `n` prompt slots (tokens and page-alignment holes) of which
     `rows` are recomputed in the sparse phase, on a context of `limit` slots: when the rows are the tokens,
-    one bucket of both (`row_bucket`, floor 8: 8 steps per doubling past 2K, since every row is computed
-    in every layer); else `token_bucket` and the smallest of its row buckets (`row_ladder`) that
-    holds the rows. The top-k cap is R for a method that selects (it picks at most R rows; the exact k is
-    data), so it adds no compile key."""
+    one bucket of both (`token_rows_bucket`); else `token_bucket` and the smallest of its row buckets
+    (`row_ladder`) that holds the rows. The top-k cap is R for a method that selects (it picks at most R
+    rows; the exact k is data), so it adds no compile key."""
     if rows_are_tokens:
-        T = row_bucket(n, floor=8)
+        T = token_rows_bucket(n, limit)
         return T, T, 0
     T = token_bucket(n, limit)
     R = next(r for r in row_ladder(T) if r >= min(rows, T))
@@ -883,8 +899,7 @@ def pass_shapes(policy: ReusePolicy, limit: int) -> list[tuple[int, int, int]]:
     pages per head x page size: max_model_len rounded up to a page, plus the reuse slack): what
     `Reuser.precompile` compiles, and what counts its passes without compiling."""
     if forces_every_token(policy):
-        return [pass_shape(n, n, False, True, limit) for n in sorted({row_bucket(n, floor=8)
-                                                                      for n in range(1, limit + 1)})]
+        return [(T, T, 0) for T in sorted({token_rows_bucket(n, limit) for n in range(1, limit + 1)})]
     buckets = sorted({token_bucket(n, limit) for n in range(1, limit + 1)})
     return [(T, R, R if policy.selects else 0) for T in buckets for R in row_ladder(T)]
 

@@ -70,13 +70,20 @@ def _dense_attend(q, pool: KVPool, page_table, lengths, positions, sink, window,
     return out.reshape(r, hq, d).astype(q.dtype)
 
 
-def _sparse_ffn(p, cfg, x, keep, priority, capacity: int, reduce=lambda a: a):
-    """FFN on at most `capacity` rows of `keep` (highest `priority` first), scatter-added back; the other
-    rows pass through the residual. Gathering first is what makes a sparse FFN cheaper: masking after a
-    dense FFN costs the dense FFN. Returns (x, rows run, kept rows dropped by the cap)."""
+def _top_rows(keep, priority, capacity: int, limit):
+    """(indices, runs) of the `capacity` highest-`priority` rows of `keep`: a row runs when it is kept and
+    among the first `limit` (data)."""
     score = jnp.where(keep, priority.astype(jnp.float32), NEG)
     val, idx = jax.lax.top_k(score, capacity)
-    ran = val > NEG / 2
+    return idx, (val > NEG / 2) & (jnp.arange(capacity) < limit)
+
+
+def _sparse_ffn(p, cfg, x, keep, priority, capacity: int, limit, reduce=lambda a: a):
+    """FFN on at most `limit` (data, <= the static `capacity`) rows of `keep` (highest `priority` first),
+    scatter-added back; the other rows pass through the residual. Gathering first is what makes a sparse
+    FFN cheaper: masking after a dense FFN costs the dense FFN. Returns (x, rows run, kept rows dropped by
+    the cap)."""
+    idx, ran = _top_rows(keep, priority, capacity, limit)
     f = reduce(llama.ffn(p, cfg, x[idx]))
     x = x.at[idx].add(jnp.where(ran[:, None], f, 0).astype(x.dtype))
     n_ran = jnp.sum(ran)
@@ -337,7 +344,8 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
                 mass = view.probe_sum(lambda probs, _: jnp.sum(probs, axis=(1, 2)), kc_after)
                 return mass if tp is None else tp.heads(mass, 0)
             ffn = policy.ffn_rows(view if tp is None else tp.view(view), mass_after_writes)
-        cap = policy.ffn_capacity_rows(x.shape[0])
+        cap = policy.ffn_capacity_rows(x.shape[0])  # the buffer: a share of the bucket's rows
+        limit = policy.ffn_capacity_rows(jnp.sum(valid).astype(jnp.int32))  # the same share of the prompt's
         if ffn is None:
             x = x + jnp.where(valid[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
             ran, dropped = jnp.sum(valid), jnp.int32(0)
@@ -345,18 +353,20 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
             keep = ffn[0] & valid
             every = ffn[2] if len(ffn) > 2 else None  # data: this layer runs the FFN on every valid row
             if cap >= x.shape[0]:
-                fm = keep if every is None else jnp.where(every, valid, keep)
+                idx, runs = _top_rows(keep, ffn[1], x.shape[0], limit)
+                fm = jnp.zeros_like(keep).at[idx].set(runs)
+                fm = fm if every is None else jnp.where(every, valid, fm)
                 x = x + jnp.where(fm[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
-                ran, dropped = jnp.sum(fm), jnp.int32(0)
+                ran, dropped = jnp.sum(fm), jnp.sum(keep & ~fm)
             elif every is None:
-                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, keep, ffn[1], cap, reduce)
+                x, ran, dropped, fm = _sparse_ffn(p, cfg, x, keep, ffn[1], cap, limit, reduce)
             else:
                 def all_rows(x):
                     out = x + jnp.where(valid[:, None], reduce(llama.ffn(p, cfg, x)), 0).astype(x.dtype)
                     return out, jnp.sum(valid), jnp.int32(0), valid
 
                 x, ran, dropped, fm = jax.lax.cond(
-                    every, all_rows, lambda x: _sparse_ffn(p, cfg, x, keep, ffn[1], cap, reduce), x)
+                    every, all_rows, lambda x: _sparse_ffn(p, cfg, x, keep, ffn[1], cap, limit, reduce), x)
             if "ffn_cached" in rows:  # FFN reuse: skipped reused rows add their segment's own FFN output
                 skipped = valid & ~fm & ~rows["is_new"]
                 x = x + jnp.where(skipped[:, None], rows["ffn_cached"][i - ffn_from], 0).astype(x.dtype)

@@ -215,8 +215,10 @@ class ReusePolicy:
         kinds instead of splitting the loop at a `layer_breaks` boundary."""
         return None
 
-    def ffn_capacity_rows(self, num_rows: int) -> int:
-        """Static number of rows a sparse-FFN layer gathers out of `num_rows` (all: no cap)."""
+    def ffn_capacity_rows(self, num_rows):
+        """Number of rows a sparse-FFN layer gathers out of `num_rows` (all: no cap). Given the bucket's
+        rows (an int) it sizes the buffer; given the prompt's valid rows (traced) it is how many of the
+        buffer run, so the FFN a row gets does not depend on the bucket its prompt was padded to."""
         return num_rows
 
     def head_promote(self, view: LayerView) -> jax.Array | None:

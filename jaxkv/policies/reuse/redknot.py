@@ -34,7 +34,7 @@ If the mean mass there exceeds `edge_thresh`, the head is promoted to full recom
 from __future__ import annotations
 
 import dataclasses
-import math
+import fractions
 
 import jax.numpy as jnp
 import numpy as np
@@ -162,9 +162,14 @@ class RedKnot(ReusePolicy):
         top, share = _dilate(top, share, view.positions, self.ffn_dilate)
         return _with_dense(view.valid & (top | must), share + 2.0 * must, dense)
 
-    def ffn_capacity_rows(self, num_rows: int) -> int:
-        """ceil(ffn_capacity x rows) rounded up to a multiple of 8 (a bounded set of buffer shapes)."""
-        return min(num_rows, -(-math.ceil(self.ffn_capacity * num_rows) // 8) * 8)
+    def ffn_capacity_rows(self, num_rows):
+        """ceil(ffn_capacity x rows) rounded up to a multiple of 8 (a bounded set of buffer shapes), in
+        integers (`ffn_capacity` as a fraction of denominator <= 1000), so a traced count of valid rows gets
+        the host's number exactly."""
+        frac = fractions.Fraction(self.ffn_capacity).limit_denominator(1000)
+        need = -(-(frac.numerator * num_rows) // frac.denominator)
+        rounded = -(-need // 8) * 8
+        return min(num_rows, rounded) if isinstance(num_rows, int) else jnp.minimum(num_rows, rounded)
 
 
 def _with_dense(keep, priority, dense):
