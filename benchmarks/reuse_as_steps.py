@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
             for on in (False, True):
                 _as_steps(eng, on)
                 times.setdefault((spec, on), []).append(ttft_once(eng, policy, prompt)[0])
-    print(f"\n{command_line('benchmarks.reuse_as_steps', argv)}\n{describe_device()}; "
+    print(f"\n{command_line('benchmarks.reuse_as_steps', argv)}\n{describe_device().rstrip('.')}; "
           f"{w.prompt_tokens:,}-token prompt\n")
     print("| method | reuse pass (ms) | ragged steps (ms) | steps / pass |\n|---|---:|---:|---:|")
     rows = {}
