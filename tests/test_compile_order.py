@@ -94,3 +94,30 @@ def test_reuse_passes_are_lowered_largest_first(tmp_path):
     assert len(shapes) == len(engine.reuser.calls(resolve_reuse("redknot"))) + len(
         engine.reuser.calls(resolve_reuse("sparsex")))
     assert shapes == sorted(shapes, reverse=True) and shapes[0] > shapes[-1]
+
+
+def test_the_slowest_kinds_to_compile_are_lowered_first(tmp_path):
+    """On a GPU precompile lowers the kinds that compile slowest first (retrieval decodes, reuse passes,
+    decodes, taps, steps), the most rows first within a kind, so the programs lowered last compile quickly."""
+    from jaxkv.cache.head_classes import all_global
+    from jaxkv.engine.warmup import lowering_order
+    from jaxkv.policies.reuse import resolve_reuse
+
+    jobs = [(("step", 2, 16, 64, True, False, 0, False),), (("compress", 2, 0, 64, "snapkv"),),
+            (("step", 2, 64, 64, True, False, 0, False),), (("decode", 2, 0, 64, True, False, 0, False),),
+            (("retrieval tap", 2, 16, 64, True, False, None, "specontext"),), (("reuse pages", 0, 0, 8),),
+            (("retrieval decode", 2, 16, 64, True, False, True, "specontext"),), (("future kind", 1),),
+            (("reuse redknot", 128, 128, 32),), (("reuse redknot", 512, 512, 64),)]
+    kinds = [j[0][0] for j in lowering_order(jobs)]
+    assert kinds == ["retrieval decode", "reuse redknot", "reuse redknot", "decode", "retrieval tap", "step",
+                     "step", "compress", "reuse pages", "future kind"]
+    order = lowering_order(jobs)
+    assert [j[0][1] for j in order[1:3]] == [512, 128] and [j[0][2] for j in order[5:7]] == [64, 16]
+    # every job of a real engine's precompile keeps its place in the set
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path))
+    cfg = model.config
+    engine = Engine(model, page_size=8, max_model_len=192, max_num_seqs=2, max_step_tokens=16,
+                    enable_prefix_caching=False, head_classes=all_global(cfg.num_layers, cfg.num_kv_heads))
+    real = [(v, None, None) for v in variants(engine)] + _reuse_jobs(engine, [resolve_reuse("redknot")])
+    assert sorted(map(repr, lowering_order(real))) == sorted(map(repr, real))
+    assert lowering_order(real)[0][0][0] == "reuse redknot"
