@@ -11,9 +11,9 @@ configured as a GPU server would be. A row per engine configuration:
 
 `--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
 cold and the warm startup. `--precompile-reuse` names the segment-reuse methods precompiled (default
-`redknot`: 41 passes at the GPU configuration; `all`: every method of the mix, 269 programs for 345 pass
-shapes, naive and EPIC sharing theirs), compiled in the step variants' pool run, as the server does
-(`--reuse-apart`: in a run of their own after it).
+`redknot,naive,epic`: RedKnot's 19 passes at the GPU configuration and the page copy naive and EPIC run
+before their ragged steps; `all` adds CacheBlend's and SparseX's 76 passes each), compiled in the step
+variants' pool run, as the server does (`--reuse-apart`: in a run of their own after it).
 """
 
 from __future__ import annotations
@@ -214,11 +214,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--first-request", type=int, default=0, metavar="N",
                     help="no precompile: time one request of N prompt tokens + 16 decoded on a fresh engine "
                          "twice (the first compiles what it needs) instead")
-    ap.add_argument("--precompile-reuse", default="redknot", type=reuse_methods, metavar="METHODS",
-                    help="segment-reuse methods whose passes precompile, comma-separated, or 'all' (every "
-                         f"method of the mix: {','.join(REUSE_METHODS)}; at the GPU configuration 41 RedKnot "
-                         "passes and 76 for each of the others, 345 in all, 269 programs); '' = none "
-                         "(default: redknot)")
+    ap.add_argument("--precompile-reuse", default="redknot,naive,epic", type=reuse_methods,
+                    metavar="METHODS",
+                    help="segment-reuse methods whose programs precompile, comma-separated, or 'all' (every "
+                         f"method of the mix: {','.join(REUSE_METHODS)}; at the GPU configuration 19 RedKnot "
+                         "passes, one page copy for naive and EPIC, 76 passes each for CacheBlend and "
+                         "SparseX); '' = none (default: redknot,naive,epic)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
     ap.add_argument("--autotune-max-rows", type=int, default=None, metavar="ROWS",
