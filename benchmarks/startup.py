@@ -312,9 +312,7 @@ def main(argv=None) -> None:
         from jaxkv.policies.reuse import resolve_reuse
 
         limit = engine.max_pages_per_head * engine.page_size
-        from jaxkv.engine.reuse_steps import runs_as_steps
-
-        reuse_passes = {m: len(engine.reuser.calls(pol)) if runs_as_steps(engine, pol)  # page copies
+        reuse_passes = {m: len(engine.reuser.calls(pol)) if engine.reuser.as_steps(pol)  # page copies
                         else len(pass_shapes(pol, limit))
                         for m, pol in ((m, resolve_reuse(m)) for m in args.precompile_reuse)}
         if args.reuse_apart:

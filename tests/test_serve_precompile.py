@@ -174,22 +174,22 @@ def test_precompile_reuse_covers_methods_that_pick_their_rows(tmp_path):
 
 
 def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
-    """`--precompile --precompile-reuse naive`: the steps and naive's page copy (its tokens run as the step
-    programs) compile in one pool run (one ready line counting both apart); /info reports each apart, and a
-    reuse request then compiles nothing."""
+    """`--precompile --precompile-reuse naive,epic`: the steps and the page copy naive and EPIC share (their
+    tokens run as the step programs) compile in one pool run (one ready line counting both apart, the copy
+    once); /info reports each apart, and reuse requests then compile nothing."""
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny-llama")
     s = ServerProcess(["--model", str(ckpt), "--max-model-len", "64", "--page-size", "16",
                        "--num-pages", "64", "--max-num-seqs", "1", "--max-step-tokens", "8",
-                       "--head-classes", "global", "--precompile", "--precompile-reuse", "naive"],
+                       "--head-classes", "global", "--precompile", "--precompile-reuse", "naive,epic"],
                       env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        m = re.search(r"jaxkv: precompiled (\d+) step variants and 1 reuse programs in \d+\.\d+s", startup)
+        m = re.search(r"jaxkv: precompiled 4 step variants and 1 reuse programs in \d+\.\d+s", startup)
         assert m, startup
         assert "naive reuse programs" not in startup  # no second, per-method run
         info = httpx.get(s.base + "/info").json()
-        assert info["precompiled_reuse_passes"] == {"naive": 1}  # the page copy of one width class
-        assert info["precompiled_variants"] == int(m.group(1))
-        _reuse_requests_compile_nothing(s, ("naive",), (PROMPT[16:19],))
+        assert info["precompiled_reuse_passes"] == {"naive": 1, "epic": 1}  # the page copy of one width class
+        assert info["precompiled_variants"] == 4  # as without reuse methods (test above, less its press)
+        _reuse_requests_compile_nothing(s, ("naive", "epic"), (PROMPT[16:19],))
     finally:
         s.stop()

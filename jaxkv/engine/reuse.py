@@ -572,6 +572,11 @@ class Reuser:
         wait for the read) or for a single program (its inputs go first, `_grouped`)."""
         return int(len(groups) > 1 and not promotion.reads_pending())
 
+    def num_programs(self, policies) -> int:
+        """Distinct programs of `policies` (`calls`): methods of one device program (naive and EPIC) share
+        it, as precompile compiles it once."""
+        return len({call()[0] for pol in policies for _, call in self.calls(pol)})
+
     def as_steps(self, pol: ReusePolicy) -> bool:
         """Whether `pol`'s requests run as the engine's ragged steps (`runs_as_steps`); not where the pass's
         first logits are kept (`keep_logits`), which only the pass has."""

@@ -360,11 +360,12 @@ def main(argv=None) -> int:
             return 2
         # the reuse passes compiled in the same pool run: counted per method, apart from the step variants
         reuse_passes = {name: len(engine.reuser.calls(resolve_reuse(name))) for name in reuse_names}
-        n -= sum(reuse_passes.values())
+        n_reuse = engine.reuser.num_programs([resolve_reuse(name) for name in reuse_names])
+        n -= n_reuse
         state.info["precompiled_variants"] = n
         phases["precompile"] = took
         # reuse programs: the passes and, where segments can come from a lower tier, their layer groups
-        passes = f" and {sum(reuse_passes.values())} reuse programs" if reuse_passes else ""
+        passes = f" and {n_reuse} reuse programs" if reuse_passes else ""
         print(f"jaxkv: precompiled {n} step variants{passes} in {took:.1f}s", flush=True)
         reuse_names = []
     else:
