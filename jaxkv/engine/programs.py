@@ -221,8 +221,26 @@ def _differences(a, b) -> list[str]:
     ta, tb = _types(a), _types(b)
     if len(ta) != len(tb) or (len(a) > 3) != (len(b) > 3) or (len(a) > 3 and a[3] != b[3]):
         out.append(f"argument structure ({len(ta)} vs {len(tb)} arrays)")
-    out += [f"{x!r} vs {y!r}" for x, y in zip(ta, tb) if x != y]
+    out += [_entry_difference(x, y) for x, y in zip(ta, tb) if x != y]
     return out
+
+
+# What besides shape and dtype tells two abstract values apart (their reprs may read the same)
+_AVAL_ATTRS = ("weak_type", "sharding", "memory_space", "vma")
+
+
+def _entry_difference(x, y) -> str:
+    """One argument's difference, naming the attributes beyond shape and dtype where those are equal (two
+    avals of one shape and dtype print alike: `int32[8]` vs `int32[8]`)."""
+    if _shape_of(x) == _shape_of(y):
+        ax, ay = (e[-1] if isinstance(e, tuple) else e for e in (x, y))
+        attrs = [f"{a} {getattr(ax, a, None)!r} vs {getattr(ay, a, None)!r}" for a in _AVAL_ATTRS
+                 if getattr(ax, a, None) != getattr(ay, a, None)]
+        if attrs:
+            name = f"{x[0]}: " if isinstance(x, tuple) else ""
+            shape = ax.str_short() if hasattr(ax, "str_short") else repr(ax)
+            return f"{name}{shape} {', '.join(attrs)}"
+    return f"{x!r} vs {y!r}"
 
 
 def _nearest_difference(signature, others) -> str:
