@@ -56,10 +56,10 @@ from jaxkv.sampling import top_logprobs_host
 # share of the prompt's rows whatever the bucket (`ffn_capacity_rows` of the valid rows, as data).
 ROW_STEPS = 32    # the ladder's step between T/16 and T/4 is T / ROW_STEPS
 # Buckets of a pass whose rows are its tokens: powers of two from TOKEN_ROWS_FLOOR to 2K, then
-# TOKEN_ROWS_STEPS per doubling (padding at most 25 %, ~12 % on average past 2K). Every row is computed in
-# every layer, so padding costs its share of the pass; each bucket costs a compile of ~10 s on an H100
-# (30-40 s beside 15 others at a cold start), and 8 steps per doubling (41 buckets at 32K) made RedKnot's
-# passes 45 % of a cold start's compile work.
+# TOKEN_ROWS_STEPS per doubling (padding at most 25 %; 8.9 % on average over prompts of 2K-32K tokens,
+# 4.4 % with 8 steps). Every row is computed in every layer, so padding costs its share of the pass; each
+# bucket costs a compile of ~10 s on an H100 (30-40 s beside 15 others at a cold start), and 8 steps per
+# doubling (41 buckets at 32K) made RedKnot's passes 45 % of a cold start's compile work.
 TOKEN_ROWS_FLOOR = 512
 TOKEN_ROWS_STEPS = 4
 # The fewest sparse-phase rows of a method that recomputes a subset: a pass of fewer rows runs the same
@@ -571,11 +571,6 @@ class Reuser:
         at most for what is left of it); none when a segment is still read from the store (sending would
         wait for the read) or for a single program (its inputs go first, `_grouped`)."""
         return int(len(groups) > 1 and not promotion.reads_pending())
-
-    def num_programs(self, policies) -> int:
-        """Distinct programs of `policies` (`calls`): methods of one device program (naive and EPIC) share
-        it, as precompile compiles it once."""
-        return len({call()[0] for pol in policies for _, call in self.calls(pol)})
 
     def as_steps(self, pol: ReusePolicy) -> bool:
         """Whether `pol`'s requests run as the engine's ragged steps (`runs_as_steps`); not where the pass's

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -144,10 +145,10 @@ def precompile_reuse(engine, reuse, progress: bool = True, workers: int | None =
 
 
 def _reuse_jobs(engine, reuse) -> list[tuple]:
-    """Every program of the `reuse` methods, the largest first (tokens, then rows). A pool run lowers the
-    passes last, so the last ones lowered are the quickest to compile: on an H100 the RedKnot passes went
-    smallest first, and the compiles of the largest, lowered last, took the start 69 s past the end of
-    lowering (30-45 s each beside the others)."""
+    """Every program of the `reuse` methods, the largest first (tokens, then rows), so the last ones lowered
+    are the quickest to compile: on an H100 the RedKnot passes went smallest first, and the compiles of the
+    largest, lowered last, took the start 69 s past the end of lowering (30-45 s each beside the others).
+    On a GPU `lowering_order` then places them among the other kinds."""
     reuser = engine.reuser
     jobs = [(v, call, reuser.compiled) for pol in reuse for v, call in reuser.calls(pol)]
     return sorted(jobs, key=lambda job: (-int(job[0][2]), -int(job[0][1])))
@@ -184,6 +185,8 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
             key = cache.key(fn, args, static, compile_options(engine, variant)) if cache is not None else None
             calls.append((variant, programs, signature, fn, args, static, key))
         done = len(calls)
+        # distinct programs per owner kind ("runner", "reuser", ...): a program two methods share counts once
+        engine.precompiled_by_kind = dict(Counter(c[1].kind for c in calls))
         # programs kept by an earlier start load here (or later, `background`), one at a time
         # (`programs._LOAD_LOCK`); nothing traced
         if cache is not None and background:

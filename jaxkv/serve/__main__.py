@@ -360,7 +360,7 @@ def main(argv=None) -> int:
             return 2
         # the reuse passes compiled in the same pool run: counted per method, apart from the step variants
         reuse_passes = {name: len(engine.reuser.calls(resolve_reuse(name))) for name in reuse_names}
-        n_reuse = engine.reuser.num_programs([resolve_reuse(name) for name in reuse_names])
+        n_reuse = engine.precompiled_by_kind.get("reuser", 0)  # one shared by two methods counts once
         n -= n_reuse
         state.info["precompiled_variants"] = n
         phases["precompile"] = took
