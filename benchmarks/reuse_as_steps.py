@@ -1,11 +1,12 @@
-"""naive / EPIC reuse TTFT: the method's own reuse pass against the engine's ragged steps, on one engine.
+"""Reuse TTFT: a method's own reuse pass against the engine's ragged steps (naive, EPIC; CacheBlend and
+SparseX after their selection program), on one engine.
 
 The two paths alternate request by request on the same engine and the same segments (frozen on the device),
 so the host, the pool and the segments' pages are the same for both; each path runs once untimed first (its
 compiles). The 1B shape with 8 x 4K segments is the serving case the engine's default was chosen on
 (docs/segments.md, "Reuse as steps").
 
-    python -m benchmarks.reuse_as_steps --shape 1b --repeats 4
+    python -m benchmarks.reuse_as_steps --shape 1b --repeats 4 --methods naive,epic,cacheblend,sparsex
     python -m benchmarks.reuse_as_steps --small --repeats 1        # CPU smoke run
 """
 
@@ -34,7 +35,7 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1b", help="random-weight model shape (benchmarks.harness)")
     ap.add_argument("--small", action="store_true", help="tiny float32 model, 2 x 64-token segments (CPU)")
-    ap.add_argument("--methods", default="naive,epic")
+    ap.add_argument("--methods", default="naive,epic,cacheblend,sparsex")
     ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args(argv)
     w = (Workload(segments=2, segment_len=64, prefix_len=8, suffix_len=32, page_size=16) if args.small else

@@ -94,7 +94,7 @@ def test_bench_reuse_as_steps_times_both_paths_of_each_method(capsys):
     from benchmarks import reuse_as_steps
 
     result = reuse_as_steps.main(["--small", "--repeats", "1"])
-    assert set(result["rows"]) == {"naive", "epic"}
+    assert set(result["rows"]) == {"naive", "epic", "cacheblend", "sparsex"}
     assert all(r["pass_ms"] > 0 and r["steps_ms"] > 0 for r in result["rows"].values())
     out = capsys.readouterr().out
-    assert "python -m benchmarks.reuse_as_steps --small --repeats 1" in out and "| epic |" in out
+    assert "python -m benchmarks.reuse_as_steps --small --repeats 1" in out and "| sparsex |" in out

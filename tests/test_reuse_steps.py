@@ -1,6 +1,6 @@
 """Segment reuse through the engine's step program (`SegmentConfig.as_steps`, jaxkv/engine/reuse_steps.py):
-naive, EPIC and full give the reuse pass's tokens and statistics, in chunks of the step size, and a request
-after precompile compiles nothing."""
+naive, EPIC and full, and CacheBlend and SparseX after their selection, give the reuse pass's tokens and
+statistics, in chunks of the step size, and a request after precompile compiles nothing."""
 
 import numpy as np
 import pytest
@@ -9,6 +9,7 @@ import jaxkv
 from jaxkv.cache.head_classes import all_global
 from jaxkv.engine import compilations
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.reuse import pass_shapes
 from jaxkv.engine.reuse_steps import prepare_pages, runs_as_steps
 from jaxkv.policies.reuse import get_reuse_policy
 from jaxkv.policies.reuse.apply import reuse_prefill
@@ -45,12 +46,17 @@ def _pieces(model, sizes, seed):
     return [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in sizes]
 
 
-@pytest.mark.parametrize("method,sampling", [("naive", GREEDY), ("epic", SAMPLED), ("full", GREEDY)])
-def test_steps_give_the_reuse_passs_tokens_and_statistics(model, method, sampling):
+@pytest.mark.parametrize("method,fields,sampling", [
+    ("naive", {}, GREEDY), ("epic", {}, SAMPLED), ("full", {}, GREEDY),
+    ("cacheblend", {"ratio": 0.4}, GREEDY), ("sparsex", {}, SAMPLED),
+    ("sparsex", {"per_head": True, "ratio": 0.3}, GREEDY)])
+def test_steps_give_the_reuse_passs_tokens_and_statistics(model, method, fields, sampling):
     """Prefix 5 tokens, segments of 19 and 13 (page-aligned: holes between them), suffix 23: the suffix alone
-    is two steps of at most 16 tokens, full recomputes 60 tokens in four."""
+    is two steps of at most 16 tokens, full recomputes 60 tokens in four. CacheBlend and SparseX select at
+    layer 1 (of 2); the statistics count the rows and (row, head) writes each picked, so equal statistics
+    mean an equal selection."""
     prefix, s1, s2, suffix = _pieces(model, (5, 19, 13, 23), seed=1)
-    policy = get_reuse_policy(method)
+    policy = get_reuse_policy(method, **fields)
     got = {}
     for as_steps in (False, True):
         eng = _engine(model, as_steps)
@@ -64,10 +70,16 @@ def test_steps_give_the_reuse_passs_tokens_and_statistics(model, method, samplin
         assert st_s.recompute_fraction == 0.0  # the segments' K/V were reused, not recomputed
 
 
-def test_only_plain_passes_without_dense_layers_run_as_steps(model):
+def test_which_methods_run_as_steps(model):
+    """Plain passes without dense layers, and selecting methods whose only device hook is `score` and which
+    select before the last layer; RedKnot (windows, per-layer FFN rows, promotion) keeps its pass."""
     eng = _engine(model, True)
-    assert all(runs_as_steps(eng, get_reuse_policy(m)) for m in ("naive", "epic", "full"))
-    assert not any(runs_as_steps(eng, get_reuse_policy(m)) for m in ("cacheblend", "sparsex", "redknot"))
+    L = model.config.num_layers
+    methods = ("naive", "epic", "full", "cacheblend", "sparsex")
+    assert all(runs_as_steps(eng, get_reuse_policy(m)) for m in methods)
+    assert not runs_as_steps(eng, get_reuse_policy("redknot"))
+    assert not runs_as_steps(eng, get_reuse_policy("cacheblend", full_layers=L))  # nothing left after it
+    assert not runs_as_steps(eng, get_reuse_policy("epic", full_layers=1))  # a dense pass of its own
 
 
 def test_a_request_after_precompile_compiles_nothing(model):
@@ -83,6 +95,28 @@ def test_a_request_after_precompile_compiles_nothing(model):
         tokens, _ = _ask(eng, prefix, [s1, s2], suffix, method, GREEDY)
         assert len(tokens) == GREEDY.max_tokens
     assert (compilations.step_programs(), reuse_prefill._cache_size(), prepare_pages._cache_size()) == before
+
+
+def test_a_selecting_request_after_precompile_compiles_nothing(model):
+    """CacheBlend and SparseX precompile one selection program per token bucket each and the steps from
+    layer 1 once for both (one per step shape of at least 256 tokens, or the largest); their requests,
+    greedy and sampled, then run on those."""
+    from jaxkv.engine.warmup import sampler_forms
+
+    eng = _engine(model, True)
+    eng.precompile(progress=False, step_cache=False)
+    n = eng.precompile_reuse(["cacheblend", "sparsex"], progress=False)
+    limit = eng.max_pages_per_head * eng.page_size
+    buckets = {T for T, _, _ in pass_shapes(get_reuse_policy("sparsex"), limit)}
+    # steps hold at least SELECT_STEP_TOKENS (256), here the largest step bucket (16) only
+    steps = len(eng._page_buckets) * len(sampler_forms(eng))
+    assert n == 2 * len(buckets) + steps
+    before = (compilations.step_programs(), reuse_prefill._cache_size())
+    prefix, s1, s2, suffix = _pieces(model, (3, 30, 9, 11), seed=2)
+    for method, sampling in (("cacheblend", GREEDY), ("sparsex", SAMPLED)):
+        tokens, _ = _ask(eng, prefix, [s1, s2], suffix, method, sampling)
+        assert len(tokens) == sampling.max_tokens
+    assert (compilations.step_programs(), reuse_prefill._cache_size()) == before
 
 
 def test_as_steps_must_be_a_bool():
@@ -102,7 +136,7 @@ def test_steps_give_the_first_tokens_alternatives(model):
         eng = _engine(model, as_steps)
         ids = [eng.register_segment(d) for d in (s1, s2)]
         widths, run = [], eng.runner.run_extras
-        eng.runner.run_extras = lambda b, run=run, widths=widths: widths.append(b.top_width) or run(b)
+        eng.runner.run_extras = lambda b, run=run, w=widths, **kw: w.append(b.top_width) or run(b, **kw)
         rid = eng.add_reuse_request(prefix, ids, suffix, reuse="naive", sampling=sp)
         outs = []
         while eng.has_unfinished():

@@ -9,6 +9,7 @@ import jaxkv
 from benchmarks.startup import REUSE_METHODS, parse_args, random_retrieval_head, request_mix
 from jaxkv.engine import code_maps, compilations
 from jaxkv.engine.engine import Engine
+from jaxkv.engine.warmup import sampler_forms
 from jaxkv.policies.reuse.apply import reuse_prefill
 from tests.hf_tiny import make_tiny_checkpoint
 
@@ -36,12 +37,14 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     n = engine.precompile(progress=False, presses=PRESSES, retrieval=[retrieval])
     counted, jitted = compilations.step_programs(), reuse_prefill._cache_size()
     passes = engine.precompile_reuse(list(REUSE_METHODS), progress=False)
-    # 192-token context: T 256 and rows 64, 128, 256 for CacheBlend and SparseX (their first layer group
-    # holds both layers), RedKnot's one bucket (256), and the page copy naive and EPIC run before their
-    # ragged steps (one page-table width class); every program compiled on the warm-up pool and installed
-    # (none through jit), counted with the step programs
+    # 192-token context: the selection of CacheBlend and of SparseX (one token bucket, 256) and the steps
+    # from their selection layer they share (the largest step bucket, 16 < 256 tokens: greedy and sampled),
+    # RedKnot's one bucket (256), and the page copy naive and EPIC run before their ragged steps (one
+    # page-table width class); every program compiled on the warm-up pool and installed (none through jit),
+    # counted with the step programs
     assert len(engine._page_buckets) == 1
-    assert passes == len(engine.reuser.compiled) == 3 * 2 + 1 + 1
+    steps = len(sampler_forms(engine))
+    assert passes == len(engine.reuser.compiled) == 2 + steps + 1 + 1
     assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,

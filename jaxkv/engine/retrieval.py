@@ -51,6 +51,7 @@ import numpy as np
 
 from jaxkv.engine import programs
 from jaxkv.engine.runner import (
+    STEP_OPTIONS,
     DecodeHooks,
     PendingDecode,
     StepHooks,
@@ -620,8 +621,7 @@ class Retriever:
                 rows[row] = self._row(c.request)
         # The logprob extras never reach a retrieval step (requests that ask for them run apart), so the
         # step's inputs are those precompile warmed.
-        skip = ("fresh", "top_width", "prompt_next")
-        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in skip}
+        arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in STEP_OPTIONS}
         greedy = self.engine.runner.greedy_program(b.temperature)
         out = self.compiled.call(*self._tap_call(arrays, rows, policy, page_cls, greedy, b.fresh))
         self._keep_tap(policy, page_cls, out)  # the pool first: the mirror reads the new one

@@ -29,12 +29,14 @@ from jaxkv.engine.buckets import bucket_for
 from jaxkv.engine.programs import Programs
 from jaxkv.engine.request import Request, Status
 from jaxkv.engine.reuse_steps import (
-    forced_row_stats,
     one_row_step,
     page_width,
     prepare_call,
-    run_forced_rows,
+    row_stats,
+    run_rows,
+    run_selected,
     runs_as_steps,
+    selection_calls,
 )
 from jaxkv.engine.segment_tiers import DEFAULT_HOST_BYTES, SegmentTiers
 from jaxkv.models import llama
@@ -380,6 +382,8 @@ class Reuser:
             fn, args, static = self._pass_call(policy, T, R, select_cap)
             return self.compiled.signature(fn, args, static), fn, args, static
 
+        if self.as_steps(policy) and policy.selects:  # its selection, then steps from its selection layer
+            return selection_calls(self, policy)
         if self.as_steps(policy):  # the step programs run it: only its page copies compile
             def pages(P):
                 fn, args, static = prepare_call(self, P)
@@ -636,7 +640,8 @@ class Reuser:
                                       eng.max_pages_per_head * ps)
 
         table = self._allocate(L * H * npg, _heads(L, H, npg)).reshape(L, H, npg)
-        if promotion is None and self.as_steps(pol):
+        steps = promotion is None and self.as_steps(pol)
+        if steps and not pol.selects:
             return self._prefill_steps(req, pol, lay, tokens, storage, forced, table, slot, copies)
         first_reused = bounds[0][0] if bounds else n
         probe = np.nonzero(lay.is_new & (np.arange(n) > first_reused))[0]
@@ -662,6 +667,10 @@ class Reuser:
         static = dict(cfg=cfg, policy=pol.device_form(), num_rows=R, select_cap=select_cap, impl=self.impl,
                       rows_are_tokens=rows_are_tokens, head_windows=self.head_windows, mesh=eng.runner.mesh)
         t0 = self._pass_at = time.perf_counter()  # `_grouped` sets it at its first program
+        if steps:  # the pass up to its selection, then the rows it picked as steps
+            tok, logprob, top, st = run_selected(self, req, pol, b, T, tokens, storage, table, slot)
+            return self._finish(req, pol, lay, table, slot, tok, logprob, None if top is None else [top], st,
+                                t0, None, programs=1)
         if promotion is None:
             pool, tok, logprob, logits, st = self.compiled.call(
                 reuse_prefill, (eng.runner.params, eng.runner.pool, b, self.heads), static)
@@ -692,8 +701,9 @@ class Reuser:
         wide = np.full((L, H, P), -1, np.int32)
         wide[:, :, :npg] = table
         eng.runner.pool = self.compiled.call(*prepare_call(self, P, _group_copies(copies, wide, [(0, L)])[0]))
-        tok, logprob, top = run_forced_rows(eng, wide, slot, tokens, storage, forced, req)
-        st = forced_row_stats(forced, L, H)
+        idx = np.nonzero(forced)[0]
+        tok, logprob, top = run_rows(eng, wide, slot, tokens, storage, idx, req)
+        st = row_stats(len(tokens), idx, idx.size * H, L, H)
         return self._finish(req, pol, lay, table, slot, tok, logprob, None if top is None else [top], st, t0,
                             None, programs=1)
 

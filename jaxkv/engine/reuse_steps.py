@@ -10,6 +10,16 @@ a chunk sees the reused tokens and the forced ones before it, as the pass's one 
 
 Those step programs are the ones precompile compiles for every server, so such a request compiles only
 `prepare_pages` (one program per page-table width class, precompiled with the method's passes).
+
+A method that selects rows (CacheBlend, SparseX: `score` is its only device hook, every head sees the whole
+history) runs its pass up to the selection only (`reuse_prefill(select_only=...)`: page copies, the dense
+layers on every token, `score` at layer `full_layers`), one program per token bucket. That program returns
+the residual stream entering layer `full_layers` of every token, in a buffer of one size per engine
+(`hidden_rows`), and the rows it picked with the heads each writes. Those rows then run as ragged steps
+from layer `full_layers` on (`StepBatch.from_layer`), their streams read from the buffer, a head a row does
+not write given slot -1, so it reads the cached K/V at the row's own position as the pass's sparse phase
+does. Their step programs depend on the token bucket and `full_layers` only, so every such method shares
+them (`step_calls`).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.pool import KVPool
@@ -24,18 +35,48 @@ from jaxkv.engine.buckets import bucket_for
 from jaxkv.engine.runner import StepBatch
 from jaxkv.models import rope
 from jaxkv.policies.reuse.apply import copy_pages
-from jaxkv.policies.reuse.base import PlainPass, ReusePolicy
+from jaxkv.policies.reuse.base import DEVICE_HOOKS, PlainPass, ReusePolicy
 from jaxkv.sampling import MAX_LOGPROBS
+
+# The fewest tokens a step from a selection layer holds (fewer rows are padded to it), so those steps compile
+# in the step token buckets from here up only (6 up to 8K tokens, not 11): a selection of 15 % of a prompt's
+# reused tokens plus its new text has fewer rows only for prompts under ~1.5K tokens, whose steps are cheap.
+SELECT_STEP_TOKENS = 256
+# The device hooks a method that selects as steps may define: the sparse phase of any other is not a plain
+# layer with a per-head write mask.
+SELECT_HOOKS = ("score", "selects_per_head")
 
 
 def runs_as_steps(engine, policy: ReusePolicy) -> bool:
-    """Whether a request of `policy` runs as ragged steps on this engine (`SegmentConfig.as_steps`): its
-    device pass is the plain one without dense layers and with nothing per segment, on one device."""
+    """Whether a request of `policy` runs as ragged steps on this engine (`SegmentConfig.as_steps`), on one
+    device: its device pass is the plain one without dense layers and with nothing per segment, or it
+    selects (`selects_as_steps`)."""
     cfg = getattr(engine, "config", None)
     if cfg is None or not cfg.segments.as_steps or engine.runner.mesh is not None:
         return False
     dev = policy.device_form()
-    return isinstance(dev, PlainPass) and dev.full_layers == 0 and not policy.uses_segment_ffn
+    if isinstance(dev, PlainPass):
+        return dev.full_layers == 0 and not policy.uses_segment_ffn
+    return selects_as_steps(policy, engine.model.config.num_layers)
+
+
+def selects_as_steps(policy: ReusePolicy, num_layers: int) -> bool:
+    """Whether `policy` is a selecting method whose sparse phase is plain layers: it defines no device hook
+    but `score` (and `selects_per_head`), no local windows, no rolled loop, no segment FFN, and selects
+    before the last layer."""
+    cls, base = type(policy), ReusePolicy
+    return (cls.selects and not cls.local_windows and not cls.rolled_layers and not policy.uses_segment_ffn
+            and policy.full_layers < num_layers
+            and all(getattr(cls, h) is getattr(base, h) for h in DEVICE_HOOKS if h not in SELECT_HOOKS))
+
+
+def hidden_rows(engine) -> int:
+    """Rows of the residual-stream buffer a selection returns: the largest token bucket of a reuse pass on
+    this engine's context, so every request's streams come in one shape."""
+    from jaxkv.engine.reuse import token_bucket
+
+    limit = engine.max_pages_per_head * engine.page_size
+    return token_bucket(limit, limit)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
@@ -66,27 +107,38 @@ def prepare_call(reuser, P: int, b: dict | None = None):
     return prepare_pages, (eng.runner.params, eng.runner.pool, b), dict(cfg=cfg, impl=reuser.impl)
 
 
-def run_forced_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, storage: np.ndarray,
-                    forced: np.ndarray, req) -> tuple[int, float, list | None]:
-    """The forced tokens of a laid-out prompt (tokens, storage slot per token, forced [n]; token i sits at
+def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, storage: np.ndarray,
+             idx: np.ndarray, req, heads: np.ndarray | None = None, hidden=None,
+             from_layer: int = 0, programs=None) -> tuple[int, float, list | None]:
+    """Tokens `idx` (ascending) of a laid-out prompt (tokens, storage slot per token; token i sits at
     position i) as ragged steps of one row over the request's page table `row` [L, H, P] (a width class,
     `page_width`; `slots_used` slots laid out); returns the first generated token, its logprob (sampled at
-    the last token, which is always forced) and, when the request asks for them, its top alternatives
+    the last token, which is always run) and, when the request asks for them, its top alternatives
     [(id, logprob)] (the last step is then the logprob variant of its shape, as the scheduler's steps of
-    such requests are)."""
+    such requests are). `heads` [len(idx), H] bool: the KV heads each row writes (default all);
+    `from_layer` > 0: the steps start there, token i's stream being row i of `hidden` (`StepBatch`);
+    `programs`: whose precompiled programs run them (default the runner's)."""
     ps = engine.page_size
-    idx = np.nonzero(forced)[0]
     step = engine.scheduler.max_step_tokens
     sp = req.sampling
     for s in range(0, idx.size, step):
         pick = idx[s:s + step]
         st = storage[pick]
         slots = row[:, :, st // ps].transpose(2, 0, 1) * ps + (st % ps)[:, None, None]
-        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots)
+        if heads is not None:
+            slots = np.where(heads[s:s + step, None, :], slots, -1)
+        if from_layer:
+            slots[:, :from_layer] = -1  # those layers ran in the selection (and the steps skip them)
+        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots,
+                         min_tokens=SELECT_STEP_TOKENS if from_layer else 0)
+        if from_layer:
+            b.hidden, b.from_layer = hidden, from_layer
+            b.hidden_rows = np.full(b.tokens.shape[0], -1, np.int32)
+            b.hidden_rows[:pick.size] = pick
         b.temperature[0], b.top_k[0], b.top_p[0], b.seeds[0] = sp.temperature, sp.top_k, sp.top_p, req.seed
         if sp.logprobs and s + step >= idx.size:
             b.top_width = MAX_LOGPROBS
-        out, logprobs, extras = engine.runner.run_extras(b)
+        out, logprobs, extras = engine.runner.run_extras(b, programs=programs)
     top = None
     if sp.logprobs:
         ids, lps = extras["top"][0][0], extras["top"][1][0]
@@ -94,14 +146,81 @@ def run_forced_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray
     return int(out[0]), float(logprobs[0]), top
 
 
-def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots) -> StepBatch:
+def run_selected(reuser, req, policy: ReusePolicy, b: dict, T: int, tokens, storage, table: np.ndarray,
+                 slot: int):
+    """A selecting method's request (`selects_as_steps`) over its pass batch `b` of token bucket T: the
+    selection program, then the rows it picked as steps from layer `full_layers`. -> (first token, its
+    logprob, its alternatives or None, the pass's statistics)."""
+    eng, cfg = reuser.engine, reuser.cfg
+    L, H, npg = table.shape
+    F = policy.full_layers
+    fn, args, static = select_call(reuser, policy, T, b)
+    eng.runner.pool, hidden, alive, selected = reuser.compiled.call(fn, args, static)
+    alive, selected = jax.device_get((alive, selected))
+    idx = np.nonzero(alive)[0]
+    heads = np.broadcast_to(selected[idx], (idx.size, H))
+    wide = np.full((L, H, page_width(eng, npg)), -1, np.int32)
+    wide[:, :, :npg] = table
+    tok, logprob, top = run_rows(eng, wide, slot, tokens, storage, idx, req, heads, hidden, F,
+                                 programs=reuser.compiled)
+    n = len(tokens)
+    return tok, logprob, top, row_stats(n, idx, int(heads.sum()), cfg.num_layers, H, dense=F)
+
+
+def select_call(reuser, policy: ReusePolicy, T: int, b: dict | None = None):
+    """(function, arguments, static arguments) of the selection program of token bucket T (the pass up to
+    its selection, `reuse_prefill(select_only=...)`) over `b` (default all padding)."""
+    fn, args, static = reuser._pass_call(policy, T, 0, T)
+    if b is not None:
+        args = (*args[:2], b, *args[3:])
+    return fn, args, {**static, "select_only": hidden_rows(reuser.engine)}
+
+
+def selection_calls(reuser, policy: ReusePolicy) -> list[tuple]:
+    """(variant, call) of every program a selecting method's requests run (`selects_as_steps`): the
+    selection of each token bucket, then the steps from layer `full_layers` of each step shape (shared by
+    every method of that layer; their streams one zero buffer of the engine's `hidden_rows`). A call returns
+    (signature, function, arguments, static arguments), nothing traced."""
+    from jaxkv.engine.reuse import pass_shapes
+    from jaxkv.engine.warmup import sampler_forms
+
+    eng, cfg, F = reuser.engine, reuser.cfg, policy.full_layers
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    buckets = sorted({T for T, _, _ in pass_shapes(policy, eng.max_pages_per_head * eng.page_size)})
+    hidden = []
+
+    def select(T):
+        fn, args, static = select_call(reuser, policy, T)
+        return reuser.compiled.signature(fn, args, static), fn, args, static
+
+    def step(T, P, greedy):
+        if not hidden:
+            dtype = eng.runner.params["embed"].dtype
+            hidden.append(jnp.zeros((hidden_rows(eng), cfg.hidden_size), dtype))
+        b = one_row_step(eng, np.full((L, H, P), -1, np.int32), 0, np.zeros(T, np.int32), np.arange(T),
+                         np.full((T, L, H), -1, np.int32))
+        b.q_seq[:] = -1
+        b.hidden, b.hidden_rows, b.from_layer = hidden[0], np.full(T, -1, np.int32), F
+        b.temperature[0] = 0.0 if greedy else 1.0
+        fn, args, static = eng.runner._step_call(b)
+        return reuser.compiled.signature(fn, args, static), fn, args, static
+
+    out = [((f"reuse {policy.name} select", T, T, reuser._table_pages(T, 1)), functools.partial(select, T))
+           for T in buckets]
+    return out + [(("reuse steps", T, T, P, F, greedy), functools.partial(step, T, P, greedy))
+                  for T in eng._token_buckets if T >= step_tokens(eng, SELECT_STEP_TOKENS)
+                  for P in eng._page_buckets for greedy in sampler_forms(eng)]
+
+
+def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
+                 min_tokens: int = 0) -> StepBatch:
     """A ragged step of one sequence (row 0: page table `row` [L, H, P], `length` slots stored after it) of
     m tokens at `positions` writing `slots` [m, L, H], its logits at the last token, greedy unless the
     caller sets row 0's sampling. Its other rows are padding, so it has the shape of the scheduler's steps
-    of that token count and runs their precompiled program."""
+    of that token count (at least `min_tokens`, within the largest) and runs their precompiled program."""
     L, H, P = row.shape
     m = len(tokens)
-    T = bucket_for(m, engine._token_buckets)
+    T = step_tokens(engine, max(m, min_tokens))
     S = engine.step_rows(T)
     page_table = np.full((S, L, H, P), -1, np.int32)
     page_table[0] = row
@@ -118,10 +237,16 @@ def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots)
     return b
 
 
-def forced_row_stats(forced: np.ndarray, L: int, H: int) -> dict:
-    """The pass's per-layer statistics of a forced-rows-only pass (every head writes and sees its whole
-    history): what `reuse_prefill` would report, from the layout alone."""
-    rows = int(forced.sum())
-    keys = int((np.nonzero(forced)[0] + 1).sum())
-    return {"query_rows": [rows] * L, "kv_writes": [rows * H] * L, "ffn_rows": [rows] * L,
-            "promoted_heads": [0] * L, "keys_seen": [keys] * L, "ffn_dropped": [0] * L}
+def step_tokens(engine, n: int) -> int:
+    """The step token bucket of n tokens (the largest for more)."""
+    return bucket_for(min(n, engine._token_buckets[-1]), engine._token_buckets)
+
+
+def row_stats(n: int, rows: np.ndarray, writes: int, L: int, H: int, dense: int = 0) -> dict:
+    """The pass's per-layer statistics where every head sees its whole history: layers [0, dense) run on
+    every one of the prompt's `n` tokens, the others on `rows` (ascending token indices) writing `writes`
+    (row, head) K/V: what `reuse_prefill` would report, from the layout and the selection alone."""
+    m, keys = int(rows.size), int((rows + 1).sum())
+    per = lambda a, b: [a] * dense + [b] * (L - dense)  # noqa: E731
+    return {"query_rows": per(n, m), "kv_writes": per(n * H, int(writes)), "ffn_rows": per(n, m),
+            "promoted_heads": [0] * L, "keys_seen": per(n * (n + 1) // 2, keys), "ffn_dropped": [0] * L}

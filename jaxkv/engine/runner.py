@@ -63,6 +63,16 @@ class StepBatch:
     # [T] int32, or None: the prompt token after each position whose log-probability the step returns
     # (-1: none); a static variant of its own (prompt logprobs, jaxkv.sampling.SamplingParams)
     prompt_next: np.ndarray | None = None
+    # Steps that start at layer `from_layer` (> 0, static) from residual streams computed before: token t's
+    # stream is row hidden_rows[t] of `hidden` [N, hidden] (a device buffer; -1 = padding). A selecting reuse
+    # method's sparse phase (jaxkv/engine/reuse_steps.py); `tokens` are then unused.
+    hidden: Any = None
+    hidden_rows: np.ndarray | None = None
+    from_layer: int = 0
+
+
+# The fields of a StepBatch that are not arrays every step takes (static choices, a variant's own inputs).
+STEP_OPTIONS = ("fresh", "top_width", "prompt_next", "hidden", "hidden_rows", "from_layer")
 
 
 @dataclasses.dataclass
@@ -210,7 +220,7 @@ class StepHooks:
 
 def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: bool, fresh_heads=None,
                     tp: bool = False, top_width: int = 0, prompt_lp: bool = False,
-                    hooks: StepHooks | None = None, rolled: bool = False):
+                    hooks: StepHooks | None = None, rolled: bool = False, from_layer: int = 0):
     """Shared body of a step: per layer (under the layer loop) write K/V then attend; sample one token per
     row. `tp`: runs per shard under shard_map (jaxkv.parallel); `fresh_heads` is then one per-layer tuple
     per shard. `hooks`: a method's additions (`StepHooks`). `rolled`: the layers as one rolled loop
@@ -237,13 +247,20 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             out, _ = _pool_attention(plan, layer, q[0], pool, meta["page_table"], m, b, scale, attn_impl)
         return out[None], (pool, extra)
 
-    x = params["embed"][b["tokens"]][None]
+    if from_layer:
+        x = b["hidden"][jnp.maximum(b["hidden_rows"], 0)][None]
+    else:
+        x = params["embed"][b["tokens"]][None]
     run = functools.partial(llama.run_layers, params["layers"], cfg, positions=b["positions"][None],
                             freqs=rope.inv_freq(cfg), attend=attend, reduce=tp_shard.reduce if tp else None,
                             layer_xs=meta, rolled=rolled)
     state = (pool, hooks.state if hooks is not None else None)
     split = hooks.tap_layer if hooks is not None and hooks.tap is not None else cfg.num_layers
-    if split < cfg.num_layers:  # the layer loop in two ranges around the tap (one traced layer body)
+    if from_layer:
+        if hooks is not None:
+            raise ValueError("a step from a later layer takes no method hooks")
+        x, state = run(x=x, state=state, start=from_layer)
+    elif split < cfg.num_layers:  # the layer loop in two ranges around the tap (one traced layer body)
         x, (pool, extra) = run(x=x, state=state, stop=split)
         state = (pool, hooks.tap(x[0], extra))
         x, state = run(x=x, state=state, start=split)
@@ -452,26 +469,29 @@ def decode_loop(d, state, step, while_live: bool = False):
 
 
 def _step_body(params, pool, b, cfg, attn_impl=None, use_plan=False, greedy=False, fresh_heads=None,
-               mesh=None, top_width=0, prompt_lp=False, rolled=False):
+               mesh=None, top_width=0, prompt_lp=False, rolled=False, from_layer=0):
     """One ragged step. Module level (not a closure) so engines over the same model share compilations.
 
     `attn_impl` picks the paged-attention implementation (None: the Pallas kernel on GPU, the jnp twin
     elsewhere); `fresh_heads` (static per-layer (sink, window) tuples) routes a fresh prompt through
     head_class_prefill. `mesh`: tensor parallel over KV heads, the body runs per shard (jaxkv.parallel).
     `top_width` / `prompt_lp`: the logprob variants (`_extras`); 0 / False compile the ordinary step.
-    `rolled`: the layers as one rolled loop (`EngineConfig.rolled_from_tokens`).
+    `rolled`: the layers as one rolled loop (`EngineConfig.rolled_from_tokens`). `from_layer`: a step over
+    earlier residual streams (`StepBatch.hidden`), on one device.
     """
     if mesh is not None:
+        if from_layer:
+            raise ValueError("a step from a later layer runs on one device (no tensor parallelism)")
         body = functools.partial(_tp_sample, attn_impl=attn_impl, use_plan=use_plan, greedy=greedy,
                                  fresh_heads=fresh_heads, top_width=top_width, prompt_lp=prompt_lp,
                                  rolled=rolled)
         return tp_shard.tp_call(body, mesh, params, pool, b, cfg, (None, None, None, "pool"))
     return _forward_sample(params, pool, b, cfg, attn_impl, use_plan, greedy, fresh_heads,
-                           top_width=top_width, prompt_lp=prompt_lp, rolled=rolled)
+                           top_width=top_width, prompt_lp=prompt_lp, rolled=rolled, from_layer=from_layer)
 
 
 _STEP_STATIC = dict(static_argnames=("cfg", "attn_impl", "use_plan", "greedy", "fresh_heads", "mesh",
-                                     "top_width", "prompt_lp", "rolled"),
+                                     "top_width", "prompt_lp", "rolled", "from_layer"),
                     donate_argnames=("pool",))
 _step = jax.jit(_step_body, **_STEP_STATIC)
 # Steps of at least GRAPHLESS_TOKENS tokens compile without XLA:GPU command buffers (CUDA graphs). A prompt's
@@ -603,9 +623,11 @@ class ModelRunner:
         tokens, logprobs, _ = self.run_extras(batch)
         return tokens, logprobs
 
-    def run_extras(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, dict]:
-        """`run`, plus what the batch's logprob fields asked for (host arrays, `_extras`; empty when none)."""
-        tokens, logprobs, extras, self.pool = self.compiled.call(*self._step_call(batch))
+    def run_extras(self, batch: StepBatch, programs=None) -> tuple[np.ndarray, np.ndarray, dict]:
+        """`run`, plus what the batch's logprob fields asked for (host arrays, `_extras`; empty when none).
+        `programs`: another owner's precompiled programs to look the step up in (default the runner's)."""
+        programs = self.compiled if programs is None else programs
+        tokens, logprobs, extras, self.pool = programs.call(*self._step_call(batch))
         return jax.device_get((tokens, logprobs, extras))  # one sync (two fetches: ~1 ms more on an H200)
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
@@ -616,16 +638,19 @@ class ModelRunner:
         return PendingDecode(tokens, logprobs, ran, last, top=extras.get("top"))
 
     def _step_call(self, batch: StepBatch):
-        skip = ("fresh", "top_width", "prompt_next")
-        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in skip}
+        arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+                  if f.name not in STEP_OPTIONS}
         prompt_lp = batch.prompt_next is not None
         if prompt_lp:
             arrays["prompt_next"] = batch.prompt_next
+        if batch.from_layer:
+            arrays["hidden"], arrays["hidden_rows"] = batch.hidden, batch.hidden_rows
         fresh = self.fresh_heads if batch.fresh and self.use_plan else None
         step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
         # Ordinary steps pass neither: the same compiled variant as a server that never saw logprobs.
         extra = {**({"top_width": batch.top_width} if batch.top_width else {}),
-                 **({"prompt_lp": True} if prompt_lp else {}), **self.rolled(batch.tokens.shape[0])}
+                 **({"prompt_lp": True} if prompt_lp else {}), **self.rolled(batch.tokens.shape[0]),
+                 **({"from_layer": batch.from_layer} if batch.from_layer else {})}
         return step, (self.params, self.pool, {**arrays, **self._heads}), dict(
             fresh_heads=fresh, **self._kw(self.greedy_program(batch.temperature)), **extra)
 

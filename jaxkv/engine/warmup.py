@@ -348,7 +348,9 @@ def lowering_order(jobs: list) -> list:
     decodes, taps and reuse passes lowered last kept it compiling 63-84 s after lowering ended."""
     def seconds(variant) -> float:
         kind = variant[0]
-        if kind.startswith("reuse ") and kind != "reuse pages":
+        if kind == "reuse steps":  # ragged steps from a selecting method's selection layer
+            kind = "step"
+        elif kind.startswith("reuse ") and kind != "reuse pages":  # a pass, or the pass up to its selection
             kind = "reuse"
         return COMPILE_SECONDS.get(kind, 0.0)
 
@@ -414,8 +416,9 @@ def check_fits(need: int, variant, free: int | None = None) -> None:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if need > free:
         kind, s, t, p = variant[:4]
-        reuse = kind.startswith("reuse")  # a reuse pass: (kind, rows, tokens, pages per head)
-        tokens = reuse or kind in ("step", "retrieval tap")  # else a decode or a compression
+        # a reuse pass: (kind, rows, tokens, pages per head); "reuse steps" are ragged steps
+        reuse = kind.startswith("reuse") and kind != "reuse steps"
+        tokens = reuse or kind in ("step", "retrieval tap", "reuse steps")  # else a decode or a compression
         shape = f"{t} tokens" if tokens else f"{s} sequences"
         lower = "--max-model-len" if reuse else "--max-step-tokens or --max-num-seqs"
         raise MemoryError(

@@ -108,13 +108,20 @@ def storage_slots(table, storage, ps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "num_rows", "select_cap", "impl",
-                                             "rows_are_tokens", "head_windows", "mesh", "layers"),
+                                             "rows_are_tokens", "head_windows", "mesh", "layers",
+                                             "select_only"),
                    donate_argnames=("pool",))
 def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, offset=None, *, cfg,
                   policy: ReusePolicy, num_rows: int, select_cap: int, impl: str | None = None,
                   rows_are_tokens: bool = False, head_windows: tuple | None = None, mesh=None,
-                  layers: tuple[int, int] | None = None):
+                  layers: tuple[int, int] | None = None, select_only: int = 0):
     """Returns (pool, token [1], logprob [1], logits [V], stats).
+
+    `select_only` = N (> 0): the pass stops after (4) and returns (pool, hidden [N, hidden], alive [T],
+    selected [T, Hkv or 1]): the residual stream entering layer `full_layers` of every token (zero rows past
+    T), the rows the sparse phase would run and, per row, the heads it would write. The engine's steps run
+    the sparse phase from there (jaxkv/engine/reuse_steps.py); N is one size per engine, so those steps
+    read every request's stream from a buffer of one shape.
 
     `layers` = (l0, l1): only layers [l0, l1) of the pass (a layer group, see `layer_groups`): b's clear /
     src / dst / delta are then that group's pages, `carry` what the group before returned (None for the
@@ -139,6 +146,10 @@ def reuse_prefill(params, pool: KVPool, b: dict, heads: dict, carry=None, offset
     """
     static = dict(cfg=cfg, policy=policy, num_rows=num_rows, select_cap=select_cap, impl=impl,
                   rows_are_tokens=rows_are_tokens, head_windows=head_windows)
+    if select_only:
+        if mesh is not None or layers is not None:
+            raise ValueError("reuse pass: the selection alone runs on one device, as one program")
+        return reuse_body(params, pool, b, heads, select_only=select_only, **static)
     if mesh is not None:
         # The layer-group split runs on one device only: under tensor parallelism the pass stays one program.
         if layers is not None and tuple(layers) != (0, cfg.num_layers):
@@ -190,7 +201,7 @@ def layer_groups(policy: ReusePolicy, num_layers: int, groups: int) -> list[tupl
 def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, policy: ReusePolicy,
                num_rows: int, select_cap: int, impl: str | None = None, rows_are_tokens: bool = False,
                head_windows: tuple | None = None, tp=None, layers: tuple[int, int] | None = None,
-               offset=None):
+               offset=None, select_only: int = 0):
     """`reuse_prefill` on one device, or on one shard with `tp` (jaxkv.parallel.methods.ReuseShard: the
     all-reduces after the O and down projections, page ids made local, and the hooks that look across
     heads (`score`, `ffn_rows`) handed every shard's heads). `layers`, `carry`, `offset`: one layer group of
@@ -423,11 +434,15 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
             hsel = jnp.zeros(sc2.shape[::-1], bool).at[jnp.arange(sc2.shape[1])[:, None], idx].set(take).T
             alive = forced | jnp.any(hsel, axis=1)
             selected = forced[:, None] | hsel  # [T, H'] (H' = 1 broadcasts over heads; every shard's heads)
+            if select_only:
+                return pool, _padded(x, select_only), alive, selected & valid[:, None]
             selected = jnp.broadcast_to(selected, (T, H * tp_size))
             if tp is not None:
                 selected = tp.own(selected, 1)
         else:
             alive = forced
+            if select_only:
+                return pool, _padded(x, select_only), alive, forced[:, None]
         # (5) sparse phase on the alive rows (ascending token order; padding rows at the end).
         (idx,) = jnp.nonzero(alive, size=num_rows, fill_value=-1)
         gi = jnp.maximum(idx, 0)
@@ -468,6 +483,13 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
     st = dict(zip(names, stats))
     st["rows"] = idx
     return pool, tok, logprob, logits[0], st
+
+
+def _padded(x, rows: int):
+    """x [T, D] as [rows, D]: zero rows past T (or its first `rows` rows)."""
+    if rows <= x.shape[0]:
+        return x[:rows]
+    return jnp.zeros((rows, x.shape[1]), x.dtype).at[:x.shape[0]].set(x)
 
 
 def num_compilations() -> int:
