@@ -70,6 +70,21 @@ def test_steps_give_the_reuse_passs_tokens_and_statistics(model, method, fields,
         assert st_s.recompute_fraction == 0.0  # the segments' K/V were reused, not recomputed
 
 
+def test_selected_rows_through_the_split_kernels_give_the_passs_tokens(model):
+    """With the Pallas kernels (interpret mode here) a step from the selection layer attends through
+    `rows_attention`'s split over the sequence's K/V gathered in position order, holes dropped, as the
+    pass's sparse phase does; the tokens and the selection stay the pass's."""
+    prefix, s1, s2, suffix = _pieces(model, (5, 19, 13, 23), seed=7)
+    policy = get_reuse_policy("sparsex", per_head=True, ratio=0.3)
+    got = {}
+    for as_steps in (False, True):
+        eng = _engine(model, as_steps, attn_impl="pallas")
+        got[as_steps] = _ask(eng, prefix, [s1, s2], suffix, policy, GREEDY)
+    (tok_p, st_p), (tok_s, st_s) = got[False], got[True]
+    assert len(tok_s) == GREEDY.max_tokens and tok_s == tok_p
+    assert (st_s.recomputed_rows, st_s.kv_writes) == (st_p.recomputed_rows, st_p.kv_writes)
+
+
 def test_which_methods_run_as_steps(model):
     """Plain passes without dense layers, and selecting methods whose only device hook is `score` and which
     select before the last layer; RedKnot (windows, per-layer FFN rows, promotion) keeps its pass."""

@@ -40,6 +40,7 @@ from pallas_kernels.paged_attention.api import (
     paged_attention_plan,
     paged_attention_with_plan,
 )
+from pallas_kernels.rows_attention import rows_attention
 
 
 @dataclasses.dataclass
@@ -229,7 +230,9 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
     scale = cfg.head_dim ** -0.5
     meta = _layer_meta(b)
     plan = None
-    if use_plan and fresh_heads is None:
+    # a step from a selection layer on a GPU: one sequence's scattered rows over its whole history
+    rows_split = bool(from_layer) and use_plan
+    if use_plan and fresh_heads is None and not rows_split:
         plan = paged_attention_plan(
             pool.pos, meta["page_table"], meta["lengths"], b["q_seq"], b["positions"], b["sink"],
             b["window"], num_q_heads=cfg.num_heads, ordered=False)
@@ -243,6 +246,10 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             extra = on_write(layer, k[0], m["slots"], pool, extra)
         if fresh is not None:
             out = fresh(layer, q[0], k[0], v[0])
+        elif rows_split:
+            rows = jnp.where(b["q_seq"] >= 0, b["positions"], -1)
+            out = _sequence_rows(q[0], pool, m["page_table"][0], rows, scale,
+                                 "pallas" if attn_impl == "pallas" else None)
         else:
             out, _ = _pool_attention(plan, layer, q[0], pool, meta["page_table"], m, b, scale, attn_impl)
         return out[None], (pool, extra)
@@ -293,6 +300,29 @@ def _with_plan(plan, layer, q, pool, pt_layers, pt_layer, scale):
                                          layer=layer, slot_bias=pool.bias)
     return paged_attention_with_plan(plan.layer(layer), q, pool.k, pool.v, pool.pos, pt_layer, scale=scale,
                                      slot_bias=pool.bias)
+
+
+def _sequence_rows(q, pool, page_table, positions, scale, diagonal_impl):
+    """Attention of one sequence's rows (q [T, Hq, D] at ascending `positions`, -1 = padding) over its whole
+    history: its pages (page_table [H, P]) gathered into contiguous K/V in position order (key t at position
+    t; holes dropped), then `rows_attention`'s split, cuDNN flash over each row chunk's keys before it and
+    the paged kernel on the diagonal. The paged kernel alone scans every page for every query block (the
+    ragged step's pages are unordered): with 4K rows over 33K keys a step took 2.6x the reuse pass's
+    time for the same rows (H100, 1B; docs/segments.md, "Reuse as steps")."""
+    h, p = page_table.shape
+    ps = pool.page_size
+    n = p * ps
+    pages = jnp.maximum(page_table, 0)
+    pos = jnp.where((page_table >= 0)[..., None], pool.pos[pages], -1).reshape(h, n)
+    at = jnp.where(pos >= 0, pos, n)  # a hole (or an unused slot) goes nowhere
+    heads = jnp.arange(h)[:, None]
+
+    def by_position(x):  # [num_pages, ps, D] -> this sequence's [n, H, D], key t at position t
+        g = x[pages].reshape(h, n, -1)
+        return jnp.zeros_like(g).at[heads, at].set(g, mode="drop").transpose(1, 0, 2)
+
+    return rows_attention(q, by_position(pool.k).astype(q.dtype), by_position(pool.v).astype(q.dtype),
+                          positions, scale=scale, implementation="split", diagonal_impl=diagonal_impl)[0]
 
 
 def _prefill(q, k, v, *, sink, window, scale):
