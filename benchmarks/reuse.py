@@ -139,10 +139,11 @@ def model_dir(shape: str, args, log) -> Path:
 # ------------------------------------------------------------------------------------------------ engine
 
 def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None = None,
-                as_steps: bool = True):
-    """All heads global (segment reuse needs full history), one sequence, pool sized from the workload;
-    host memory for every segment, and the segment store `store` when given. `as_steps`: naive, EPIC and
-    full run as the engine's ragged steps (`SegmentConfig.as_steps`)."""
+                as_steps: bool = True, max_num_seqs: int = 1):
+    """All heads global (segment reuse needs full history), `max_num_seqs` sequences (one: the reuse pass
+    alone), pool sized from the workload; host memory for every segment, and the segment store `store`
+    when given. `as_steps`: methods that can run as the engine's ragged steps do
+    (`SegmentConfig.as_steps`)."""
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
 
@@ -152,7 +153,7 @@ def make_engine(model, w: Workload, max_step_tokens: int, log, store: str | None
     gb = num_pages * w.page_size * (2 * cfg.head_dim * itemsize + 4) / 2 ** 30
     log(f"  engine: {num_pages:,} pages of {w.page_size} ({gb:.2f} GiB), max_model_len {w.max_model_len}")
     host = int(2 * gb * 2 ** 30)  # every segment fits host memory (the pool holds them once, plus a request)
-    return Engine(model, num_pages=num_pages, page_size=w.page_size, max_num_seqs=1,
+    return Engine(model, num_pages=num_pages, page_size=w.page_size, max_num_seqs=max_num_seqs,
                   max_model_len=w.max_model_len, max_step_tokens=max_step_tokens,
                   head_classes=all_global(cfg.num_layers, cfg.num_kv_heads), enable_prefix_caching=False,
                   segment_store=store, segment_host_bytes=host, segment_as_steps=as_steps)

@@ -37,13 +37,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--small", action="store_true", help="tiny float32 model, 2 x 64-token segments (CPU)")
     ap.add_argument("--methods", default="naive,epic,cacheblend,sparsex")
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=1,
+                    help="the engine's sequences: a step's rows (256: a GPU server's default)")
+    ap.add_argument("--max-step-tokens", type=int, default=4096)
     args = ap.parse_args(argv)
     w = (Workload(segments=2, segment_len=64, prefix_len=8, suffix_len=32, page_size=16) if args.small else
          Workload(segments=8, segment_len=4096, prefix_len=16, suffix_len=256, page_size=16))
     t0 = time.perf_counter()
     model = random_model("small" if args.small else args.shape, "float32" if args.small else "bfloat16",
                          w.max_model_len)
-    eng = make_engine(model, w, 4096, print)
+    eng = make_engine(model, w, args.max_step_tokens, print, max_num_seqs=args.max_num_seqs)
     prompt = register_segments(eng, w, np.random.default_rng(0), print)
     print(f"setup {time.perf_counter() - t0:.1f} s", flush=True)
     times: dict[tuple[str, bool], list[float]] = {}

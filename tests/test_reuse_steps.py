@@ -150,8 +150,8 @@ def test_steps_give_the_first_tokens_alternatives(model):
     for as_steps in (False, True):
         eng = _engine(model, as_steps)
         ids = [eng.register_segment(d) for d in (s1, s2)]
-        widths, run = [], eng.runner.run_extras
-        eng.runner.run_extras = lambda b, run=run, w=widths, **kw: w.append(b.top_width) or run(b, **kw)
+        widths, run = [], eng.runner.dispatch  # every step, synced or not, goes through `dispatch`
+        eng.runner.dispatch = lambda b, *a, run=run, w=widths: w.append(b.top_width) or run(b, *a)
         rid = eng.add_reuse_request(prefix, ids, suffix, reuse="naive", sampling=sp)
         outs = []
         while eng.has_unfinished():

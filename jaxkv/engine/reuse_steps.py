@@ -119,24 +119,28 @@ def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, stora
     `from_layer` > 0: the steps start there, token i's stream being row i of `hidden` (`StepBatch`);
     `programs`: whose precompiled programs run them (default the runner's)."""
     ps = engine.page_size
-    step = engine.scheduler.max_step_tokens
     sp = req.sampling
-    for s in range(0, idx.size, step):
-        pick = idx[s:s + step]
+    floor = SELECT_STEP_TOKENS if from_layer else 0
+    s = 0
+    for m in step_sizes(engine, idx.size, floor):
+        pick = idx[s:s + m]
         st = storage[pick]
         slots = row[:, :, st // ps].transpose(2, 0, 1) * ps + (st % ps)[:, None, None]
         if heads is not None:
-            slots = np.where(heads[s:s + step, None, :], slots, -1)
+            slots = np.where(heads[s:s + m, None, :], slots, -1)
         if from_layer:
             slots[:, :from_layer] = -1  # those layers ran in the selection (and the steps skip them)
-        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots,
-                         min_tokens=SELECT_STEP_TOKENS if from_layer else 0)
+        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots, min_tokens=floor)
         if from_layer:
             b.hidden, b.from_layer = hidden, from_layer
             b.hidden_rows = np.full(b.tokens.shape[0], -1, np.int32)
             b.hidden_rows[:pick.size] = pick
         b.temperature[0], b.top_k[0], b.top_p[0], b.seeds[0] = sp.temperature, sp.top_k, sp.top_p, req.seed
-        if sp.logprobs and s + step >= idx.size:
+        s += m
+        if s < idx.size:  # only the last step's token is read: the others run without a sync
+            engine.runner.dispatch(b, programs)
+            continue
+        if sp.logprobs:
             b.top_width = MAX_LOGPROBS
         out, logprobs, extras = engine.runner.run_extras(b, programs=programs)
     top = None
@@ -235,6 +239,26 @@ def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
     b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = tokens, positions, 0, slots
     b.logits_index[0] = m - 1
     return b
+
+
+# A step of more tokens than this that would be padded by more than a quarter runs as the next smaller
+# bucket's step plus the rest: 5,200 selected rows with 8K-token steps run as 4,096 + 1,024 + 256 rows, not
+# 8,192. Below it a step is cheap beside the weights it reads, so one padded step is better than two.
+SPLIT_TOKENS = 1024
+
+
+def step_sizes(engine, n: int, floor: int = 0) -> list[int]:
+    """How many of n rows each step runs: full steps of the largest bucket, then pieces padded by at most a
+    quarter of their bucket, down to `SPLIT_TOKENS` (the rest one step of at least `floor` tokens)."""
+    top, out = engine._token_buckets[-1], []
+    while n > 0:
+        T = step_tokens(engine, max(n, floor))
+        take = min(n, top)
+        if top > n > SPLIT_TOKENS and T - n > T // 4:
+            take = max(b for b in engine._token_buckets if b < T)
+        out.append(take)
+        n -= take
+    return out
 
 
 def step_tokens(engine, n: int) -> int:

@@ -654,11 +654,16 @@ class ModelRunner:
         return tokens, logprobs
 
     def run_extras(self, batch: StepBatch, programs=None) -> tuple[np.ndarray, np.ndarray, dict]:
-        """`run`, plus what the batch's logprob fields asked for (host arrays, `_extras`; empty when none).
-        `programs`: another owner's precompiled programs to look the step up in (default the runner's)."""
+        """`run`, plus what the batch's logprob fields asked for (host arrays, `_extras`; empty when none);
+        `programs` as `dispatch`."""
+        return jax.device_get(self.dispatch(batch, programs))  # one sync (two fetches: ~1 ms more on an H200)
+
+    def dispatch(self, batch: StepBatch, programs=None) -> tuple:
+        """Runs one step without waiting for it: (tokens, logprobs, extras) on the device. `programs`:
+        another owner's precompiled programs to look the step up in (default the runner's)."""
         programs = self.compiled if programs is None else programs
         tokens, logprobs, extras, self.pool = programs.call(*self._step_call(batch))
-        return jax.device_get((tokens, logprobs, extras))  # one sync (two fetches: ~1 ms more on an H200)
+        return tokens, logprobs, extras
 
     def decode(self, batch: DecodeBatch) -> PendingDecode:
         """Dispatches K decode steps and returns at once (nothing waits for the device). Every input goes
