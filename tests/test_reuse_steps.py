@@ -10,7 +10,7 @@ from jaxkv.cache.head_classes import all_global
 from jaxkv.engine import compilations
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.reuse import pass_shapes
-from jaxkv.engine.reuse_steps import prepare_pages, runs_as_steps
+from jaxkv.engine.reuse_steps import prepare_pages, row_table_calls, runs_as_steps
 from jaxkv.policies.reuse import get_reuse_policy
 from jaxkv.policies.reuse.apply import reuse_prefill
 from jaxkv.sampling import MAX_LOGPROBS, SamplingParams
@@ -99,11 +99,13 @@ def test_which_methods_run_as_steps(model):
 
 def test_a_request_after_precompile_compiles_nothing(model):
     """Precompile compiles the steps and, for naive and EPIC, one page-copy program per page-table width
-    class (none of their passes); their requests then run on those programs."""
+    class and the program that builds a step's page table of more than one row on the device (none of their
+    passes); their requests then run on those programs."""
     eng = _engine(model, True)
     eng.precompile(progress=False, step_cache=False)
     n = eng.precompile_reuse(["naive", "epic"], progress=False)
-    assert n == len(eng._page_buckets)
+    tables = len(row_table_calls(eng.reuser))  # a step's page table of two rows, per width class
+    assert tables == len(eng._page_buckets) and n == len(eng._page_buckets) + tables
     before = (compilations.step_programs(), reuse_prefill._cache_size(), prepare_pages._cache_size())
     prefix, s1, s2, suffix = _pieces(model, (3, 30, 9, 11), seed=2)
     for method in ("naive", "epic"):
@@ -125,7 +127,7 @@ def test_a_selecting_request_after_precompile_compiles_nothing(model):
     buckets = {T for T, _, _ in pass_shapes(get_reuse_policy("sparsex"), limit)}
     # steps hold at least SELECT_STEP_TOKENS (256), here the largest step bucket (16) only
     steps = len(eng._page_buckets) * len(sampler_forms(eng))
-    assert n == 2 * len(buckets) + steps
+    assert n == 2 * len(buckets) + steps + len(row_table_calls(eng.reuser))
     before = (compilations.step_programs(), reuse_prefill._cache_size())
     prefix, s1, s2, suffix = _pieces(model, (3, 30, 9, 11), seed=2)
     for method, sampling in (("cacheblend", GREEDY), ("sparsex", SAMPLED)):

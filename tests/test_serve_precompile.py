@@ -184,11 +184,12 @@ def test_precompile_compiles_reuse_passes_in_the_same_pool_run(tmp_path):
                       env={"JAX_LOG_COMPILES": "1"})
     try:
         startup = "".join(s.log)
-        m = re.search(r"jaxkv: precompiled 4 step variants and 1 reuse programs in \d+\.\d+s", startup)
+        m = re.search(r"jaxkv: precompiled 4 step variants and 2 reuse programs in \d+\.\d+s", startup)
         assert m, startup
         assert "naive reuse programs" not in startup  # no second, per-method run
         info = httpx.get(s.base + "/info").json()
-        assert info["precompiled_reuse_passes"] == {"naive": 1, "epic": 1}  # the page copy of one width class
+        # the page copy of one width class, and the step table of more than one row built on the device
+        assert info["precompiled_reuse_passes"] == {"naive": 2, "epic": 2}
         assert info["precompiled_variants"] == 4  # as without reuse methods (test above, less its press)
         _reuse_requests_compile_nothing(s, ("naive", "epic"), (PROMPT[16:19],))
     finally:

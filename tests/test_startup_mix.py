@@ -39,12 +39,12 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     passes = engine.precompile_reuse(list(REUSE_METHODS), progress=False)
     # 192-token context: the selection of CacheBlend and of SparseX (one token bucket, 256) and the steps
     # from their selection layer they share (the largest step bucket, 16 < 256 tokens: greedy and sampled),
-    # RedKnot's one bucket (256), and the page copy naive and EPIC run before their ragged steps (one
-    # page-table width class); every program compiled on the warm-up pool and installed (none through jit),
-    # counted with the step programs
-    assert len(engine._page_buckets) == 1
+    # RedKnot's one bucket (256), the page copy naive and EPIC run before their ragged steps (one
+    # page-table width class), and the two-row step table all of them build on the device; every program
+    # compiled on the warm-up pool and installed (none through jit), counted with the step programs
+    assert len(engine._page_buckets) == 1 and {engine.step_rows(T) for T in engine._token_buckets} == {2}
     steps = len(sampler_forms(engine))
-    assert passes == len(engine.reuser.compiled) == 2 + steps + 1 + 1
+    assert passes == len(engine.reuser.compiled) == 2 + steps + 1 + 1 + 1
     assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,
@@ -93,8 +93,8 @@ def test_reuse_passes_load_from_the_step_cache_in_a_second_process(tmp_path):
 
     wrote = side("write")
     # 128-token context: naive's page copy (its tokens run as the step programs; one page-table width
-    # class); RedKnot's one bucket (128)
-    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 1 + 1 and wrote["hits"] == 0
+    # class) and the table of a two-row step it builds on the device; RedKnot's one bucket (128)
+    assert wrote["passes"] == wrote["installed"] == wrote["kept"] == 1 + 1 + 1 and wrote["hits"] == 0
     assert wrote["compiled_in_precompile"] >= wrote["passes"]
     read = side("read")
     assert read["hits"] == read["installed"] == wrote["passes"] and read["compiled_in_precompile"] == 0

@@ -33,6 +33,7 @@ from jaxkv.engine.reuse_steps import (
     page_width,
     prepare_call,
     row_stats,
+    row_table_calls,
     run_rows,
     run_selected,
     runs_as_steps,
@@ -390,7 +391,7 @@ class Reuser:
                 return self.compiled.signature(fn, args, static), fn, args, static
 
             return [(("reuse pages", 0, 0, P), functools.partial(pages, P))
-                    for P in self.engine._page_buckets]
+                    for P in self.engine._page_buckets] + row_table_calls(self)
 
         shapes = pass_shapes(policy, self.engine.max_pages_per_head * self.page_size)
         out = [((f"reuse {policy.name}", R, T, self._table_pages(T, 1)), functools.partial(call, T, R, cap))

@@ -132,8 +132,7 @@ def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, stora
             slots[:, :from_layer] = -1  # those layers ran in the selection (and the steps skip them)
         b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots, min_tokens=floor)
         if from_layer:
-            b.hidden, b.from_layer = hidden, from_layer
-            b.hidden_rows = np.full(b.tokens.shape[0], -1, np.int32)
+            from_rows(b, hidden, from_layer, ps, storage)
             b.hidden_rows[:pick.size] = pick
         b.temperature[0], b.top_k[0], b.top_p[0], b.seeds[0] = sp.temperature, sp.top_k, sp.top_p, req.seed
         s += m
@@ -148,6 +147,15 @@ def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, stora
         ids, lps = extras["top"][0][0], extras["top"][1][0]
         top = [(int(i), float(x)) for i, x in zip(ids[:sp.logprobs], lps[:sp.logprobs])]
     return int(out[0]), float(logprobs[0]), top
+
+
+def from_rows(b: StepBatch, hidden, from_layer: int, page_size: int, storage=()) -> None:
+    """Makes `b` a step from layer `from_layer` over the streams in `hidden` (every row padding until set)
+    whose sequence's key at position t lies at storage slot `storage[t]` of its page table."""
+    b.hidden, b.from_layer = hidden, from_layer
+    b.hidden_rows = np.full(b.tokens.shape[0], -1, np.int32)
+    b.key_storage = np.full(b.page_table.shape[-1] * page_size, -1, np.int32)
+    b.key_storage[:len(storage)] = storage
 
 
 def run_selected(reuser, req, policy: ReusePolicy, b: dict, T: int, tokens, storage, table: np.ndarray,
@@ -204,16 +212,48 @@ def selection_calls(reuser, policy: ReusePolicy) -> list[tuple]:
         b = one_row_step(eng, np.full((L, H, P), -1, np.int32), 0, np.zeros(T, np.int32), np.arange(T),
                          np.full((T, L, H), -1, np.int32))
         b.q_seq[:] = -1
-        b.hidden, b.hidden_rows, b.from_layer = hidden[0], np.full(T, -1, np.int32), F
+        from_rows(b, hidden[0], F, eng.page_size)
         b.temperature[0] = 0.0 if greedy else 1.0
         fn, args, static = eng.runner._step_call(b)
         return reuser.compiled.signature(fn, args, static), fn, args, static
 
     out = [((f"reuse {policy.name} select", T, T, reuser._table_pages(T, 1)), functools.partial(select, T))
-           for T in buckets]
+           for T in buckets] + row_table_calls(reuser)
     return out + [(("reuse steps", T, T, P, F, greedy), functools.partial(step, T, P, greedy))
                   for T in eng._token_buckets if T >= step_tokens(eng, SELECT_STEP_TOKENS)
                   for P in eng._page_buckets for greedy in sampler_forms(eng)]
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def one_row_table(params, pool, b: dict, *, rows: int):
+    """A step's page table [rows, L, H, P]: b["row"] [L, H, P] and padding rows (-1), built on the device.
+    On the host a GPU server's (256 rows, 1B shape, 32K context) is 300 MB: a naive request's one step took
+    123 ms against 34 ms with one row (H100; docs/segments.md, "Reuse as steps"). `params` and `pool` are
+    unused: the argument layout of every program the reuser holds."""
+    del params, pool
+    row = b["row"]
+    return jnp.concatenate([row[None], jnp.full((rows - 1, *row.shape), -1, row.dtype)])
+
+
+def row_table_call(reuser, rows: int, row: np.ndarray):
+    """(function, arguments, static arguments) of `one_row_table` for `row` [L, H, P]."""
+    eng = reuser.engine
+    return one_row_table, (eng.runner.params, eng.runner.pool, {"row": row}), {"rows": rows}
+
+
+def row_table_calls(reuser) -> list[tuple]:
+    """(variant, call) of `one_row_table` for every step shape of more than one row (the rows of each token
+    bucket, each page-table width): a reuse request's steps build their tables through these (a one-row
+    table is the request's own)."""
+    eng, cfg = reuser.engine, reuser.cfg
+
+    def call(S, P):
+        fn, args, static = row_table_call(reuser, S, np.full((cfg.num_layers, cfg.num_kv_heads, P), -1,
+                                                                np.int32))
+        return reuser.compiled.signature(fn, args, static), fn, args, static
+
+    return [(("reuse rows", 0, 0, P, S), functools.partial(call, S, P))
+            for S in sorted({eng.step_rows(T) for T in eng._token_buckets} - {1}) for P in eng._page_buckets]
 
 
 def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
@@ -226,8 +266,8 @@ def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
     m = len(tokens)
     T = step_tokens(engine, max(m, min_tokens))
     S = engine.step_rows(T)
-    page_table = np.full((S, L, H, P), -1, np.int32)
-    page_table[0] = row
+    row = np.ascontiguousarray(row, np.int32)
+    page_table = row[None] if S == 1 else engine.reuser.compiled.call(*row_table_call(engine.reuser, S, row))
     lengths = np.zeros((S, L, H), np.int32)
     lengths[0] = length
     b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),

@@ -70,10 +70,13 @@ class StepBatch:
     hidden: Any = None
     hidden_rows: np.ndarray | None = None
     from_layer: int = 0
+    # [P x page size] int32 with `from_layer`: the storage slot (in row 0's page table) of the key at each
+    # position, -1 = none; row 0's keys are read in position order through it (`_sequence_rows`)
+    key_storage: np.ndarray | None = None
 
 
 # The fields of a StepBatch that are not arrays every step takes (static choices, a variant's own inputs).
-STEP_OPTIONS = ("fresh", "top_width", "prompt_next", "hidden", "hidden_rows", "from_layer")
+STEP_OPTIONS = ("fresh", "top_width", "prompt_next", "hidden", "hidden_rows", "from_layer", "key_storage")
 
 
 @dataclasses.dataclass
@@ -248,7 +251,7 @@ def _forward_sample(params, pool, b, cfg, attn_impl, use_plan: bool, greedy: boo
             out = fresh(layer, q[0], k[0], v[0])
         elif rows_split:
             rows = jnp.where(b["q_seq"] >= 0, b["positions"], -1)
-            out = _sequence_rows(q[0], pool, m["page_table"][0], rows, scale,
+            out = _sequence_rows(q[0], pool, m["page_table"][0], b["key_storage"], rows, scale,
                                  "pallas" if attn_impl == "pallas" else None)
         else:
             out, _ = _pool_attention(plan, layer, q[0], pool, meta["page_table"], m, b, scale, attn_impl)
@@ -302,27 +305,25 @@ def _with_plan(plan, layer, q, pool, pt_layers, pt_layer, scale):
                                      slot_bias=pool.bias)
 
 
-def _sequence_rows(q, pool, page_table, positions, scale, diagonal_impl):
+def _sequence_rows(q, pool, page_table, key_storage, positions, scale, diagonal_impl):
     """Attention of one sequence's rows (q [T, Hq, D] at ascending `positions`, -1 = padding) over its whole
-    history: its pages (page_table [H, P]) gathered into contiguous K/V in position order (key t at position
-    t; holes dropped), then `rows_attention`'s split, cuDNN flash over each row chunk's keys before it and
-    the paged kernel on the diagonal. The paged kernel alone scans every page for every query block (the
-    ragged step's pages are unordered): with 4K rows over 33K keys a step took 2.6x the reuse pass's
+    history: its keys gathered in position order (key t from storage slot key_storage[t] of page_table
+    [H, P]; zeros where -1), then `rows_attention`'s split, cuDNN flash over each row chunk's keys before it
+    and the paged kernel on the diagonal. The paged kernel alone scans every page for every query block
+    (the ragged step's pages are unordered): with 4K rows over 33K keys a step took 2.6x the reuse pass's
     time for the same rows (H100, 1B; docs/segments.md, "Reuse as steps")."""
-    h, p = page_table.shape
     ps = pool.page_size
-    n = p * ps
-    pages = jnp.maximum(page_table, 0)
-    pos = jnp.where((page_table >= 0)[..., None], pool.pos[pages], -1).reshape(h, n)
-    at = jnp.where(pos >= 0, pos, n)  # a hole (or an unused slot) goes nowhere
-    heads = jnp.arange(h)[:, None]
+    st = jnp.maximum(key_storage, 0)
+    page = page_table[:, st // ps]                                      # [H, N]
+    ok = (key_storage >= 0)[None] & (page >= 0)
+    flat = jnp.maximum(page, 0) * ps + (st % ps)[None]
 
-    def by_position(x):  # [num_pages, ps, D] -> this sequence's [n, H, D], key t at position t
-        g = x[pages].reshape(h, n, -1)
-        return jnp.zeros_like(g).at[heads, at].set(g, mode="drop").transpose(1, 0, 2)
+    def by_position(x):  # [num_pages, ps, D] -> this sequence's [N, H, D], key t at position t
+        g = x.reshape(-1, x.shape[-1])[flat]
+        return jnp.where(ok[..., None], g, 0).astype(q.dtype).transpose(1, 0, 2)
 
-    return rows_attention(q, by_position(pool.k).astype(q.dtype), by_position(pool.v).astype(q.dtype),
-                          positions, scale=scale, implementation="split", diagonal_impl=diagonal_impl)[0]
+    return rows_attention(q, by_position(pool.k), by_position(pool.v), positions, scale=scale,
+                          implementation="split", diagonal_impl=diagonal_impl)[0]
 
 
 def _prefill(q, k, v, *, sink, window, scale):
@@ -679,7 +680,7 @@ class ModelRunner:
         if prompt_lp:
             arrays["prompt_next"] = batch.prompt_next
         if batch.from_layer:
-            arrays["hidden"], arrays["hidden_rows"] = batch.hidden, batch.hidden_rows
+            arrays.update(hidden=batch.hidden, hidden_rows=batch.hidden_rows, key_storage=batch.key_storage)
         fresh = self.fresh_heads if batch.fresh and self.use_plan else None
         step = _step_graphless if batch.tokens.shape[0] >= GRAPHLESS_TOKENS else _step
         # Ordinary steps pass neither: the same compiled variant as a server that never saw logprobs.
