@@ -486,10 +486,10 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
 
 
 def _padded(x, rows: int):
-    """x [T, D] as [rows, D]: zero rows past T (or its first `rows` rows)."""
-    if rows <= x.shape[0]:
-        return x[:rows]
-    return jnp.zeros((rows, x.shape[1]), x.dtype).at[:x.shape[0]].set(x)
+    """x [T, D] as [rows, D] (rows >= T): zero rows past T."""
+    if rows < x.shape[0]:
+        raise ValueError(f"reuse pass: {x.shape[0]} token rows exceed the {rows}-row stream buffer")
+    return x if rows == x.shape[0] else jnp.zeros((rows, x.shape[1]), x.dtype).at[:x.shape[0]].set(x)
 
 
 def num_compilations() -> int:
