@@ -19,7 +19,7 @@ the residual stream entering layer `full_layers` of every token, in a buffer of 
 from layer `full_layers` on (`StepBatch.from_layer`), their streams read from the buffer, a head a row does
 not write given slot -1, so it reads the cached K/V at the row's own position as the pass's sparse phase
 does. Their step programs depend on the token bucket and `full_layers` only, so every such method shares
-them (`step_calls`).
+them (`selection_calls`).
 """
 
 from __future__ import annotations
