@@ -40,6 +40,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=1,
                     help="the engine's sequences: a step's rows (256: a GPU server's default)")
     ap.add_argument("--max-step-tokens", type=int, default=4096)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after timing, trace one request of each path per method under DIR (jax.profiler) "
+                         "and print its kernels by device time")
     args = ap.parse_args(argv)
     w = (Workload(segments=2, segment_len=64, prefix_len=8, suffix_len=32, page_size=16) if args.small else
          Workload(segments=8, segment_len=4096, prefix_len=16, suffix_len=256, page_size=16))
@@ -67,7 +70,31 @@ def main(argv=None) -> dict:
         p, s = (statistics.median(times[spec, on]) * 1e3 for on in (False, True))
         rows[spec] = {"pass_ms": p, "steps_ms": s}
         print(f"| {spec} | {p:.2f} | {s:.2f} | {s / p:.2f} |")
+    if args.profile:
+        _profile(eng, args, prompt)
     return {"prompt_tokens": w.prompt_tokens, "rows": rows}
+
+
+def _profile(eng, args, prompt) -> None:
+    """One traced request per (method, path), its GPU kernels ranked (`profile_decode.kernel_table`)."""
+    from pathlib import Path
+
+    import jax
+
+    from benchmarks.profile_decode import kernel_table
+
+    for spec in args.methods.split(","):
+        policy = policy_for(spec)
+        for on in (False, True):
+            _as_steps(eng, on)
+            where = Path(args.profile) / f"{spec}-{'steps' if on else 'pass'}"
+            with jax.profiler.trace(str(where), create_perfetto_trace=True):
+                took = ttft_once(eng, policy, prompt)[0]
+            rows, device_ms, span_ms = kernel_table(where, top=14)
+            print(f"\n{spec}, {'ragged steps' if on else 'reuse pass'}: {took * 1e3:.1f} ms, device "
+                  f"{device_ms:.1f} ms of a {span_ms:.1f} ms trace")
+            for name, ms, count in rows:
+                print(f"  {ms:8.2f} ms {count:5d}x  {name}")
 
 
 if __name__ == "__main__":

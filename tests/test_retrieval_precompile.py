@@ -66,6 +66,7 @@ def llama(tmp_path_factory):
 
 def test_precompiled_retrieval_programs_serve_without_compiling(llama, tmp_path):
     from jaxkv.engine import compilations, programs
+    from jaxkv.engine.warmup import variants
 
     compilations.install()
     _, model = llama
@@ -76,6 +77,9 @@ def test_precompiled_retrieval_programs_serve_without_compiling(llama, tmp_path)
     n = eng.precompile(progress=False, step_cache=False, retrieval=pols)
     assert len(eng.retriever.compiled) == steps > 0  # every retrieval program installed, none left to jit
     assert n == len(eng.runner.compiled) + steps
+    # SpeContext keeps a device state: plain steps run its tap programs, so the runner keeps only decodes
+    assert type(eng.retriever.every_step) is type(pols[0]) and eng.runner.step_tap is eng.retriever
+    assert len(eng.runner.compiled) == sum(v[0] == "decode" for v in variants(eng)) > 0
     counts = lambda: (compilations.step_programs(), compilations.xla_programs()["compiled"],  # noqa: E731
                       programs.installed("retriever"))
     before = counts()

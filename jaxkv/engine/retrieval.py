@@ -51,6 +51,7 @@ import numpy as np
 
 from jaxkv.engine import programs
 from jaxkv.engine.runner import (
+    GRAPHLESS_TOKENS,
     STEP_OPTIONS,
     DecodeHooks,
     PendingDecode,
@@ -109,11 +110,8 @@ def _read_pages(pool, pages, keep):
     return k, v, kpos
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "page_state", "attn_impl", "use_plan", "greedy",
-                                             "fresh_heads", "mesh", "rolled"),
-                   donate_argnames=("pool", "rstate", "pstate"))
-def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
-              use_plan=False, greedy=False, fresh_heads=None, mesh=None, rolled=False):
+def _step_tap_fn(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
+                 use_plan=False, greedy=False, fresh_heads=None, mesh=None, rolled=False):
     """The runner's ragged step (`runner._forward_sample`: per layer write K/V then attend, through the
     step's one attention plan; a fresh prompt through head_class_prefill) with the tap's hooks: the
     retrieval state's key write before the key layer of `policy` (None: no state) and, with `pstate`,
@@ -127,6 +125,16 @@ def _step_tap(params, pool, b, rstate, head, pstate, cfg, policy, page_state=Non
 
         return sharded_step_tap(_step_tap_body, params, pool, b, rstate, head, pstate, mesh=mesh, **static)
     return _step_tap_body(params, pool, b, rstate, head, pstate, **static)
+
+
+_TAP_STATIC = dict(static_argnames=("cfg", "policy", "page_state", "attn_impl", "use_plan", "greedy",
+                                    "fresh_heads", "mesh", "rolled"),
+                   donate_argnames=("pool", "rstate", "pstate"))
+_step_tap = jax.jit(_step_tap_fn, **_TAP_STATIC)
+# Long steps without command buffers, as the runner's plain steps (`runner.GRAPHLESS_TOKENS`).
+_step_tap_graphless = jax.jit(_step_tap_fn, **_TAP_STATIC,
+                              compiler_options={"xla_gpu_enable_command_buffer": ""})
+_step_tap_graphless.step_cache_name = "jaxkv.engine.retrieval._step_tap_graphless"
 
 
 def _step_tap_body(params, pool, b, rstate, head, pstate, cfg, policy, page_state=None, attn_impl=None,
@@ -386,7 +394,7 @@ def _on_device(batch: dict) -> dict:
 def num_compilations() -> int:
     """Retrieval programs compiled so far: jit's own variants and those compiled ahead of time and installed
     (`Retriever.compiled`)."""
-    jitted = (_step_tap, _decode_retrieval, _decode_retrieval_overlap)
+    jitted = (_step_tap, _step_tap_graphless, _decode_retrieval, _decode_retrieval_overlap)
     return sum(fn._cache_size() for fn in jitted) + programs.installed("retriever")
 
 
@@ -401,6 +409,7 @@ class Retriever:
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
         self._page_states: dict = {}  # RetrievalPolicy.page_state class -> its state, made on first use
+        self.every_step = None  # the method whose tap every plain ragged step runs (`tap_every_step`)
         # Programs compiled ahead of time (warmup.precompile), called directly by the steps and decodes.
         self.compiled = programs.Programs("retriever", owned=("cfg", "attn_impl", "mesh", "local_layers"))
         # The shared methods' selection buffers, host mirror and offload, with their statistics.
@@ -465,10 +474,9 @@ class Retriever:
                           top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
                           seeds=np.zeros(s, np.uint32), counters=np.zeros(s, np.int32))
             rows = np.full(s, -1, np.int32)
-            if kind == "tap":
-                b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-                         q_seq=np.full(t, -1, np.int32), slots=np.full((t, L, H), -1, np.int32),
-                         lengths=np.zeros((s, L, H), np.int32), logits_index=np.zeros(s, np.int32), **common)
+            if kind == "tap":  # the step's metadata as serving builds it (a small device program per shape)
+                sb = _batch(eng, "step", s, t, p, greedy, fresh)
+                b = {f: getattr(sb, f) for f in sb.__dataclass_fields__ if f not in STEP_OPTIONS}
                 stateful = policy if self._state.get(type(policy)) is not None else None
                 fn, args, static = self._tap_call(b, rows, stateful, policy.page_state, greedy, fresh)
             else:
@@ -505,6 +513,32 @@ class Retriever:
                     self.buffers.keep(policy, out[-1])
         return done
 
+    def tap_every_step(self, policy: RetrievalPolicy) -> bool:
+        """Makes every plain ragged step run `policy`'s tap program, its rows holding no state row (so the
+        tap writes nothing for them); returns whether it did: only a method that keeps a device state and no
+        per-page state has such a program. With the method enabled for requests, its tap steps and the plain
+        steps are then one program per shape, not two (precompile compiles the tap's alone)."""
+        if self._state_for(policy) is None or policy.page_state is not None:
+            return False
+        self.every_step = policy
+        self.engine.runner.step_tap = self
+        return True
+
+    def takes(self, batch) -> bool:
+        """Whether the every-step tap runs this plain step: not when it asks logprob extras or starts past
+        the first layer (those keep the runner's own programs)."""
+        return not batch.top_width and batch.prompt_next is None and not batch.from_layer
+
+    def dispatch_step(self, batch) -> tuple:
+        """A plain step through the every-step tap (`tap_every_step`), not waited for: (tokens, logprobs)
+        on the device."""
+        arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__ if f not in STEP_OPTIONS}
+        rows = np.full(batch.temperature.shape[0], -1, np.int32)
+        greedy = self.engine.runner.greedy_program(batch.temperature)
+        out = self.compiled.call(*self._tap_call(arrays, rows, self.every_step, None, greedy, batch.fresh))
+        self._keep_tap(self.every_step, None, out)
+        return out[0], out[1]
+
     def _tap_call(self, arrays, rows, policy, page_cls, greedy, fresh):
         """(function, arguments, static arguments) of a ragged step with the tap: `policy` the stateful
         retrieval policy (None: no device state), `page_cls` the per-page state's class (or None)."""
@@ -517,7 +551,8 @@ class Retriever:
         static = dict(cfg=runner.cfg, policy=policy, page_state=page_cls, attn_impl=runner.attn_impl,
                       use_plan=runner.use_plan, greedy=bool(greedy), fresh_heads=fresh_heads,
                       mesh=runner.mesh, **runner.rolled(arrays["tokens"].shape[0]))
-        return _step_tap, args, static
+        long = arrays["tokens"].shape[0] >= GRAPHLESS_TOKENS
+        return (_step_tap_graphless if long else _step_tap), args, static
 
     def _decode_call(self, policy, arrays, rows, known, inplace, greedy):
         """(function, arguments, static arguments) of a retrieval decode of `policy` over `rows`."""

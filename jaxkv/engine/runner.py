@@ -634,6 +634,9 @@ class ModelRunner:
         self.use_plan = attn_impl == "pallas" or (attn_impl is None and jax.default_backend() == "gpu")
         # Programs compiled ahead of time (warmup.precompile), called directly by `run` and `decode`.
         self.compiled = programs.Programs("runner", owned=("cfg", "attn_impl", "use_plan", "mesh"))
+        # A method's tap that plain ragged steps run through (`Retriever.tap_every_step`: one program for
+        # its steps and the plain ones), or None.
+        self.step_tap = None
 
     def greedy_program(self, temperature: np.ndarray) -> bool:
         """Whether a batch of these temperatures runs a greedy program (`greedy_programs`, no sampled row)."""
@@ -662,6 +665,8 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch, programs=None) -> tuple:
         """Runs one step without waiting for it: (tokens, logprobs, extras) on the device. `programs`:
         another owner's precompiled programs to look the step up in (default the runner's)."""
+        if programs is None and self.step_tap is not None and self.step_tap.takes(batch):
+            return (*self.step_tap.dispatch_step(batch), {})
         programs = self.compiled if programs is None else programs
         tokens, logprobs, extras, self.pool = programs.call(*self._step_call(batch))
         return tokens, logprobs, extras

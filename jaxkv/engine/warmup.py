@@ -100,9 +100,12 @@ def precompile(engine, progress: bool = True, workers: int | None = None, logpro
     (`engine.program_loader`; a step that needs one first loads it itself), so a server is ready before
     every program is loaded."""
     runner, compressor, retriever = engine.runner, engine.compressor, engine.retriever
+    # A retrieval method with a device state taps every plain step (`Retriever.tap_every_step`): its tap
+    # programs are the steps', and the runner keeps only those asking logprob extras.
+    taps = any(retriever.tap_every_step(pol) for pol in retrieval)
     # (variant, its call, the programs of its owner: the runner, the compressor or the retriever)
     jobs = [(v, lambda v=v: runner.call(_batch(engine, *v)), runner.compiled)
-            for v in variants(engine, logprobs)]
+            for v in variants(engine, logprobs) if not (taps and v[0] == "step" and not v[6] and not v[7])]
     jobs += [(("compress", s, 0, p, pol.name), lambda j=(pol, s, p): compressor.call(*j), compressor.compiled)
              for pol, s, p in press_programs(engine, presses)]
     jobs += [((f"retrieval {kind}", *rest, pol.name), call, retriever.compiled)
