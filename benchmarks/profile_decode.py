@@ -135,6 +135,7 @@ def main(argv=None):
 
 
 HOST_MARKS = ("$engine.py", "$runner.py", "$device_tables.py", "$scheduler.py", "$tables.py", "PjitFunction",
+              "$reuse", "$programs.py", "cond.", "device_get",
               "command_buffer", "np.asarray")
 
 

@@ -81,7 +81,7 @@ def _profile(eng, args, prompt) -> None:
 
     import jax
 
-    from benchmarks.profile_decode import kernel_table
+    from benchmarks.profile_decode import kernel_table, timeline
 
     for spec in args.methods.split(","):
         policy = policy_for(spec)
@@ -95,6 +95,7 @@ def _profile(eng, args, prompt) -> None:
                   f"{device_ms:.1f} ms of a {span_ms:.1f} ms trace")
             for name, ms, count in rows:
                 print(f"  {ms:8.2f} ms {count:5d}x  {name}")
+            timeline(where, "ttft_once", min_gap_us=200.0)
 
 
 if __name__ == "__main__":

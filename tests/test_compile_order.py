@@ -80,6 +80,53 @@ def test_precompile_installs_every_variant_either_way(tmp_path, monkeypatch, lea
     assert compilations.step_programs() == before
 
 
+def test_a_compile_that_fails_on_the_pool_runs_again_after_every_other(tmp_path, monkeypatch):
+    """XLA's autotuning of many programs at once can run out of device memory (8B shape on an H100): the
+    failed program compiles again once no other compile runs, and every program is installed."""
+    import jax
+
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path))
+    engine = Engine(model, page_size=8, max_model_len=64, max_num_seqs=2, max_step_tokens=16,
+                    enable_prefix_caching=False)
+    real, lock, log = jax.stages.Lowered.compile, threading.Lock(), []
+
+    def compile_once_failing(self, *args, **kwargs):
+        with lock:
+            first = not log
+            log.append(["start", id(self)])
+        if first:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while autotuning")
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            with lock:
+                log.append(["end", id(self)])
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_once_failing)
+    n = engine.precompile(progress=False, step_cache=False, workers=2)
+    assert n == len(variants(engine)) == len(engine.runner.compiled)
+    failed = log[0][1]
+    retry = [i for i, (what, lowered) in enumerate(log) if what == "start" and lowered == failed][1]
+    ends = [i for i, (what, lowered) in enumerate(log) if what == "end" and lowered != failed]
+    assert len(ends) == n - 1 and max(ends) < retry  # every other compile had ended
+
+
+def test_a_compile_out_of_device_memory_even_alone_says_what_to_change(tmp_path, monkeypatch):
+    import jax
+
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path))
+    engine = Engine(model, page_size=8, max_model_len=64, max_num_seqs=2, max_step_tokens=16,
+                    enable_prefix_caching=False)
+
+    def out_of_memory(self, *args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.02GiB")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", out_of_memory)
+    with pytest.raises(MemoryError, match="ran out of device memory with no other compile running.*"
+                                          "--memory-utilization.*--max-num-seqs"):
+        engine.precompile(progress=False, step_cache=False, workers=2)
+
+
 def test_reuse_passes_are_lowered_largest_first(tmp_path):
     """The passes come last in a pool run: largest first, so the quickest compiles close it."""
     from jaxkv.cache.head_classes import all_global

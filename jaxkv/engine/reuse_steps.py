@@ -121,27 +121,30 @@ def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, stora
     ps = engine.page_size
     sp = req.sampling
     floor = SELECT_STEP_TOKENS if from_layer else 0
-    s = 0
+    # Every step is built before the first runs, so no host work sits between their dispatches.
+    batches, s, tables = [], 0, {}
+    by_page = np.ascontiguousarray(row.transpose(2, 0, 1)) * ps  # [P, L, H]: a token's slots are a row
     for m in step_sizes(engine, idx.size, floor):
         pick = idx[s:s + m]
         st = storage[pick]
-        slots = row[:, :, st // ps].transpose(2, 0, 1) * ps + (st % ps)[:, None, None]
+        slots = by_page[st // ps] + (st % ps)[:, None, None]
         if heads is not None:
             slots = np.where(heads[s:s + m, None, :], slots, -1)
         if from_layer:
             slots[:, :from_layer] = -1  # those layers ran in the selection (and the steps skip them)
-        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots, min_tokens=floor)
+        b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots, min_tokens=floor, tables=tables)
         if from_layer:
             from_rows(b, hidden, from_layer, ps, storage)
             b.hidden_rows[:pick.size] = pick
         b.temperature[0], b.top_k[0], b.top_p[0], b.seeds[0] = sp.temperature, sp.top_k, sp.top_p, req.seed
+        batches.append(b)
         s += m
-        if s < idx.size:  # only the last step's token is read: the others run without a sync
-            engine.runner.dispatch(b, programs)
-            continue
-        if sp.logprobs:
-            b.top_width = MAX_LOGPROBS
-        out, logprobs, extras = engine.runner.run_extras(b, programs=programs)
+    for b in batches[:-1]:  # only the last step's token is read: the others run without a sync
+        engine.runner.dispatch(b, programs)
+    b = batches[-1]
+    if sp.logprobs:
+        b.top_width = MAX_LOGPROBS
+    out, logprobs, extras = engine.runner.run_extras(b, programs=programs)
     top = None
     if sp.logprobs:
         ids, lps = extras["top"][0][0], extras["top"][1][0]
@@ -257,17 +260,23 @@ def row_table_calls(reuser) -> list[tuple]:
 
 
 def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
-                 min_tokens: int = 0) -> StepBatch:
+                 min_tokens: int = 0, tables: dict | None = None) -> StepBatch:
     """A ragged step of one sequence (row 0: page table `row` [L, H, P], `length` slots stored after it) of
     m tokens at `positions` writing `slots` [m, L, H], its logits at the last token, greedy unless the
     caller sets row 0's sampling. Its other rows are padding, so it has the shape of the scheduler's steps
-    of that token count (at least `min_tokens`, within the largest) and runs their precompiled program."""
+    of that token count (at least `min_tokens`, within the largest) and runs their precompiled program.
+    `tables`: the page tables already built for this `row`, by row count (filled here), shared by the steps
+    of one request."""
     L, H, P = row.shape
     m = len(tokens)
     T = step_tokens(engine, max(m, min_tokens))
     S = engine.step_rows(T)
-    row = np.ascontiguousarray(row, np.int32)
-    page_table = row[None] if S == 1 else engine.reuser.compiled.call(*row_table_call(engine.reuser, S, row))
+    tables = {} if tables is None else tables
+    if S not in tables:
+        row = np.ascontiguousarray(row, np.int32)
+        tables[S] = (row[None] if S == 1
+                     else engine.reuser.compiled.call(*row_table_call(engine.reuser, S, row)))
+    page_table = tables[S]
     lengths = np.zeros((S, L, H), np.int32)
     lengths[0] = length
     b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),

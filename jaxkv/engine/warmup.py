@@ -225,13 +225,32 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
             futures.append((variant, programs, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {len(futures)}", refresh=False)
+        failed = []
         for variant, programs, signature, lowered, fut, key in futures:
             try:
                 compiled = fut.result()
-            except Exception as e:  # noqa: BLE001 - e.g. XLA could not start ptxas with many compiles at once
+            except Exception as e:  # noqa: BLE001 - e.g. no ptxas process, or device memory for autotuning
                 log.warning("jaxkv: compiling step variant %s failed on a compile thread (%s); compiling it "
-                            "again alone", variant, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                            "again alone once the others are done", variant,
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                failed.append((variant, programs, signature, lowered, key))
+                continue
+            programs.install(signature, compiled)
+            built.append((key, compiled))
+            largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
+        # Every other compile has ended: XLA's autotuning of 16 programs at once can exhaust the device
+        # memory the pool leaves (8B shape, H100), and one program alone then finds enough.
+        for variant, programs, signature, lowered, key in failed:
+            try:
                 compiled = lowered.compile(compile_options(engine, variant))
+            except Exception as e:  # XLA's autotuning could not get device memory even alone
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                raise MemoryError(
+                    f"compiling the {variant[0]} variant {variant[1:]} ran out of device memory with no "
+                    f"other compile running ({str(e).splitlines()[0]}): give the KV pool less memory "
+                    f"(--memory-utilization, --num-pages), or lower --max-num-seqs, --max-step-tokens or "
+                    f"--max-model-len") from e
             programs.install(signature, compiled)
             built.append((key, compiled))
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
