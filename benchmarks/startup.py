@@ -12,8 +12,8 @@ configured as a GPU server would be. A row per engine configuration:
 `--cache DIR` points JAX's persistent compilation cache at DIR, so running the command twice gives the
 cold and the warm startup. `--precompile-reuse` names the segment-reuse methods precompiled (default
 `all`: at the GPU configuration RedKnot's 19 passes; the page copy naive and EPIC run before their ragged
-steps; the selection program of each token bucket of CacheBlend and SparseX and the steps from their
-selection layer, which they share; the device-built table of a many-row step), compiled in the step
+steps; the selection program of each token bucket and the steps from the selection layer, which
+CacheBlend and SparseX share; the device-built table of a many-row step), compiled in the step
 variants' pool run, as the server does (`--reuse-apart`: in a run of their own after it).
 """
 
@@ -219,8 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     metavar="METHODS",
                     help="segment-reuse methods whose programs precompile, comma-separated, or 'all' (every "
                          f"method of the mix: {','.join(REUSE_METHODS)}; at the GPU configuration 19 RedKnot "
-                         "passes, one page copy for naive and EPIC, 7 selection programs each for CacheBlend "
-                         "and SparseX and 6 steps they share); '' = none (default: all)")
+                         "passes, one page copy for naive and EPIC, 7 selection programs and 6 steps "
+                         "CacheBlend and SparseX share); '' = none (default: all)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
     ap.add_argument("--autotune-max-rows", type=int, default=None, metavar="ROWS",

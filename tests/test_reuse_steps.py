@@ -115,10 +115,13 @@ def test_a_request_after_precompile_compiles_nothing(model):
 
 
 def test_a_selecting_request_after_precompile_compiles_nothing(model):
-    """CacheBlend and SparseX precompile one selection program per token bucket each and the steps from
-    layer 1 once for both (one per step shape of at least 256 tokens, or the largest); their requests,
-    greedy and sampled, then run on those."""
+    """CacheBlend and SparseX precompile one selection program per token bucket for both (each method's score
+    a branch of it, `ScoreUnion`) and the steps from layer 1 once for both (one per step shape of at least
+    256 tokens, or the largest); their requests, greedy and sampled, then run on those and give the tokens
+    and selections of an engine that compiles each method's own selection as it goes."""
+    from jaxkv.engine.reuse_steps import score_form
     from jaxkv.engine.warmup import sampler_forms
+    from jaxkv.policies.reuse.base import ScoreUnion
 
     eng = _engine(model, True)
     eng.precompile(progress=False, step_cache=False)
@@ -127,13 +130,23 @@ def test_a_selecting_request_after_precompile_compiles_nothing(model):
     buckets = {T for T, _, _ in pass_shapes(get_reuse_policy("sparsex"), limit)}
     # steps hold at least SELECT_STEP_TOKENS (256), here the largest step bucket (16) only
     steps = len(eng._page_buckets) * len(sampler_forms(eng))
-    assert n == 2 * len(buckets) + steps + len(row_table_calls(eng.reuser))
+    assert n == len(buckets) + steps + len(row_table_calls(eng.reuser))
+    forms = [score_form(eng.reuser, get_reuse_policy(m)) for m in ("cacheblend", "sparsex")]
+    assert isinstance(forms[0][0], ScoreUnion) and forms[0][0] is forms[1][0] and forms[0][1] != forms[1][1]
     before = (compilations.step_programs(), reuse_prefill._cache_size())
     prefix, s1, s2, suffix = _pieces(model, (3, 30, 9, 11), seed=2)
+    got = []
     for method, sampling in (("cacheblend", GREEDY), ("sparsex", SAMPLED)):
-        tokens, _ = _ask(eng, prefix, [s1, s2], suffix, method, sampling)
+        tokens, stats = _ask(eng, prefix, [s1, s2], suffix, method, sampling)
         assert len(tokens) == sampling.max_tokens
+        got.append((tokens, stats.recomputed_rows, stats.kv_writes))
     assert (compilations.step_programs(), reuse_prefill._cache_size()) == before
+    lazy = _engine(model, True)  # nothing precompiled: each method's own selection program
+    sparsex = get_reuse_policy("sparsex")
+    assert score_form(lazy.reuser, sparsex)[0] == sparsex.device_form()
+    for (method, sampling), want in zip((("cacheblend", GREEDY), ("sparsex", SAMPLED)), got):
+        tokens, stats = _ask(lazy, prefix, [s1, s2], suffix, method, sampling)
+        assert (tokens, stats.recomputed_rows, stats.kv_writes) == want
 
 
 def test_as_steps_must_be_a_bool():

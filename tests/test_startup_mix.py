@@ -37,14 +37,14 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     n = engine.precompile(progress=False, presses=PRESSES, retrieval=[retrieval])
     counted, jitted = compilations.step_programs(), reuse_prefill._cache_size()
     passes = engine.precompile_reuse(list(REUSE_METHODS), progress=False)
-    # 192-token context: the selection of CacheBlend and of SparseX (one token bucket, 256) and the steps
+    # 192-token context: the selection CacheBlend and SparseX share (one token bucket, 256) and the steps
     # from their selection layer they share (the largest step bucket, 16 < 256 tokens: greedy and sampled),
     # RedKnot's one bucket (256), the page copy naive and EPIC run before their ragged steps (one
     # page-table width class), and the two-row step table all of them build on the device; every program
     # compiled on the warm-up pool and installed (none through jit), counted with the step programs
     assert len(engine._page_buckets) == 1 and {engine.step_rows(T) for T in engine._token_buckets} == {2}
     steps = len(sampler_forms(engine))
-    assert passes == len(engine.reuser.compiled) == 2 + steps + 1 + 1 + 1
+    assert passes == len(engine.reuser.compiled) == 1 + steps + 1 + 1 + 1
     assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,

@@ -192,6 +192,9 @@ class Reuser:
                                    tuple(int(x) for x in self.heads["window"][i])) for i in range(len(kinds)))
         self.impl = "reference" if engine.runner.attn_impl == "reference" else None
         self.waiting: deque[_Pending] = deque()
+        # (selection layer, per-head) -> the selection program the precompiled selecting methods share
+        # (`reuse_steps.share_selections`)
+        self.score_unions: dict = {}
         self.stats: dict[str, ReuseStats] = {}
         self.keep_logits = keep_logits
         # Per-segment FFN outputs for methods that declare `uses_segment_ffn`, with their own budget

@@ -35,7 +35,7 @@ from jaxkv.engine.buckets import bucket_for
 from jaxkv.engine.runner import StepBatch
 from jaxkv.models import rope
 from jaxkv.policies.reuse.apply import copy_pages
-from jaxkv.policies.reuse.base import DEVICE_HOOKS, PlainPass, ReusePolicy
+from jaxkv.policies.reuse.base import DEVICE_HOOKS, PlainPass, ReusePolicy, ScoreUnion
 from jaxkv.sampling import MAX_LOGPROBS
 
 # The fewest tokens a step from a selection layer holds (fewer rows are padded to it), so those steps compile
@@ -184,11 +184,38 @@ def run_selected(reuser, req, policy: ReusePolicy, b: dict, T: int, tokens, stor
 
 def select_call(reuser, policy: ReusePolicy, T: int, b: dict | None = None):
     """(function, arguments, static arguments) of the selection program of token bucket T (the pass up to
-    its selection, `reuse_prefill(select_only=...)`) over `b` (default all padding)."""
+    its selection, `reuse_prefill(select_only=...)`) over `b` (default all padding), in the form `score_form`
+    gives `policy` (its branch of a shared program as `b["method"]`)."""
+    form, method = score_form(reuser, policy)
     fn, args, static = reuser._pass_call(policy, T, 0, T)
-    if b is not None:
-        args = (*args[:2], b, *args[3:])
-    return fn, args, {**static, "select_only": hidden_rows(reuser.engine)}
+    b = args[2] if b is None else b
+    args = (*args[:2], {**b, "method": np.asarray(method, np.int32)}, *args[3:])
+    return fn, args, {**static, "policy": form, "select_only": hidden_rows(reuser.engine)}
+
+
+def score_form(reuser, policy: ReusePolicy) -> tuple[ReusePolicy, int]:
+    """The device form `policy`'s selection program compiles for, and its branch there: the `ScoreUnion`
+    this engine's precompiled selecting methods share (`share_selections`) when `policy` is one of them,
+    else its own form (branch 0)."""
+    dev = policy.device_form()
+    union = reuser.score_unions.get((policy.full_layers, policy.selects_per_head))
+    if union is not None and dev in union.methods:
+        return union, union.methods.index(dev)
+    return dev, 0
+
+
+def share_selections(reuser, policies) -> None:
+    """Makes the selecting methods of `policies` that run as steps share their selection programs: one
+    `ScoreUnion` per (selection layer, per-head selection) they have in common, its members in a fixed
+    order (their forms' text), so a restart builds the same program and finds it in the step cache."""
+    groups: dict = {}
+    for pol in policies:
+        if pol.selects and reuser.as_steps(pol):
+            groups.setdefault((pol.full_layers, pol.selects_per_head), set()).add(pol.device_form())
+    for (F, per_head), forms in groups.items():
+        if len(forms) > 1:
+            reuser.score_unions[(F, per_head)] = ScoreUnion(full_layers=F, per_head=per_head,
+                                                           methods=tuple(sorted(forms, key=repr)))
 
 
 def selection_calls(reuser, policy: ReusePolicy) -> list[tuple]:

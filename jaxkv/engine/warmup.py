@@ -152,7 +152,10 @@ def _reuse_jobs(engine, reuse) -> list[tuple]:
     are the quickest to compile: on an H100 the RedKnot passes went smallest first, and the compiles of the
     largest, lowered last, took the start 69 s past the end of lowering (30-45 s each beside the others).
     On a GPU `lowering_order` then places them among the other kinds."""
+    from jaxkv.engine.reuse_steps import share_selections
+
     reuser = engine.reuser
+    share_selections(reuser, reuse)  # CacheBlend and SparseX: one selection program per token bucket
     jobs = [(v, call, reuser.compiled) for pol in reuse for v, call in reuser.calls(pol)]
     return sorted(jobs, key=lambda job: (-int(job[0][2]), -int(job[0][1])))
 

@@ -424,7 +424,7 @@ def reuse_body(params, pool: KVPool, b: dict, heads: dict, carry=None, *, cfg, p
             view = LayerView(q=q[0], k=kf[0], v=vf[0], k_cached=kc, v_cached=vc, positions=b["positions"],
                              is_new=b["is_new"], forced=forced, seg_offset=b["seg_offset"], probe=b["probe"],
                              is_global=heads["is_global"][F], sink=heads["sink"][F],
-                             window=heads["window"][F], layer=F)
+                             window=heads["window"][F], layer=F, method=b.get("method", 0))
             sc = policy.score(view if tp is None else tp.view(view)).astype(jnp.float32)
             sc2 = sc if sc.ndim == 2 else sc[:, None]
             cand = valid & ~forced

@@ -79,6 +79,8 @@ class LayerView:
     # decision changes in `ReusePolicy.layer_breaks`, so no shared body's range crosses one.
     layer: Any = 0
     span: tuple[int, int] = dataclasses.field(metadata={"static": True}, default=(0, 1))
+    # Which method of a shared selection program scores (`ScoreUnion`): an int32 scalar, data.
+    method: Any = 0
 
     @property
     def valid(self) -> jax.Array:
@@ -261,6 +263,27 @@ class PlainPass(ReusePolicy):
     not a method of its own (never registered)."""
 
     name = "plain pass"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreUnion(ReusePolicy):
+    """The selection program several selecting methods share (`jaxkv.engine.reuse_steps`): each method's
+    `score` is a branch and the request's method is data (`LayerView.method`), so a server enabling
+    CacheBlend and SparseX compiles one selection per token bucket, not one per method. `methods` are the
+    members' device forms, all of `full_layers` and of one `selects_per_head`; not a method of its own."""
+
+    name = "score union"
+    selects = True
+    methods: tuple = ()
+    per_head: bool = False
+
+    @property
+    def selects_per_head(self) -> bool:
+        return self.per_head
+
+    def score(self, view: LayerView) -> jax.Array:
+        branches = [lambda m=m: m.score(view).astype(jnp.float32) for m in self.methods]
+        return jax.lax.switch(jnp.asarray(view.method, jnp.int32), branches)
 
 
 REUSE_POLICIES: dict[str, type] = {}
