@@ -225,8 +225,15 @@ def _differences(a, b) -> list[str]:
     return out
 
 
-# What besides shape and dtype tells two abstract values apart (their reprs may read the same)
-_AVAL_ATTRS = ("weak_type", "sharding", "memory_space", "vma")
+# What besides shape and dtype tells two abstract values apart (their reprs may read the same); the aval
+# class's own fields are read too (`_aval_attrs`), so an attribute a jax version adds is named as well
+_AVAL_ATTRS = ("weak_type", "sharding", "memory_space", "vma", "manual_axis_type")
+
+
+def _aval_attrs(aval) -> tuple[str, ...]:
+    slots = [a for cls in type(aval).__mro__ for a in getattr(cls, "__slots__", ())
+             if a not in ("shape", "dtype", "__weakref__", "__dict__")]
+    return tuple(dict.fromkeys([*_AVAL_ATTRS, *slots]))
 
 
 def _entry_difference(x, y) -> str:
@@ -234,7 +241,7 @@ def _entry_difference(x, y) -> str:
     avals of one shape and dtype print alike: `int32[8]` vs `int32[8]`)."""
     if _shape_of(x) == _shape_of(y):
         ax, ay = (e[-1] if isinstance(e, tuple) else e for e in (x, y))
-        attrs = [f"{a} {getattr(ax, a, None)!r} vs {getattr(ay, a, None)!r}" for a in _AVAL_ATTRS
+        attrs = [f"{a} {getattr(ax, a, None)!r} vs {getattr(ay, a, None)!r}" for a in _aval_attrs(ax)
                  if getattr(ax, a, None) != getattr(ay, a, None)]
         if attrs:
             name = f"{x[0]}: " if isinstance(x, tuple) else ""
