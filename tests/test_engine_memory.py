@@ -109,3 +109,27 @@ def test_autotuning_only_for_programs_of_few_rows(tmp_path, monkeypatch):
     assert parse_args([]).autotune_max_rows == 512  # 0: autotune every program
     with pytest.raises(SystemExit):
         parse_args(["--autotune-max-rows", "-1"])
+
+
+def test_retrieval_states_are_counted_beside_the_pool(tmp_path):
+    """SpeContext keeps a key row of every slot per sequence, made after the pool: a server sizing its pool
+    from memory keeps its bytes free (the 8B shape at 256 x 32K: ~17 GB). Counted from shapes, nothing made;
+    a stateless method (Quest) adds nothing."""
+    import jax
+
+    import jaxkv
+    from jaxkv.engine.memory import retrieval_state_bytes
+    from jaxkv.policies.retrieve import specontext as sc
+    from jaxkv.policies.retrieve.quest import Quest
+    from tests.hf_tiny import make_tiny_checkpoint
+
+    model = jaxkv.load(make_tiny_checkpoint("llama", tmp_path / "ckpt"))
+    cfg = model.config
+    head = sc.HeadConfig.for_model(cfg, tap_layer=1, model_id=model.model_id)
+    sc.save_head(tmp_path / "head", sc.init_head(head, jax.random.key(0)), {"random": True})
+    spec = sc.SpeContext(head_dir=str(tmp_path / "head"))
+    itemsize = jax.tree.leaves(model.params)[0].dtype.itemsize  # the key dtype follows the model's
+    want = 8 * 96 * head.num_kv_heads * head.head_dim * itemsize
+    assert retrieval_state_bytes([spec], model, 8, 96) == want > 0
+    assert retrieval_state_bytes([spec, Quest(budget=16)], model, 8, 96) == want
+    assert retrieval_state_bytes([], model, 8, 96) == 0

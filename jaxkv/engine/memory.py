@@ -28,6 +28,23 @@ def step_activation_bytes(cfg, tokens: int, itemsize: int) -> int:
     return int(tokens) * per_token
 
 
+def retrieval_state_bytes(policies, model, num_seqs: int, slots: int) -> int:
+    """Device bytes the per-request states of retrieval `policies` take beside the pool
+    (`RetrievalPolicy.init_state`: a row of `slots` slots for each of `num_seqs` sequences; SpeContext's
+    keys of the 8B shape at 256 x 32K are ~17 GB), from their shapes alone (nothing allocated); 0 for a
+    stateless method. A server sizing its pool from memory keeps them free: they are made after the pool."""
+    import numpy as np
+
+    from jaxkv.engine.engine import _resolve_policy
+
+    total = 0
+    for policy in {_resolve_policy(p, None, model) for p in policies}:
+        head = policy.load_params(model)
+        shapes = jax.eval_shape(lambda policy=policy, head=head: policy.init_state(head, num_seqs, slots))
+        total += sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+    return total
+
+
 def pool_bytes(stats: dict, utilization: float, reserve: int = ACTIVATION_RESERVE) -> int:
     """KV bytes from allocator stats (``bytes_limit``, ``bytes_in_use``): utilization x limit - in use -
     reserve. A clear error where nothing is left."""

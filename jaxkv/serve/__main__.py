@@ -280,7 +280,12 @@ def main(argv=None) -> int:
     import jaxkv
     from jaxkv.cache.head_classes import all_global
     from jaxkv.engine.engine import Engine
-    from jaxkv.engine.memory import ACTIVATION_RESERVE, device_kv_bytes, step_activation_bytes
+    from jaxkv.engine.memory import (
+        ACTIVATION_RESERVE,
+        device_kv_bytes,
+        retrieval_state_bytes,
+        step_activation_bytes,
+    )
     from jaxkv.parallel.mesh import make_mesh
     from jaxkv.policies.reuse import resolve_reuse
     from jaxkv.serve.app import ServeLimits
@@ -318,6 +323,16 @@ def main(argv=None) -> int:
             longest = max(chosen["max_step_tokens"], context)
             itemsize = jax.tree.leaves(model.params)[0].dtype.itemsize
             reserve = ACTIVATION_RESERVE + step_activation_bytes(model.config, longest, itemsize)
+            # the retrieval methods' per-request states come after the pool (a row per sequence, a slot per
+            # position of the context and its segment slack)
+            from jaxkv.serve.server import retrieval_policy
+
+            retrieving = [retrieval_policy(m) for m in args.precompile_retrieval]
+            if getattr(args.kv_policy_obj, "kind", None) == "retrieval":
+                retrieving.append(args.kv_policy_obj)
+            pages = -(-context // args.page_size) + (args.segment_max_segments or 0) + 1
+            slots = pages * args.page_size
+            reserve += retrieval_state_bytes(retrieving, model, chosen["max_num_seqs"], slots)
             kv_bytes = device_kv_bytes(args.memory_utilization, reserve=reserve)
             sized = {} if kv_bytes is None else {"kv_cache_bytes": kv_bytes}
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
