@@ -532,12 +532,7 @@ class Retriever:
     def dispatch_step(self, batch) -> tuple:
         """A plain step through the every-step tap (`tap_every_step`), not waited for: (tokens, logprobs)
         on the device."""
-        arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__ if f not in STEP_OPTIONS}
-        rows = np.full(batch.temperature.shape[0], -1, np.int32)
-        greedy = self.engine.runner.greedy_program(batch.temperature)
-        out = self.compiled.call(*self._tap_call(arrays, rows, self.every_step, None, greedy, batch.fresh))
-        self._keep_tap(self.every_step, None, out)
-        return out[0], out[1]
+        return self._run_tap(batch, np.full(batch.temperature.shape[0], -1, np.int32), self.every_step, None)
 
     def _tap_call(self, arrays, rows, policy, page_cls, greedy, fresh):
         """(function, arguments, static arguments) of a ragged step with the tap: `policy` the stateful
@@ -656,12 +651,18 @@ class Retriever:
                 rows[row] = self._row(c.request)
         # The logprob extras never reach a retrieval step (requests that ask for them run apart), so the
         # step's inputs are those precompile warmed.
+        out = self._run_tap(b, rows, policy, page_cls)  # the pool first: the mirror reads the new one
+        self.buffers.mirror(b.slots)
+        return jax.device_get(out)  # one sync for tokens and logprobs
+
+    def _run_tap(self, b, rows, policy, page_cls) -> tuple:
+        """Dispatches step `b` with the tap of `policy` / `page_cls` over state `rows` and keeps the states
+        it hands back; (tokens, logprobs) on the device, not waited for."""
         arrays = {f: getattr(b, f) for f in b.__dataclass_fields__ if f not in STEP_OPTIONS}
         greedy = self.engine.runner.greedy_program(b.temperature)
         out = self.compiled.call(*self._tap_call(arrays, rows, policy, page_cls, greedy, b.fresh))
-        self._keep_tap(policy, page_cls, out)  # the pool first: the mirror reads the new one
-        self.buffers.mirror(b.slots)
-        return jax.device_get(out[:2])  # one sync for tokens and logprobs
+        self._keep_tap(policy, page_cls, out)
+        return out[0], out[1]
 
     # ---- decode -----------------------------------------------------------------------------------
     def decode(self, chunks, prev=None) -> PendingDecode:

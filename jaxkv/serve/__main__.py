@@ -330,7 +330,8 @@ def main(argv=None) -> int:
             retrieving = [retrieval_policy(m) for m in args.precompile_retrieval]
             if getattr(args.kv_policy_obj, "kind", None) == "retrieval":
                 retrieving.append(args.kv_policy_obj)
-            pages = -(-context // args.page_size) + (args.segment_max_segments or 0) + 1
+            slack = args.segment_max_segments + 1 if args.segment_max_segments else 0  # as the engine's
+            pages = -(-context // args.page_size) + slack
             slots = pages * args.page_size
             reserve += retrieval_state_bytes(retrieving, model, chosen["max_num_seqs"], slots)
             kv_bytes = device_kv_bytes(args.memory_utilization, reserve=reserve)
