@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from benchmarks.harness import SHAPES, append_jsonl, command_line, describe_device, random_model
+from jaxkv.engine.config import PER_REQUEST_RETRIEVAL_ROWS
 
 REUSE_METHODS = ("naive", "epic", "cacheblend", "sparsex", "redknot")
 log = logging.getLogger("benchmarks.startup")
@@ -223,6 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "CacheBlend and SparseX share); '' = none (default: all)")
     ap.add_argument("--no-retrieval", action="store_true",
                     help="no SpeContext (random retrieval head) in the precompile and the mix")
+    ap.add_argument("--retrieval-max-seqs", type=int, default=PER_REQUEST_RETRIEVAL_ROWS, metavar="N",
+                    help="SpeContext state rows (requests running at once), as the server's default")
     ap.add_argument("--autotune-max-rows", type=int, default=None, metavar="ROWS",
                     help="XLA GEMM autotuning only for precompiled programs of at most ROWS rows "
                          "(EngineConfig.autotune_max_rows; default: every program)")
@@ -278,7 +281,7 @@ def main(argv=None) -> None:
                       enable_prefix_caching=False, autotune_max_rows=args.autotune_max_rows,
                       **({"page_classes": args.page_classes} if args.page_classes else {}),
                       **({"rolled_from_tokens": args.rolled_from_tokens} if args.rolled_from_tokens else {}),
-                      segment_as_steps=args.segment_as_steps)
+                      segment_as_steps=args.segment_as_steps, retrieval_max_seqs=args.retrieval_max_seqs)
 
     if args.first_request:
         from jaxkv.sampling import SamplingParams
@@ -334,6 +337,7 @@ def main(argv=None) -> None:
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(), reuse_apart=args.reuse_apart,
                page_widths=list(getattr(engine, "page_widths", ())),
                rolled_from_tokens=args.rolled_from_tokens, segment_as_steps=args.segment_as_steps,
+               retrieval_max_seqs=args.retrieval_max_seqs, kv_cache_gib=args.kv_cache_gib,
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

@@ -539,6 +539,40 @@ def test_engine_per_request_override_and_mixed_steps(toy):
     assert eng.kv_policy is None and eng.prefix is None
 
 
+def test_state_rows_budget_holds_retrieval_requests_back_and_lets_others_pass(toy):
+    """With 2 state rows, never more than 2 SpeContext requests run at once; the plain request queued
+    behind them starts at once; every request gives the tokens it gives with a row each; the state and
+    the buffer have 2 rows and the decodes compile for at most 2 sequences."""
+    model, _ = toy
+    pol = sc.SpeContext(budget=6, sink=1, recent=1)
+    prompts = [_prompt(model, 30 + 3 * i, 10 + i) for i in range(5)]
+    reqs = [(p, pol, None) for p in prompts[:4]] + [(prompts[4], None, None)]
+    want, _ = _engine_run(model, reqs, decode_steps=2)
+    seen = []
+
+    def watch(eng):
+        step = eng.step
+
+        def counted():
+            out = step()
+            sched = eng.scheduler
+            seen.append((sum(r.kv_policy is not None for r in sched.running),
+                         any(r.kv_policy is None for r in sched.running) and len(sched.waiting) > 0))
+            return out
+
+        eng.step = counted
+
+    got, eng = _engine_run(model, reqs, decode_steps=2, retrieval_max_seqs=2, setup=watch)
+    assert got == want
+    assert max(n for n, _ in seen) == 2
+    assert any(passed for _, passed in seen)  # the plain request ran while held ones waited before it
+    r = eng.retriever
+    assert r.max_rows == 2 and r._state[type(pol)].shape[0] == 2
+    assert max(r.decode_seq_buckets(pol)) == 2 and max(eng._seq_buckets) == 4
+    with pytest.raises(ValueError, match="retrieval_max_seqs"):
+        _engine_run(model, [], retrieval_max_seqs=0)
+
+
 def test_engine_retrieval_errors(toy, tmp_path):
     import shutil
 

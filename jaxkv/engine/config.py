@@ -14,6 +14,9 @@ import dataclasses
 from typing import Any
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# The server's retrieval state rows when requests choose SpeContext per request (not engine-wide): a row is
+# a whole context of keys, made for every row up front, and most of a mixed load holds none.
+PER_REQUEST_RETRIEVAL_ROWS = 32
 DEFAULT_DECODE_STEPS = 16  # decode tokens per dispatch when every running request decodes (docs/engine.md)
 
 
@@ -27,6 +30,10 @@ class RetrievalConfig:
     host_pages: host-memory pages that older K/V moves to when the device pool runs short (host tier only).
     host_overlap: host rows of later layers are gathered beside the earlier layers (host tier only).
     host_eager: every dispatch loads from the host mirror, not only once a request has pages there.
+    max_seqs: requests that hold a retrieval state row at once (SpeContext's keys and selection buffer, a row
+    of the whole context each: ~67 MB a request at the 8B shape and 32K); the scheduler keeps later ones
+    waiting while every row is taken, and the retrieval decodes compile for at most this many sequences.
+    None: max_num_seqs (every running request may hold one).
     """
 
     host_tier: bool = False
@@ -35,6 +42,12 @@ class RetrievalConfig:
     host_pages: int = 0
     host_overlap: bool = False
     host_eager: bool = False
+    max_seqs: int | None = None
+
+    def __post_init__(self):
+        n = self.max_seqs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"Engine: retrieval_max_seqs must be a positive integer or None (got {n!r})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -403,12 +403,18 @@ class Retriever:
     by policy; the shared methods' buffers through `buffers` (`SelectionBuffers`)."""
 
     def __init__(self, engine, host_tier: bool = False, resident: float | None = None,
-                 inplace: bool | None = None, overlap: bool = False, eager: bool = False):
+                 inplace: bool | None = None, overlap: bool = False, eager: bool = False,
+                 max_rows: int | None = None):
         self.engine = engine
         self._params: dict = {}  # policy class -> parameter pytree (e.g. the retrieval head)
         self._state: dict = {}  # policy class -> device state [rows, slots, ...] (None when stateless)
         self._rows: dict = {}  # request id -> state row
         self._page_states: dict = {}  # RetrievalPolicy.page_state class -> its state, made on first use
+        self._holds: dict = {}  # policy class -> whether its requests take a state row (`holds_row`)
+        # State rows: requests holding one run at once (config.RetrievalConfig.max_seqs); the scheduler
+        # admits no more (`admits`).
+        self.max_rows = min(max_rows or engine.scheduler.max_num_seqs, engine.scheduler.max_num_seqs)
+        engine.scheduler.admits = self.admits
         self.every_step = None  # the method whose tap every plain ragged step runs (`tap_every_step`)
         # Programs compiled ahead of time (warmup.precompile), called directly by the steps and decodes.
         self.compiled = programs.Programs("retriever", owned=("cfg", "attn_impl", "mesh", "local_layers"))
@@ -445,10 +451,20 @@ class Retriever:
         if self._state_for(policy) is not None or policy.page_state is not None:
             todo += [("tap", *v[1:6], None) for v in variants(eng) if v[0] == "step"]
         inplaces = self.buffers.decode_variants(policy)
-        todo += [("decode", s, k, p, greedy, False, inplace) for s in eng._seq_buckets
+        todo += [("decode", s, k, p, greedy, False, inplace) for s in self.decode_seq_buckets(policy)
                  for p in eng._page_buckets for greedy in sampler_forms(eng)
                  for k in (eng.decode_steps,) for inplace in inplaces]
         return todo
+
+    def decode_seq_buckets(self, policy: RetrievalPolicy) -> tuple:
+        """Sequence buckets `policy`'s decodes hit: a method whose requests hold a state row decodes at most
+        `max_rows` of them at once (the scheduler admits no more), so the buckets stop at the one holding
+        them."""
+        buckets = self.engine._seq_buckets
+        if not self.holds_row(policy):
+            return tuple(buckets)
+        top = next(b for b in buckets if b >= self.max_rows)
+        return tuple(b for b in buckets if b <= top)
 
     def calls(self, policy: RetrievalPolicy) -> list[tuple]:
         """(variant, call) of every program in `programs`; a call returns (signature, function, arguments,
@@ -463,7 +479,7 @@ class Retriever:
         self._state_for(policy), self._page_state_for(policy)  # made before any call reads them
         # A decode batch's metadata is a small device program per (sequences, page-table width), which the
         # runner's decode variants warm only with decode_steps > 1.
-        for s in eng._seq_buckets:
+        for s in self.decode_seq_buckets(policy):
             for p in eng._page_buckets:
                 _batch(eng, "decode", s, 0, p, True, False)
 
@@ -583,8 +599,25 @@ class Retriever:
         if key not in self._state:
             eng = self.engine
             slots = eng.max_pages_per_head * eng.page_size
-            self._state[key] = policy.init_state(self.params_for(policy), eng.scheduler.max_num_seqs, slots)
+            self._state[key] = policy.init_state(self.params_for(policy), self.max_rows, slots)
         return self._state[key]
+
+    def holds_row(self, policy) -> bool:
+        """Whether a request of `policy` takes a state row while it runs: a device state, or a shared
+        method's selection buffer."""
+        key = type(policy)
+        if key not in self._holds:
+            self._holds[key] = self._state_for(policy) is not None or not policy.layer_wise
+        return self._holds[key]
+
+    def admits(self, req) -> bool:
+        """The scheduler's admission hook: a request that takes a state row starts only while one is free
+        (`max_rows` of them); others always."""
+        if not is_retrieval(req) or not self.holds_row(req.kv_policy):
+            return True
+        held = sum(1 for r in self.engine.scheduler.running
+                   if r.kv_policy is not None and is_retrieval(r) and self.holds_row(r.kv_policy))
+        return held < self.max_rows
 
     def _decode_fn(self, inplace: bool):
         return _decode_retrieval_overlap if self.buffers.overlap and not inplace else _decode_retrieval
@@ -597,7 +630,11 @@ class Retriever:
                 del self._rows[other]
             self.buffers.retain(running)
             used = set(self._rows.values())
-            self._rows[rid] = next(i for i in range(self.engine.scheduler.max_num_seqs) if i not in used)
+            free = [i for i in range(self.max_rows) if i not in used]
+            if not free:  # the scheduler admits no more than max_rows (`admits`); a request let in past it
+                raise RuntimeError(f"retrieval: all {self.max_rows} state rows are taken; raise "
+                                   f"retrieval_max_seqs (--retrieval-max-seqs) or run fewer such requests")
+            self._rows[rid] = free[0]
         return self._rows[rid]
 
     def active(self, chunks) -> bool:

@@ -54,6 +54,11 @@ class Scheduler:
         # one pass per request per step (each pass scans every running request's tables and copies on the
         # host), the low/high watermark of a pager.
         self.offload_headroom = 0
+        # admits(req) -> bool: whether a waiting request may start now; a method with a bounded per-request
+        # state (retrieval state rows) says no while its rows are taken. A request it refuses stays in
+        # line, and later ones are looked at past it (as vLLM skips requests whose LoRA cannot load).
+        # None: every request.
+        self.admits = None
 
     def add_running(self, request: Request) -> None:
         """Takes a request whose prompt was prefilled outside the step loop (segment reuse) as running."""
@@ -75,11 +80,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, decode_steps: int = 1, room=None) -> list[Chunk]:
-        """This step's chunks. With ``decode_steps > 1``, nothing waiting and every running request
-        decoding, each request reserves up to ``decode_steps`` tokens ahead (``room(req)`` caps it: tokens
-        it may still produce) and the chunks are multi-step decode chunks."""
-        if decode_steps > 1 and not self.waiting and self.running and all(
-                r.num_pending == 1 for r in self.running):
+        """This step's chunks. With ``decode_steps > 1``, nothing waiting that may start and every running
+        request decoding, each request reserves up to ``decode_steps`` tokens ahead (``room(req)`` caps it:
+        tokens it may still produce) and the chunks are multi-step decode chunks."""
+        if decode_steps > 1 and self.running and all(r.num_pending == 1 for r in self.running) and not any(
+                self.admits is None or self.admits(r) for r in self.waiting):
             return self._schedule_decode(decode_steps, room)
         fresh, looked_up = self._schedule_fresh()
         if fresh:
@@ -97,8 +102,12 @@ class Scheduler:
                 continue
             chunks.append(Chunk(req, req.num_computed, n, slots))
             budget -= n
-        while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
-            req = self.waiting[0]
+        held = 0  # waiting requests `admits` refused this step, ahead of the one looked at
+        while held < len(self.waiting) and budget > 0 and len(chunks) < self.max_num_seqs:
+            req = self.waiting[held]
+            if self.admits is not None and not self.admits(req):
+                held += 1
+                continue
             if (req.num_computed == 0 and self.prefix is not None and req.kv_policy is None
                     and req is not looked_up):
                 self._adopt_prefix(req)
@@ -106,7 +115,7 @@ class Scheduler:
             if not self._make_room(self.tables.pages_needed(req.request_id, n), protect=None):
                 break  # head-of-line waits until pages free up
             slots = self.tables.append(req.request_id, _positions(req, n), return_slots=self.host_slots)
-            self.waiting.popleft()
+            del self.waiting[held]
             req.status = Status.RUNNING
             self.running.append(req)
             chunks.append(Chunk(req, req.num_computed, n, slots))
@@ -119,6 +128,8 @@ class Scheduler:
         if not (self.max_fresh_tokens and self.waiting and len(self.running) < self.max_num_seqs):
             return [], None
         req = self.waiting[0]
+        if self.admits is not None and not self.admits(req):
+            return [], None
         if req.num_computed == 0 and self.prefix is not None and req.kv_policy is None:
             self._adopt_prefix(req)
         n = req.num_pending

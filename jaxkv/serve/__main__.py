@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxkv.engine.config import LAYER_LOOPS
+from jaxkv.engine.config import LAYER_LOOPS, PER_REQUEST_RETRIEVAL_ROWS
 
 # Batch sizes a server starts with when none are given: an accelerator is filled as vLLM fills one (its
 # step variants compile before serving, ~2 min for a 1B model on an H100, docs/benchmarks.md); on the CPU
@@ -135,6 +135,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "layers (compiled with XLA's latency-hiding scheduler) instead of all before the "
                         "first selected layer; pays off when each step's difference is large "
                         "(docs/specontext.md)")
+    p.add_argument("--retrieval-max-seqs", type=int, default=None, metavar="N",
+                   help="SpeContext requests running at once: each holds a state row of the whole context "
+                        "(~67 MB at the 8B shape and 32K tokens); later ones wait for a free row (default: "
+                        f"--max-num-seqs when --kv-policy is a retrieval method, else at most "
+                        f"{PER_REQUEST_RETRIEVAL_ROWS})")
     p.add_argument("--segment-anchor", default="bos", metavar="bos|none|IDS",
                    help="tokens every reusable segment is prefilled after (their K/V are dropped): 'bos' "
                         "(default: the model's BOS, the attention sink its prompts open with), 'none' "
@@ -203,7 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.autotune_max_rows < 0:
         p.error("--autotune-max-rows must be >= 0")
-    for name in ("max_model_len", "num_pages", "page_size", "max_num_seqs", "max_step_tokens"):
+    for name in ("max_model_len", "num_pages", "page_size", "max_num_seqs", "max_step_tokens",
+                 "retrieval_max_seqs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer (got {value})")
@@ -314,6 +320,9 @@ def main(argv=None) -> int:
             head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
         chosen = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in
                   (CPU_DEFAULTS if jax.default_backend() == "cpu" else ACCELERATOR_DEFAULTS).items()}
+        retrieval_rows = args.retrieval_max_seqs or (
+            chosen["max_num_seqs"] if getattr(args.kv_policy_obj, "kind", None) == "retrieval"
+            else min(PER_REQUEST_RETRIEVAL_ROWS, chosen["max_num_seqs"]))
         phases["load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         sized = {}
@@ -333,7 +342,7 @@ def main(argv=None) -> int:
             slack = args.segment_max_segments + 1 if args.segment_max_segments else 0  # as the engine's
             pages = -(-context // args.page_size) + slack
             slots = pages * args.page_size
-            reserve += retrieval_state_bytes(retrieving, model, chosen["max_num_seqs"], slots)
+            reserve += retrieval_state_bytes(retrieving, model, retrieval_rows, slots)
             kv_bytes = device_kv_bytes(args.memory_utilization, reserve=reserve)
             sized = {} if kv_bytes is None else {"kv_cache_bytes": kv_bytes}
         engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, **sized,
@@ -347,6 +356,7 @@ def main(argv=None) -> int:
                         retrieval_resident=args.retrieval_resident,
                         retrieval_host_pages=args.retrieval_host_pages,
                         retrieval_host_overlap=args.retrieval_host_overlap,
+                        retrieval_max_seqs=retrieval_rows,
                         segment_anchor=args.segment_anchor, segment_store=args.segment_store,
                         segment_as_steps=args.segment_as_steps,
                         segment_max_segments=args.segment_max_segments,
@@ -414,6 +424,7 @@ def main(argv=None) -> int:
           f"KV pool {engine.allocator.num_pages} pages x {engine.page_size} slots ({pool_gib:.2f} GiB), "
           f"KV heads: {classes}, "
           f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
+          f"retrieval state rows {engine.retriever.max_rows}, "
           f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}"
           + (f", segment store {args.segment_store} ({engine.segments_restored} segments restored)"
              if args.segment_store else ""), flush=True)

@@ -231,7 +231,7 @@ class SelectionBuffers:
             lsel = cfg.num_layers - policy.tap_layer(self.params_for(policy))
             width = -(-int(np.ceil(self.resident * policy.budget)) // eng.page_size) * eng.page_size
             dim = 0 if self.inplace else cfg.head_dim   # in place: the buffer keeps positions only
-            self._buf[policy] = host_tier.init_buffer(lsel, eng.scheduler.max_num_seqs, cfg.num_kv_heads,
+            self._buf[policy] = host_tier.init_buffer(lsel, eng.retriever.max_rows, cfg.num_kv_heads,
                                                       width, dim, eng.runner.pool.k.dtype)
         return self._buf[policy]
 
