@@ -48,6 +48,26 @@ def test_serve_rejects_a_bad_utilization(capsys):
     assert parse_args(["--memory-utilization", "0.5"]).memory_utilization == 0.5
 
 
+def test_serve_retrieval_rows_default_and_bad_values(capsys):
+    """SpeContext's state rows: 32 where requests choose it, every sequence where it is the engine-wide
+    policy, as asked otherwise (never above max_num_seqs); 0 is refused."""
+    from jaxkv.serve.__main__ import parse_args, retrieval_max_seqs
+
+    with pytest.raises(SystemExit):
+        parse_args(["--retrieval-max-seqs", "0"])
+    assert "--retrieval-max-seqs must be a positive integer" in capsys.readouterr().err
+    args = parse_args([])
+    args.kv_policy_obj = None
+    assert retrieval_max_seqs(args, 256) == 32 and retrieval_max_seqs(args, 8) == 8
+    from jaxkv.policies import get_policy
+
+    args.kv_policy_obj = get_policy("specontext")
+    assert retrieval_max_seqs(args, 256) == 256
+    args = parse_args(["--retrieval-max-seqs", "64"])
+    args.kv_policy_obj = None
+    assert retrieval_max_seqs(args, 256) == 64 and retrieval_max_seqs(args, 16) == 16
+
+
 def test_step_activation_bytes_covers_a_measured_step():
     """The estimate the server keeps free beside its pool: at least what XLA's memory analysis reported
     for the 1B shape's 32K-token fresh step on an H100 (2.39 GiB), and proportional to the tokens."""

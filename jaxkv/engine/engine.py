@@ -51,6 +51,12 @@ FRESH_MIN_TOKENS = 256  # fresh prompts at least this long prefill through head_
 # SpeContext's 16 x 1K-4K took the same time over a 2,049-page table as over their own class.
 PAGE_CLASS_MIN = 32
 PAGE_CLASS_FACTOR = 8
+# The smallest bucket of a decode's sequences and of a ragged step's tokens on an accelerator. A step of
+# that few rows reads the weights once whatever its rows (a 1B step is bound by weight bytes far past 64
+# rows), so smaller buckets buy no speed there and each costs a set of programs at a cold start. On the
+# CPU, where a row costs its compute, the buckets start at 2 sequences and 8 tokens.
+ACCEL_MIN_DECODE_SEQS = 8
+ACCEL_MIN_STEP_TOKENS = 64
 
 
 def page_classes(context_pages: int, max_pages: int, count: int | None = None) -> tuple[int, ...]:
@@ -207,7 +213,7 @@ class Engine:
         # 1B shape's large diffs, 0.89x on the embedded model's (docs/specontext.md).
         r = c.retrieval
         self.retriever = Retriever(self, host_tier=r.host_tier, resident=r.resident, inplace=r.inplace,
-                                   overlap=r.host_overlap, eager=r.host_eager)
+                                   overlap=r.host_overlap, eager=r.host_eager, max_rows=r.max_seqs)
         if mesh is not None and _retrieves(self.kv_policy):
             self.retriever.params_for(self.kv_policy)  # its head in placed order, or a clear error now
         # `retrieval_host_pages` (host tier only): pages of host memory that retrieval requests' older K/V
@@ -218,11 +224,14 @@ class Engine:
         # At least 2 sequence rows: with one, every projection is a vector-matrix product that XLA GPU lowers
         # to a multiply fusion writing W-sized temporaries + a reduce (3x the weight bytes; H200 trace,
         # docs/benchmarks.md); a padding row keeps them GEMMs at no extra weight traffic.
-        self._seq_buckets = powers_of_two(max(max_num_seqs, 2), start=2)
+        accel = jax.default_backend() != "cpu"
+        rows = max(max_num_seqs, 2)
+        self._seq_buckets = powers_of_two(rows, start=min(ACCEL_MIN_DECODE_SEQS if accel else 2, rows))
         # Few buckets: small steps and short page lists pad up rather than compile their own variant. A
         # ragged step's row count follows its token bucket (a step of T tokens has at most T rows), so its
         # shapes depend on tokens and page-table width only (a few width classes, PAGE_CLASS_MIN).
-        self._token_buckets = powers_of_two(max_step_tokens, start=min(8, max_step_tokens))
+        self._token_buckets = powers_of_two(
+            max_step_tokens, start=min(ACCEL_MIN_STEP_TOKENS if accel else 8, max_step_tokens))
         # The slack widens the widest class instead of adding one: no step variants for it.
         self._page_buckets = page_classes(self.context_pages, self.max_pages_per_head, c.page_classes if
                                           c.page_classes is not None or jax.default_backend() == "cpu" else 1)

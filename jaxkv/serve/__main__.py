@@ -320,9 +320,7 @@ def main(argv=None) -> int:
             head_classes = all_global(model.config.num_layers, model.config.num_kv_heads)
         chosen = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in
                   (CPU_DEFAULTS if jax.default_backend() == "cpu" else ACCELERATOR_DEFAULTS).items()}
-        retrieval_rows = args.retrieval_max_seqs or (
-            chosen["max_num_seqs"] if getattr(args.kv_policy_obj, "kind", None) == "retrieval"
-            else min(PER_REQUEST_RETRIEVAL_ROWS, chosen["max_num_seqs"]))
+        retrieval_rows = retrieval_max_seqs(args, chosen["max_num_seqs"])
         phases["load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         sized = {}
@@ -431,6 +429,16 @@ def main(argv=None) -> int:
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
           started_at=started)
     return 0
+
+
+def retrieval_max_seqs(args: argparse.Namespace, max_num_seqs: int) -> int:
+    """SpeContext state rows: as asked; else every sequence where the engine-wide policy retrieves, and
+    `PER_REQUEST_RETRIEVAL_ROWS` where requests choose it (each row is a whole context of keys)."""
+    if args.retrieval_max_seqs:
+        return min(args.retrieval_max_seqs, max_num_seqs)
+    if getattr(args.kv_policy_obj, "kind", None) == "retrieval":
+        return max_num_seqs
+    return min(PER_REQUEST_RETRIEVAL_ROWS, max_num_seqs)
 
 
 def _served_name(path: Path) -> str:
