@@ -473,3 +473,35 @@ def test_segments_survive_a_server_restart(ckpt, tmp_path):
         second.stop()
     with pytest.raises(RuntimeError, match="another model or KV layout"):
         ServerProcess([*common, "--page-size", "8"])
+
+
+def test_specontext_requests_wait_for_a_state_row_and_others_pass(ckpt, tmp_path):
+    """`--retrieval-max-seqs 1`: two concurrent per-request SpeContext completions and a plain one on a
+    3-sequence server all finish (the second SpeContext request waits for the row, the plain one does not);
+    /metrics shows one row, free again afterwards."""
+    import concurrent.futures
+
+    model_dir = _with_random_head(ckpt, tmp_path)
+    s = ServerProcess(["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", "512",
+                       "--max-num-seqs", "3", "--max-step-tokens", "64", "--head-classes", "global",
+                       "--no-precompile", "--retrieval-max-seqs", "1"])
+    try:
+        c = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=300)
+        name = c.models.list().data[0].id
+        spe = {"name": "specontext", "budget": 16}
+
+        def ask(policy):
+            body = {"ignore_eos": True, **({"kv_policy": policy} if policy else {})}
+            return c.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                        extra_body=body)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            rs = list(ex.map(ask, [spe, spe, None]))
+        assert [r.usage.completion_tokens for r in rs] == [24, 24, 24]
+        assert rs[0].choices[0].text == rs[1].choices[0].text  # one row, used in turn, same answer
+        assert s.metric("jaxkv_retrieval_state_rows") == 1
+        assert s.metric("jaxkv_retrieval_state_rows_in_use") == 0
+        assert "retrieval state rows 1" in "".join(s.log)
+        assert httpx.get(s.base + "/info").json()["retrieval_max_seqs"] == 1
+    finally:
+        s.stop()

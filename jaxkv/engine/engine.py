@@ -82,6 +82,8 @@ class EngineStats:
     host_pages_total: int = 0  # host-only pages of the retrieval offload (retrieval_host_pages)
     host_pages_in_use: int = 0  # of those, held by requests (pages_in_use_by_class counts them too)
     pages_offloaded: int = 0  # device pages moved to host pages since start
+    retrieval_rows_total: int = 0  # retrieval state rows (retrieval_max_seqs)
+    retrieval_rows_in_use: int = 0  # of those, held by running requests (later ones wait for a free row)
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -691,7 +693,9 @@ class Engine:
             host_pages_total=getattr(self.allocator, "host_pages", 0),
             host_pages_in_use=getattr(self.allocator, "host_pages", 0)
             - getattr(self.allocator, "num_free_host", 0),
-            pages_offloaded=self.retriever.buffers.pages_offloaded)
+            pages_offloaded=self.retriever.buffers.pages_offloaded,
+            retrieval_rows_total=self.retriever.max_rows,
+            retrieval_rows_in_use=self.retriever.rows_in_use())
 
 
 # ---- logprob extras (top alternatives, prompt logprobs) ----------------------------------------------

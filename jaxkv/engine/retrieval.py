@@ -615,9 +615,12 @@ class Retriever:
         (`max_rows` of them); others always."""
         if not is_retrieval(req) or not self.holds_row(req.kv_policy):
             return True
-        held = sum(1 for r in self.engine.scheduler.running
+        return self.rows_in_use() < self.max_rows
+
+    def rows_in_use(self) -> int:
+        """State rows the running requests hold (`holds_row`)."""
+        return sum(1 for r in self.engine.scheduler.running
                    if r.kv_policy is not None and is_retrieval(r) and self.holds_row(r.kv_policy))
-        return held < self.max_rows
 
     def _decode_fn(self, inplace: bool):
         return _decode_retrieval_overlap if self.buffers.overlap and not inplace else _decode_retrieval

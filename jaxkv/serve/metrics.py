@@ -48,6 +48,10 @@ class ServeMetrics:
         self.preemptions_total = c("jaxkv_preemptions", "Preemptions (a running request's pages freed to "
                                    "make room; it is recomputed later).")
         self.pages_free = g("jaxkv_kv_pages_free", "KV pages free in the pool.")
+        self.retrieval_rows = g("jaxkv_retrieval_state_rows", "Retrieval state rows (SpeContext requests "
+                                "that may run at once, --retrieval-max-seqs).")
+        self.retrieval_rows_in_use = g("jaxkv_retrieval_state_rows_in_use", "Retrieval state rows held by "
+                                       "running requests; later ones wait for a free row.")
         self.inflight = g("jaxkv_num_requests_in_flight", "Engine requests admitted by the server and not "
                           "yet finished (running + waiting); bounded by --max-queued-requests.")
         self.aborted = c("jaxkv_requests_aborted", "Engine requests stopped before they finished, by reason.",
@@ -117,6 +121,8 @@ class ServeMetrics:
             self.preemptions_total.labels(m).inc(s.num_preemptions - self._last_preemptions)
             self._last_preemptions = s.num_preemptions
         self.pages_free.labels(m).set(s.pages_total - s.pages_in_use)
+        self.retrieval_rows.labels(m).set(s.retrieval_rows_total)
+        self.retrieval_rows_in_use.labels(m).set(s.retrieval_rows_in_use)
         for counter in (self.compressions, self.pages_freed):  # present (at 0) from the start
             counter.labels(m)
 

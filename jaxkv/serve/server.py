@@ -93,6 +93,7 @@ def build_state(model, engine, served_model_name: str, use_generation_config: bo
         kv_merge=bool(getattr(engine, "kv_merge", False)),
         info={"page_size": engine.page_size, "pages_per_head": engine.max_pages_per_head,
               "max_num_seqs": engine.scheduler.max_num_seqs,
+              "retrieval_max_seqs": engine.retriever.max_rows,
               "prefix_caching": engine.prefix is not None,
               "head_classes": {k: n for k, n in engine.head_classes.counts().items() if n}},
     )
