@@ -337,7 +337,8 @@ def main(argv=None) -> None:
                compile_leaders=getattr(warmup, "leaders_first", lambda: None)(), reuse_apart=args.reuse_apart,
                page_widths=list(getattr(engine, "page_widths", ())),
                rolled_from_tokens=args.rolled_from_tokens, segment_as_steps=args.segment_as_steps,
-               retrieval_max_seqs=args.retrieval_max_seqs, kv_cache_gib=args.kv_cache_gib,
+               retrieval_max_seqs=engine.retriever.max_rows, kv_cache_gib=args.kv_cache_gib,
+               programs_by_kind=getattr(engine, "precompiled_by_variant", None),
                xla_programs_at_ready=before_xla, **_seconds(compilations))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))

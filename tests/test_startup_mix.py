@@ -47,6 +47,9 @@ def test_precompiled_mix_of_every_precompiled_kind_compiles_nothing(llama):
     assert passes == len(engine.reuser.compiled) == 1 + steps + 1 + 1 + 1
     assert reuse_prefill._cache_size() == jitted and compilations.step_programs() - counted == passes
     assert n > len(engine.runner.compiled) > 0  # the retrieval variants come on top of the step variants
+    by_kind = engine.precompiled_by_variant  # both precompiles, per variant kind
+    assert sum(by_kind.values()) == n + passes and by_kind["reuse redknot"] == 1
+    assert by_kind["retrieval decode"] == len(engine.retriever.decode_seq_buckets(retrieval)) * steps
     mix = request_mix(engine, llama.config.vocab_size, retrieval=retrieval, compilations=compilations,
                       presses=PRESSES, kinds=KINDS)
     assert sorted(mix["compiled_per_kind"]) == sorted(KINDS)  # every kind ran (reuse needs global heads)

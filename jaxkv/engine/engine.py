@@ -246,6 +246,7 @@ class Engine:
         self.program_loader = None  # the thread loading kept programs after `precompile(background=True)`
         self.program_writer = None  # the thread keeping compiled programs after `precompile(background=True)`
         self.precompiled_by_kind: dict[str, int] = {}  # distinct programs of the last precompile, per owner
+        self.precompiled_by_variant: dict[str, int] = {}  # distinct programs precompiled, per variant kind
         if c.segments.store:  # registered segments persist there; the committed ones load now, no prefill
             from jaxkv.engine.segment_persist import PersistentSegments
 

@@ -193,6 +193,9 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
         done = len(calls)
         # distinct programs per owner kind ("runner", "reuser", ...): a program two methods share counts once
         engine.precompiled_by_kind = dict(Counter(c[1].kind for c in calls))
+        # and per variant kind ("step", "retrieval tap", "reuse redknot", ...), over every precompile
+        for kind, n in Counter(str(c[0][0]) for c in calls).items():
+            engine.precompiled_by_variant[kind] = engine.precompiled_by_variant.get(kind, 0) + n
         # programs kept by an earlier start load here (or later, `background`), one at a time
         # (`programs._LOAD_LOCK`); nothing traced
         if cache is not None and background:
