@@ -123,7 +123,7 @@ def test_a_compile_out_of_device_memory_even_alone_says_what_to_change(tmp_path,
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", out_of_memory)
     with pytest.raises(MemoryError, match="ran out of device memory with no other compile running.*"
-                                          "--memory-utilization.*--max-num-seqs"):
+                                          "--memory-utilization.*--max-num-seqs.*--retrieval-max-seqs"):
         engine.precompile(progress=False, step_cache=False, workers=2)
 
 

@@ -255,8 +255,8 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
                 raise MemoryError(
                     f"compiling the {variant[0]} variant {variant[1:]} ran out of device memory with no "
                     f"other compile running ({str(e).splitlines()[0]}): give the KV pool less memory "
-                    f"(--memory-utilization, --num-pages), or lower --max-num-seqs, --max-step-tokens or "
-                    f"--max-model-len") from e
+                    f"(--memory-utilization, --num-pages), or lower --max-num-seqs, --max-step-tokens, "
+                    f"--max-model-len or --retrieval-max-seqs") from e
             programs.install(signature, compiled)
             built.append((key, compiled))
             largest = max(largest, (scratch_bytes(compiled), variant), key=lambda x: x[0])
