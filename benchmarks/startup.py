@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from benchmarks import host_trace
 from benchmarks.harness import SHAPES, append_jsonl, command_line, describe_device, random_model
 from jaxkv.engine.config import PER_REQUEST_RETRIEVAL_ROWS
 
@@ -248,6 +249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="naive, EPIC and full reuse requests run as the engine's ragged steps (their "
                          "precompile is one page-copy program per page-table width class); "
                          "--no-segment-as-steps: their passes")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="trace the host threads while precompiling (jax.profiler, under DIR) and write the "
+                         "compiler stages with the most self time (host_self_s)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--progress", action="store_true", help="progress bar while compiling")
     return ap.parse_args(argv)
@@ -307,9 +311,11 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     # As the server does: the reuse passes on the same pool run as the steps (`--reuse-apart`: after them)
     together = list(args.precompile_reuse) if not args.reuse_apart else []
-    programs = engine.precompile(progress=args.progress, presses=presses, background=args.background,
-                                 retrieval=[] if retrieval is None else [retrieval], reuse=together)
-    steps_s = time.perf_counter() - t0
+    with host_trace.traced(args.trace) as host:
+        programs = engine.precompile(progress=args.progress, presses=presses, background=args.background,
+                                     retrieval=[] if retrieval is None else [retrieval], reuse=together)
+        steps_s = time.perf_counter() - t0
+    t0 += time.perf_counter() - t0 - steps_s  # reading the trace is not startup
     reuse_passes = {}
     if args.precompile_reuse:  # the count per method: pass_shapes
         from jaxkv.engine.reuse import pass_shapes
@@ -339,7 +345,10 @@ def main(argv=None) -> None:
                rolled_from_tokens=args.rolled_from_tokens, segment_as_steps=args.segment_as_steps,
                retrieval_max_seqs=engine.retriever.max_rows, kv_cache_gib=args.kv_cache_gib,
                programs_by_kind=getattr(engine, "precompiled_by_variant", None),
-               xla_programs_at_ready=before_xla, **_seconds(compilations))
+               xla_programs_at_ready=before_xla, **_seconds(compilations),
+               compile_timeline=getattr(getattr(engine, "compile_timeline", None), "summary", dict)(),
+               precompile_cpu_s=host["cpu_s"], precompile_cores_busy=host["cores_busy"],
+               **({"host_self_s": host["host_self_s"]} if "host_self_s" in host else {}))
     if args.speed:
         row.update(speed(engine, model.config.vocab_size, args.max_model_len))
     if not args.no_mix:

@@ -11,7 +11,7 @@ import pytest
 import jaxkv
 from jaxkv.engine import compilations
 from jaxkv.engine.engine import Engine
-from jaxkv.engine.warmup import _after, _leaders_first, _reuse_jobs, gemm_group, variants
+from jaxkv.engine.warmup import CompileTimeline, _after, _leaders_first, _reuse_jobs, gemm_group, variants
 from tests.hf_tiny import make_tiny_checkpoint
 
 
@@ -73,11 +73,31 @@ def test_precompile_installs_every_variant_either_way(tmp_path, monkeypatch, lea
                     enable_prefix_caching=False)
     n = engine.precompile(progress=False, step_cache=False)
     assert n == len(variants(engine)) == len(engine.runner.compiled)
+    # the timeline saw every program lowered, then compiled after its lowering
+    timeline = engine.compile_timeline
+    assert len(timeline.lowering) == len(timeline.compiles) == n
+    lowered_at = sorted(end for _, _, end in timeline.lowering)
+    assert all(a <= b for (_, a, b) in timeline.compiles)
+    assert min(a for _, a, _ in timeline.compiles) >= lowered_at[0]
+    assert set(timeline.summary()["lowering_s"]) == {"step", "decode"}
     before = compilations.step_programs()
     engine.add_request([1, 2, 3, 4, 5], jaxkv.SamplingParams(temperature=0, max_tokens=3))
     while engine.has_unfinished():
         engine.step()
     assert compilations.step_programs() == before
+
+
+def test_the_compile_timeline_counts_programs_compiling_per_window():
+    t = CompileTimeline(0.0)
+    t.lowering = [("step", 0.0, 1.0), ("reuse redknot", 1.0, 4.0), ("step", 4.0, 5.0)]
+    t.compiles = [("step", 1.0, 11.0), ("reuse redknot", 4.0, 24.0), ("step", 5.0, 6.0)]
+    out = t.summary(window=10.0, last=2)
+    # [0, 10): 9 + 6 + 1 seconds of compiling; [10, 20): 1 + 10; [20, 30): 4
+    assert out["compiling_per_window"] == [1.6, 1.1, 0.4]
+    assert out["lowering_done_s"] == 5.0 and out["compiles_done_s"] == 24.0
+    assert out["lowering_s"] == {"reuse redknot": 3.0, "step": 2.0}
+    assert out["last"] == [["step", 1.0, 11.0], ["reuse redknot", 4.0, 24.0]]
+    assert CompileTimeline(0.0).summary() == {}
 
 
 def test_a_compile_that_fails_on_the_pool_runs_again_after_every_other(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from disk instead of compiling again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -221,13 +222,17 @@ def compile_programs(engine, jobs, desc: str, progress: bool = True, workers: in
             todo.append(call)
         leads = leaders_first() if leaders is None else leaders
         first: dict = {}  # GEMM group -> the compile of its first program
+        timeline = engine.compile_timeline = CompileTimeline(t0)
         for variant, programs, signature, fn, args, static, key in (_leaders_first(todo) if leads else todo):
+            began = time.perf_counter()
             lowered = fn.lower(*args, **static)
+            timeline.lowered(variant, began)
             options, group = compile_options(engine, variant), gemm_group(variant)
+            run = functools.partial(timeline.compile, variant, lowered, options)
             if leads and group in first:  # compiled once its group's first program has tuned the GEMMs
-                fut = _after(first[group], pool, lowered.compile, options)
+                fut = _after(first[group], pool, run)
             else:
-                fut = first[group] = pool.submit(lowered.compile, options)
+                fut = first[group] = pool.submit(run)
             fut.add_done_callback(lambda _: bar.update())  # the bar counts finished compiles
             futures.append((variant, programs, signature, lowered, fut, key))
             bar.set_postfix_str(f"traced {len(futures)}", refresh=False)
@@ -308,6 +313,48 @@ def _keep_in_background(engine, cache, built: list) -> None:
 
     engine.program_writer = threading.Thread(target=keep, name="jaxkv-step-cache-writer")
     engine.program_writer.start()
+
+
+class CompileTimeline:
+    """When each precompiled program was lowered and compiled, in seconds from the start of its run: what
+    says whether a cold start waits on the main thread's lowering, on the compile threads, or on the last
+    few programs (`benchmarks.startup` writes its `summary`)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.lowering: list[tuple[str, float, float]] = []  # (kind, lowering began, ended)
+        self.compiles: list[tuple[str, float, float]] = []  # (kind, start, end); list.append is atomic
+
+    def lowered(self, variant, began: float) -> None:
+        self.lowering.append((str(variant[0]), began - self.t0, time.perf_counter() - self.t0))
+
+    def compile(self, variant, lowered, options):
+        start = time.perf_counter() - self.t0
+        try:
+            return lowered.compile(options)
+        finally:
+            self.compiles.append((str(variant[0]), start, time.perf_counter() - self.t0))
+
+    def summary(self, window: float = 10.0, last: int = 5) -> dict:
+        """Lowering's end, the mean number of programs compiling in each `window` seconds, and the `last`
+        compiles to finish (kind, start, end)."""
+        if not self.compiles:
+            return {}
+        end = max(e for _, _, e in self.compiles)
+        bins = [0.0] * (int(end // window) + 1)
+        for _, a, b in self.compiles:
+            for i in range(int(a // window), int(b // window) + 1):
+                lo, hi = max(a, i * window), min(b, (i + 1) * window)
+                bins[i] += max(hi - lo, 0.0) / window
+        tail = sorted(self.compiles, key=lambda c: c[2])[-last:]
+        lowering: dict[str, float] = {}
+        for kind, a, b in self.lowering:
+            lowering[kind] = lowering.get(kind, 0.0) + b - a
+        return {"lowering_done_s": round(self.lowering[-1][2], 1) if self.lowering else 0.0,
+                "lowering_s": {k: round(v, 1) for k, v in sorted(lowering.items(), key=lambda kv: -kv[1])},
+                "compiles_done_s": round(end, 1),
+                "compiling_per_window": [round(b, 1) for b in bins], "window_s": window,
+                "last": [[k, round(a, 1), round(b, 1)] for k, a, b in tail]}
 
 
 def leaders_first() -> bool:
