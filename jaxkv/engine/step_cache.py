@@ -83,7 +83,8 @@ def environment() -> str:
     return "|".join([
         jax.__version__, jaxlib.__version__, sys.version.split()[0], jax.default_backend(),
         str(getattr(client, "platform_version", "")), dev.device_kind, str(jax.device_count()),
-        os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64),
+        os.environ.get("XLA_FLAGS", ""), os.environ.get("JAXKV_PREFILL_GLOBAL_IMPL", ""),
+        str(jax.config.jax_enable_x64),
         str(jax.config.jax_default_matmul_precision), source_digest()])
 
 

@@ -30,6 +30,7 @@ class, candidate and error type). Naming an implementation pins it (no fallback)
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -137,13 +138,30 @@ def _heads(x, kv_heads, group: int):
 
 # ------------------------------------------------------------------------------------ implementation choice
 
+# Names the global heads' implementation tried first (else the `GLOBAL_IMPLS` order): "cudnn" compiles a
+# program with a prefill in less time than "mosaic", whose kernels are lowered in Python and compiled to LLVM
+# with the program; the two kernels tie at 32K (docs/kernels.md).
+GLOBAL_FIRST_ENV = "JAXKV_PREFILL_GLOBAL_IMPL"
+
+
+def global_first() -> str | None:
+    """The implementation `GLOBAL_FIRST_ENV` names first (None: unset); an unknown name raises ValueError."""
+    name = os.environ.get(GLOBAL_FIRST_ENV, "").strip()
+    if not name:
+        return None
+    if name not in GLOBAL_IMPLS:
+        raise ValueError(f"{GLOBAL_FIRST_ENV}={name!r}: must be one of {GLOBAL_IMPLS}")
+    return name
+
+
 def _order(kind: str, dtype) -> tuple[str, ...]:
     if jax.default_backend() != "gpu":
         return ("reference",)
     if kind == "local":
         return ("pallas", "reference")
     if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return GLOBAL_IMPLS
+        first = global_first()
+        return (first,) + tuple(i for i in GLOBAL_IMPLS if i != first) if first else GLOBAL_IMPLS
     return ("pallas", "reference")
 
 

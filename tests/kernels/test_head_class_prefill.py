@@ -144,6 +144,28 @@ def test_causal_lse_matches_twin():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks that mosaic/cudnn refuse off the GPU")
+def test_the_global_implementation_named_first_leads_the_order(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv(api.GLOBAL_FIRST_ENV, raising=False)
+    assert api._order("global", jnp.bfloat16) == api.GLOBAL_IMPLS
+    monkeypatch.setenv(api.GLOBAL_FIRST_ENV, "cudnn")
+    assert api._order("global", jnp.bfloat16) == ("cudnn", "mosaic", "pallas", "reference")
+    assert api._order("global", jnp.float32) == ("pallas", "reference")  # fp32: no 16-bit kernels either way
+    assert api._order("local", jnp.bfloat16) == ("pallas", "reference")
+    monkeypatch.setenv(api.GLOBAL_FIRST_ENV, "flash")
+    with pytest.raises(ValueError, match="JAXKV_PREFILL_GLOBAL_IMPL='flash'"):
+        api._order("global", jnp.bfloat16)
+
+
+def test_the_step_cache_keys_programs_by_the_global_implementation(monkeypatch):
+    from jaxkv.engine.step_cache import environment
+
+    monkeypatch.delenv(api.GLOBAL_FIRST_ENV, raising=False)
+    unset = environment()
+    monkeypatch.setenv(api.GLOBAL_FIRST_ENV, "cudnn")
+    assert environment() != unset
+
+
 def test_fallback_skips_what_does_not_compile(monkeypatch):
     """With the GPU order forced on CPU, mosaic and cudnn refuse (no GPU) and the Pallas kernel runs --
     also under an outer jit, where the choice is made by compiling ahead on abstract shapes."""
