@@ -4,10 +4,14 @@ over the threads, and the process's CPU time beside the wall time.
 
 A cold start is bound by the host CPU (docs/benchmarks.md, "Startup and compilation"); this says which
 compiler stage the CPU goes to, so a change to the programs can be aimed at it and checked.
+
+    python -m benchmarks.startup --shape 1b --trace /tmp/trace ...   # writes host_self_s into its row
+    python -m benchmarks.host_trace /tmp/trace --top 20              # any trace directory or .xplane.pb
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import glob
@@ -75,11 +79,41 @@ def traced(log_dir: str | None, top: int = 30):
         out.update(wall_s=round(wall, 1), cpu_s=round(cpu, 1), cores_busy=round(cpu / max(wall, 1e-9), 2))
         if log_dir:
             jax.profiler.stop_trace()
-            files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True),
-                           key=os.path.getmtime)
-            if files:
-                own, _ = self_times(files[-1])
-                by_stage = collections.Counter()
-                for name, s in own.items():
-                    by_stage[stage(name)] += s
-                out["host_self_s"] = {k: round(v, 1) for k, v in by_stage.most_common(top)}
+            path = latest_trace(log_dir)
+            if path is not None:
+                out["host_self_s"] = {k: round(v, 1) for k, v in stages(path).most_common(top)}
+
+
+def latest_trace(path: str) -> str | None:
+    """`path` if it is a file, else the newest `.xplane.pb` under it (None: none)."""
+    if os.path.isfile(path):
+        return path
+    files = sorted(glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    return files[-1] if files else None
+
+
+def stages(path: str) -> collections.Counter:
+    """Self seconds per stage (`stage`) of one trace file."""
+    own, _ = self_times(path)
+    by_stage = collections.Counter()
+    for name, s in own.items():
+        by_stage[stage(name)] += s
+    return by_stage
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_trace", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="a jax.profiler trace directory (its newest .xplane.pb) or the file")
+    ap.add_argument("--top", type=int, default=30, help="stages to print (default 30)")
+    args = ap.parse_args(argv)
+    path = latest_trace(args.trace)
+    if path is None:
+        raise SystemExit(f"no .xplane.pb under {args.trace}")
+    print("| stage | self seconds |\n|---|---:|")
+    for name, s in stages(path).most_common(args.top):
+        print(f"| {name} | {s:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -296,3 +296,24 @@ def test_step_cache_loads_every_program_a_second_engine_needs(tmp_path):
     assert read["other_config_hits"] == 0
     assert read["damaged_hits"] == wrote["programs"] - 1
     assert read["damaged_tokens"] == wrote["reference_tokens"]
+
+
+def test_prompt_ids_are_checked_whatever_their_container(llama):
+    """Lists, numpy arrays of any integer width and numpy integers are ids; out of the vocabulary, empty,
+    text or nested input is refused with a ValueError / TypeError naming the problem, before any request."""
+    eng = Engine(llama, page_size=8, max_model_len=64, max_num_seqs=2, max_step_tokens=16)
+    vocab = llama.config.vocab_size
+    ids = [3, 1, 4, 1, 5]
+    for form in (ids, np.asarray(ids, np.int32), np.asarray(ids, np.uint16), [np.int64(i) for i in ids]):
+        rid = eng.add_request(form, jaxkv.SamplingParams(max_tokens=1))
+        got = eng._requests[rid].prompt_ids
+        assert got == ids and all(type(i) is int for i in got)
+        eng.abort(rid)
+    outside = r"must lie in \[0, "
+    for bad, match in (([], "prompt is empty"), ([1, -1], outside), ([vocab], outside),
+                       (np.asarray([0, vocab], np.int64), outside), ("ab", "invalid literal")):
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(bad)
+    with pytest.raises(TypeError):
+        eng.add_request([[1, 2], [3, 4]])
+    assert not eng.has_unfinished()

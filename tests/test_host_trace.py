@@ -32,3 +32,13 @@ def test_stage_names_drop_their_module_suffix():
     assert stage("GpuCompiler::RunHloPasses for jit_step") == "GpuCompiler::RunHloPasses"
     assert stage("Compiling IR:sort.18.1") == stage("Compiling IR:LLVMDialectModule") == "Compiling IR"
     assert stage("PjitFunction(step)") == "PjitFunction"
+
+
+def test_the_command_prints_a_trace_directorys_stages(tmp_path, capsys):
+    from benchmarks.host_trace import main
+
+    with traced(str(tmp_path)):
+        jax.jit(lambda x: x * 2).lower(jnp.ones(8)).compile()
+    main([str(tmp_path), "--top", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| stage | self seconds |" and len(lines) == 2 + 3

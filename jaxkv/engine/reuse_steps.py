@@ -34,7 +34,7 @@ from jaxkv.cache.pool import KVPool
 from jaxkv.engine.buckets import bucket_for
 from jaxkv.engine.runner import StepBatch
 from jaxkv.models import rope
-from jaxkv.policies.reuse.apply import copy_pages
+from jaxkv.policies.reuse.apply import copy_pages, reuse_prefill
 from jaxkv.policies.reuse.base import DEVICE_HOOKS, PlainPass, ReusePolicy, ScoreUnion
 from jaxkv.sampling import MAX_LOGPROBS
 
@@ -109,7 +109,7 @@ def prepare_call(reuser, P: int, b: dict | None = None):
 
 def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, storage: np.ndarray,
              idx: np.ndarray, req, heads: np.ndarray | None = None, hidden=None,
-             from_layer: int = 0, programs=None) -> tuple[int, float, list | None]:
+             from_layer: int = 0, programs=None, by_page=None) -> tuple[int, float, list | None]:
     """Tokens `idx` (ascending) of a laid-out prompt (tokens, storage slot per token; token i sits at
     position i) as ragged steps of one row over the request's page table `row` [L, H, P] (a width class,
     `page_width`; `slots_used` slots laid out); returns the first generated token, its logprob (sampled at
@@ -117,21 +117,25 @@ def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, stora
     [(id, logprob)] (the last step is then the logprob variant of its shape, as the scheduler's steps of
     such requests are). `heads` [len(idx), H] bool: the KV heads each row writes (default all);
     `from_layer` > 0: the steps start there, token i's stream being row i of `hidden` (`StepBatch`);
-    `programs`: whose precompiled programs run them (default the runner's)."""
+    `programs`: whose precompiled programs run them (default the runner's); `by_page`: `pages_by_slot` of
+    `row`, when the caller has it."""
     ps = engine.page_size
     sp = req.sampling
     floor = SELECT_STEP_TOKENS if from_layer else 0
+    L, H, _ = row.shape
     # Every step is built before the first runs, so no host work sits between their dispatches.
     batches, s, tables = [], 0, {}
-    by_page = np.ascontiguousarray(row.transpose(2, 0, 1)) * ps  # [P, L, H]: a token's slots are a row
+    by_page = pages_by_slot(row, ps, from_layer) if by_page is None else by_page
     for m in step_sizes(engine, idx.size, floor):
         pick = idx[s:s + m]
         st = storage[pick]
-        slots = by_page[st // ps] + (st % ps)[:, None, None]
+        # the step's slots [T, L, H], padding -1; layers before `from_layer` ran in the selection (and the
+        # steps skip them), so only the others are written, in place
+        slots = np.full((step_tokens(engine, max(m, floor)), L, H), -1, np.int32)
+        mine = slots[:m, from_layer:]
+        np.add(by_page[st // ps], (st % ps)[:, None, None], out=mine)
         if heads is not None:
-            slots = np.where(heads[s:s + m, None, :], slots, -1)
-        if from_layer:
-            slots[:, :from_layer] = -1  # those layers ran in the selection (and the steps skip them)
+            mine[~np.broadcast_to(heads[s:s + m, None, :], mine.shape)] = -1
         b = one_row_step(engine, row, slots_used, tokens[pick], pick, slots, min_tokens=floor, tables=tables)
         if from_layer:
             from_rows(b, hidden, from_layer, ps, storage)
@@ -150,6 +154,12 @@ def run_rows(engine, row: np.ndarray, slots_used: int, tokens: np.ndarray, stora
         ids, lps = extras["top"][0][0], extras["top"][1][0]
         top = [(int(i), float(x)) for i, x in zip(ids[:sp.logprobs], lps[:sp.logprobs])]
     return int(out[0]), float(logprobs[0]), top
+
+
+def pages_by_slot(row: np.ndarray, page_size: int, from_layer: int = 0) -> np.ndarray:
+    """[P, L - from_layer, H]: the first slot of each of `row`'s ([L, H, P]) pages, page-major, so a token's
+    slots in every (layer, head) are one row (its page's) plus its offset in the page."""
+    return np.ascontiguousarray(row[from_layer:].transpose(2, 0, 1)) * page_size
 
 
 def from_rows(b: StepBatch, hidden, from_layer: int, page_size: int, storage=()) -> None:
@@ -171,15 +181,22 @@ def run_selected(reuser, req, policy: ReusePolicy, b: dict, T: int, tokens, stor
     F = policy.full_layers
     fn, args, static = select_call(reuser, policy, T, b)
     eng.runner.pool, hidden, alive, selected = reuser.compiled.call(fn, args, static)
-    alive, selected = jax.device_get((alive, selected))
-    idx = np.nonzero(alive)[0]
-    heads = np.broadcast_to(selected[idx], (idx.size, H))
+    # the host's share that needs no selection runs while the device selects
     wide = np.full((L, H, page_width(eng, npg)), -1, np.int32)
     wide[:, :, :npg] = table
+    by_page = pages_by_slot(wide, eng.page_size, F)
+    alive, selected = jax.device_get((alive, selected))
+    idx = np.nonzero(alive)[0]
+    heads = selected[idx]
+    if heads.all():  # every row writes every head (a selection not per head): no mask to apply
+        heads, writes = None, idx.size * H
+    else:
+        heads = np.broadcast_to(heads, (idx.size, H))
+        writes = int(heads.sum())
     tok, logprob, top = run_rows(eng, wide, slot, tokens, storage, idx, req, heads, hidden, F,
-                                 programs=reuser.compiled)
+                                 programs=reuser.compiled, by_page=by_page)
     n = len(tokens)
-    return tok, logprob, top, row_stats(n, idx, int(heads.sum()), cfg.num_layers, H, dense=F)
+    return tok, logprob, top, row_stats(n, idx, writes, cfg.num_layers, H, dense=F)
 
 
 def select_call(reuser, policy: ReusePolicy, T: int, b: dict | None = None):
@@ -187,8 +204,13 @@ def select_call(reuser, policy: ReusePolicy, T: int, b: dict | None = None):
     its selection, `reuse_prefill(select_only=...)`) over `b` (default all padding), in the form `score_form`
     gives `policy` (its branch of a shared program as `b["method"]`)."""
     form, method = score_form(reuser, policy)
-    fn, args, static = reuser._pass_call(policy, T, 0, T)
-    b = args[2] if b is None else b
+    if b is None:
+        fn, args, static = reuser._pass_call(policy, T, 0, T)
+        b = args[2]
+    else:  # a request's batch: no all-padding one built only to be replaced
+        eng = reuser.engine
+        fn, args = reuse_prefill, (eng.runner.params, eng.runner.pool, b, reuser.heads)
+        static = reuser._pass_static(policy, 0, T)
     args = (*args[:2], {**b, "method": np.asarray(method, np.int32)}, *args[3:])
     return fn, args, {**static, "policy": form, "select_only": hidden_rows(reuser.engine)}
 
@@ -289,11 +311,11 @@ def row_table_calls(reuser) -> list[tuple]:
 def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
                  min_tokens: int = 0, tables: dict | None = None) -> StepBatch:
     """A ragged step of one sequence (row 0: page table `row` [L, H, P], `length` slots stored after it) of
-    m tokens at `positions` writing `slots` [m, L, H], its logits at the last token, greedy unless the
-    caller sets row 0's sampling. Its other rows are padding, so it has the shape of the scheduler's steps
-    of that token count (at least `min_tokens`, within the largest) and runs their precompiled program.
-    `tables`: the page tables already built for this `row`, by row count (filled here), shared by the steps
-    of one request."""
+    m tokens at `positions` writing `slots` ([m, L, H], or the step's [T, L, H] with padding rows -1), its
+    logits at the last token, greedy unless the caller sets row 0's sampling. Its other rows are padding, so
+    it has the shape of the scheduler's steps of that token count (at least `min_tokens`, within the
+    largest) and runs their precompiled program. `tables`: the page tables already built for this `row`, by
+    row count (filled here), shared by the steps of one request."""
     L, H, P = row.shape
     m = len(tokens)
     T = step_tokens(engine, max(m, min_tokens))
@@ -306,13 +328,17 @@ def one_row_step(engine, row: np.ndarray, length: int, tokens, positions, slots,
     page_table = tables[S]
     lengths = np.zeros((S, L, H), np.int32)
     lengths[0] = length
+    # `slots` may be the step's own [T, L, H] (padding rows -1), taken as they are, or the m tokens' ones
+    padded = isinstance(slots, np.ndarray) and len(slots) == T and slots.dtype == np.int32
     b = StepBatch(tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-                  q_seq=np.full(T, -1, np.int32), slots=np.full((T, L, H), -1, np.int32),
+                  q_seq=np.full(T, -1, np.int32), slots=slots if padded else np.full((T, L, H), -1, np.int32),
                   page_table=page_table, lengths=lengths,
                   logits_index=np.zeros(S, np.int32), temperature=np.zeros(S, np.float32),
                   top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
                   counters=np.zeros(S, np.int32))
-    b.tokens[:m], b.positions[:m], b.q_seq[:m], b.slots[:m] = tokens, positions, 0, slots
+    b.tokens[:m], b.positions[:m], b.q_seq[:m] = tokens, positions, 0
+    if not padded:
+        b.slots[:m] = slots
     b.logits_index[0] = m - 1
     return b
 
