@@ -33,6 +33,8 @@ def test_precompiled_server_with_a_default_policy(tmp_path):
         assert _TRACED_STEP.search(startup)  # the compile log is on: precompile traced the steps
         info = httpx.get(s.base + "/info").json()
         assert info["precompiled_variants"] == 5
+        # no fresh prompt is long enough to prefill alone at this length: no prefill kernel chosen yet
+        assert info["prefill_global_impl"] is None and "prefill global heads" not in startup
         card = httpx.get(s.url + "/models").json()["data"][0]
         assert card["kv_policy"]["name"] == "snapkv" and card["kv_policy"]["budget"] == 0.25
         assert card["kv_policy"]["window"] == 8

@@ -296,6 +296,7 @@ def main(argv=None) -> int:
     from jaxkv.policies.reuse import resolve_reuse
     from jaxkv.serve.app import ServeLimits
     from jaxkv.serve.server import build_state, load_api_keys, precompile, serve, warm_up
+    from pallas_kernels.head_class_prefill.api import chosen as prefill_chosen
 
     reuse_names = list(dict.fromkeys(filter(None, (x.strip() for x in args.precompile_reuse.split(",")))))
     try:
@@ -410,6 +411,10 @@ def main(argv=None) -> int:
         warm_up(engine)
         phases["warm-up"] = time.perf_counter() - t0
     print("jaxkv: startup phases: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), flush=True)
+    # the fresh-prompt prefill's global-head kernel, once precompile or the warm-up traced it
+    # (JAXKV_PREFILL_GLOBAL_IMPL); None until a prompt long enough to prefill alone has been traced
+    prefill_kernel = prefill_chosen().get("global")
+    state.info["prefill_global_impl"] = prefill_kernel
     policy = "none" if engine.kv_policy is None else (
         f"{engine.kv_policy.name} (budget {engine.kv_policy.budget:g})")
     pool = engine.runner.pool
@@ -423,7 +428,8 @@ def main(argv=None) -> int:
           f"KV heads: {classes}, "
           f"prefix caching {'on' if engine.prefix is not None else 'off'}, KV policy {policy}, "
           f"retrieval state rows {engine.retriever.max_rows}, "
-          f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}"
+          + (f"prefill global heads {prefill_kernel}, " if prefill_kernel else "")
+          + f"segment reuse {'on' if state.reuse_enabled else 'off (windowed heads)'}"
           + (f", segment store {args.segment_store} ({engine.segments_restored} segments restored)"
              if args.segment_store else ""), flush=True)
     serve(state, args.host, args.port, log_level=args.log_level, access_log=args.access_log,

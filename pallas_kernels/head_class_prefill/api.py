@@ -182,9 +182,24 @@ def _compiles(kind, impl, shapes, dtype, sink, window, scale, interpret) -> str 
 PROBE_TOKENS = 512
 
 
+# The implementation each head class ran with last in this process ("global" / "local" -> name): what a
+# server reports once its prefill programs are traced (`chosen`).
+_CHOSEN: dict[str, str] = {}
+
+
+def chosen() -> dict[str, str]:
+    """{"global" / "local": the implementation that class's prefill last traced with}, for the classes
+    traced so far in this process."""
+    return dict(_CHOSEN)
+
+
 def _choose(kind, impl, q, k, sink, window, scale, interpret) -> str:
-    if impl is not None:
-        return impl
+    _CHOSEN[kind] = impl = impl if impl is not None else _first_that_compiles(kind, q, k, sink, window, scale,
+                                                                              interpret)
+    return impl
+
+
+def _first_that_compiles(kind, q, k, sink, window, scale, interpret) -> str:
     errors = []
     shapes = ((PROBE_TOKENS, *q.shape[1:]), (PROBE_TOKENS, *k.shape[1:]), (PROBE_TOKENS, *k.shape[1:]))
     for cand in _order(kind, q.dtype):

@@ -157,6 +157,18 @@ def test_the_global_implementation_named_first_leads_the_order(monkeypatch):
         api._order("global", jnp.bfloat16)
 
 
+def test_the_implementation_each_class_ran_with_is_reported():
+    q = jnp.ones((8, 4, 16), jnp.float32)
+    kv = jnp.ones((8, 2, 16), jnp.float32)
+    head_class_prefill(q, kv, kv, (0, 2), (0, 4), scale=0.25)
+    assert api.chosen() == {"global": "reference", "local": "reference"}  # the CPU's only choice
+    head_class_prefill(q, kv, kv, (0, 0), (0, 0), scale=0.25, global_impl="pallas", interpret=True)
+    assert api.chosen()["global"] == "pallas"  # a pinned implementation is what ran
+    chosen = api.chosen()
+    chosen["global"] = "x"
+    assert api.chosen()["global"] == "pallas"  # a copy
+
+
 def test_the_step_cache_keys_programs_by_the_global_implementation(monkeypatch):
     from jaxkv.engine.step_cache import environment
 
